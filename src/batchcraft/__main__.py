@@ -1,0 +1,5 @@
+import sys
+
+from batchcraft.cli import main
+
+sys.exit(main())

@@ -1,0 +1,40 @@
+"""Describe the machine a measurement was taken on."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    """Return a JSON-able description: CPU, usable cores, torch version and threads, GPU."""
+    import torch
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    info = {
+        "cpu": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.is_available(),
+    }
+    if info["cuda"]:
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
