@@ -13,6 +13,13 @@ _REGISTRY: dict[str, str] = {
     # auto-batching (per-instance dynamic models)
     "treelstm": "batchcraft.models.treelstm:TreeLSTM",
     # micro-batching (convolutional reference networks)
+    "alexnet": "batchcraft.models.alexnet:alexnet",
+    "resnet18": "batchcraft.models.resnet:resnet18",
+    "deepbench_3x3_54x54x64": "batchcraft.models.deepbench:deepbench_3x3_54x54x64",
+    "deepbench_3x3_224x224x3": "batchcraft.models.deepbench:deepbench_3x3_224x224x3",
+    "deepbench_1x1_112x112x64": "batchcraft.models.deepbench:deepbench_1x1_112x112x64",
+    "deepbench_5x5_28x28x192_style": "batchcraft.models.deepbench:deepbench_5x5_28x28x192_style",
+    "deepbench_5x5_14x14x512_style": "batchcraft.models.deepbench:deepbench_5x5_14x14x512_style",
     # parallelism tuning
 }
 
