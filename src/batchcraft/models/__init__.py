@@ -21,6 +21,10 @@ _REGISTRY: dict[str, str] = {
     "deepbench_5x5_28x28x192_style": "batchcraft.models.deepbench:deepbench_5x5_28x28x192_style",
     "deepbench_5x5_14x14x512_style": "batchcraft.models.deepbench:deepbench_5x5_14x14x512_style",
     # parallelism tuning
+    "mlp_fc512": "batchcraft.models.mlp:mlp_fc512",
+    "mlp_fc4096": "batchcraft.models.mlp:mlp_fc4096",
+    "inception_wide": "batchcraft.models.inception:InceptionWide",
+    "recommender": "batchcraft.models.recommender:WideDeepRecommender",
 }
 
 
