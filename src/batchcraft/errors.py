@@ -19,6 +19,7 @@ __all__ = [
     "WorkspaceError",
     "MeasurementCacheError",
     "ConfigurationError",
+    "WorkerError",
 ]
 
 
@@ -103,3 +104,9 @@ class ConfigurationError(BatchcraftError, ValueError):
     """A configuration (threads, instances, batch size, ...) is invalid for this machine."""
 
     code = "configuration"
+
+
+class WorkerError(BatchcraftError, RuntimeError):
+    """A launched instance (worker process) died or failed; the message has its exit code and stderr."""
+
+    code = "worker"
