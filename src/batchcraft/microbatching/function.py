@@ -1,0 +1,165 @@
+"""Execution of a plan: a custom autograd Function and the module that replaces ``Conv2d``.
+
+Each pass runs a list of *steps* ``(algorithm, micro_batch)`` over consecutive slices of the
+batch. forward and backward_data write disjoint slices of a preallocated result; backward_filter
+*accumulates* dW over micro-batches (μ-cuDNN's original code was only right when the caller
+passed beta = 1; here the sum is explicit). Bias is added once on the whole output and its
+gradient is one sum, so micro-batching never changes what a sample sees.
+
+Source: μ-cuDNN (arXiv 1804.04806) §III-A (micro-batched execution of the three passes).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from batchcraft.errors import WorkspaceError
+from batchcraft.microbatching.algorithms import ConvGeometry, get_algorithm
+
+__all__ = ["execute_pass", "execute_step", "PlannedConv2d", "WorkspaceAudit"]
+
+
+def _slice_args(pass_: str, a: torch.Tensor, b: torch.Tensor, s: int, e: int):
+    # forward (x, w) and backward_data (dy, w) split only a; backward_filter (dy, x) splits both
+    return (a[s:e], b[s:e]) if pass_ == "backward_filter" else (a[s:e], b)
+
+
+def execute_step(pass_: str, algorithm: str, a: torch.Tensor, b: torch.Tensor, geom: ConvGeometry,
+                 dest: torch.Tensor | None) -> torch.Tensor:
+    """One micro-batch of ``pass_``: the whole result if ``dest`` is None, else written into it.
+
+    ``dest`` is the result's slice (forward, backward_data) or the dW accumulator
+    (backward_filter), which receives ``+=``.
+    """
+    r = get_algorithm(algorithm).run(pass_, a, b, geom)
+    if dest is None:
+        return r
+    if pass_ == "backward_filter":
+        return dest.add_(r)
+    return dest.copy_(r)
+
+
+def execute_pass(pass_: str, steps: Sequence[tuple[str, int]], a: torch.Tensor, b: torch.Tensor,
+                 geom: ConvGeometry) -> torch.Tensor:
+    """Run ``pass_`` over the batch with ``steps`` [(algorithm, micro_batch), ...].
+
+    If the batch differs from the planned one, the steps are repeated cyclically and the last
+    one is cut short, so no micro-batch is ever larger than planned.
+    """
+    n = a.shape[0]
+    if len(steps) == 1 and steps[0][1] >= n:
+        return execute_step(pass_, steps[0][0], a, b, geom, None)
+    out = None if pass_ == "backward_filter" else a.new_empty(geom.result_shape(pass_, n))
+    start, i = 0, 0
+    while start < n:
+        algorithm, size = steps[i % len(steps)]
+        end = min(n, start + size)
+        sa, sb = _slice_args(pass_, a, b, start, end)
+        if out is None:  # first dW partial becomes the accumulator
+            out = execute_step(pass_, algorithm, sa, sb, geom, None)
+        else:
+            execute_step(pass_, algorithm, sa, sb, geom, out if pass_ == "backward_filter" else out[start:end])
+        start, i = end, i + 1
+    return out
+
+
+class WorkspaceAudit:
+    """Collects the measured peak workspace of every planned layer-pass while active.
+
+    ``with WorkspaceAudit() as audit: model(x).sum().backward()`` then ``audit.peak_bytes``
+    maps (layer, pass) to the largest extra bytes seen (result excluded). Slow: profiles each call.
+    """
+
+    _active: "WorkspaceAudit | None" = None
+
+    def __init__(self):
+        self.peak_bytes: dict[tuple[str, str], int] = {}
+
+    def __enter__(self):
+        WorkspaceAudit._active = self
+        return self
+
+    def __exit__(self, *exc):
+        WorkspaceAudit._active = None
+
+    def run(self, layer: str, pass_: str, fn):
+        from batchcraft.microbatching.memory import peak_extra_bytes
+
+        result, peak = peak_extra_bytes(fn)
+        extra = max(0, peak - result.numel() * result.element_size())
+        key = (layer, pass_)
+        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0), extra)
+        return result
+
+
+def _run(layer: str, pass_: str, steps, a, b, geom):
+    if steps is None:
+        raise WorkspaceError(
+            f"layer {layer}: pass {pass_} was not planned, so it has no workspace guarantee",
+            hint="plan it: microbatch(..., passes='training')")
+    a = a.contiguous()
+    fn = lambda: execute_pass(pass_, steps, a, b.contiguous(), geom)  # noqa: E731
+    audit = WorkspaceAudit._active
+    return fn() if audit is None else audit.run(layer, pass_, fn)
+
+
+class _PlannedConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        y = _run(module.layer_name, "forward", module.steps.get("forward"), x, weight, module.geometry)
+        if bias is not None:
+            y = y.add_(bias.view(1, -1, 1, 1))
+        ctx.save_for_backward(x, weight)
+        ctx.module, ctx.has_bias = module, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        m = ctx.module
+        dy = dy.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _run(m.layer_name, "backward_data", m.steps.get("backward_data"), dy, weight, m.geometry)
+        if ctx.needs_input_grad[1]:
+            dw = _run(m.layer_name, "backward_filter", m.steps.get("backward_filter"), dy, x, m.geometry)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum((0, 2, 3))
+        return dx, dw, db, None
+
+
+class PlannedConv2d(nn.Module):
+    """Drop-in replacement for one ``Conv2d`` that runs its planned micro-batches.
+
+    Shares the original's ``weight`` and ``bias`` Parameters (same objects), so optimisers and
+    state dicts see no change. Input (N, C, H, W) -> output (N, O, Ho, Wo), equal to the
+    original ``Conv2d`` within float32 rounding of the chosen algorithms.
+
+    Args:
+        conv (nn.Conv2d): the layer replaced; zero padding only.
+        layer_name (str): qualified name in the model (for errors and the plan table).
+        geometry (ConvGeometry): per-sample geometry the plan was made for.
+        steps (dict[str, list[tuple[str, int]]]): per pass, [(algorithm, micro_batch), ...].
+    """
+
+    def __init__(self, conv: nn.Conv2d, layer_name: str, geometry: ConvGeometry,
+                 steps: dict[str, list[tuple[str, int]]]):
+        super().__init__()
+        self.weight, self.bias = conv.weight, conv.bias
+        self.layer_name, self.geometry, self.steps = layer_name, geometry, dict(steps)
+        self.original = [conv]  # list: not registered as a submodule (no duplicate parameters)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[1:]) != (self.geometry.in_channels, self.geometry.height, self.geometry.width):
+            raise WorkspaceError(
+                f"layer {self.layer_name}: planned for input (N, {self.geometry.in_channels}, "
+                f"{self.geometry.height}, {self.geometry.width}), got {tuple(x.shape)}",
+                hint="plan again with an example input of this size")
+        return _PlannedConvFunction.apply(x, self.weight, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: {self.geometry.key()}, " + ", ".join(
+            f"{p}={'+'.join(f'{a}x{n}' for a, n in s)}" for p, s in self.steps.items())

@@ -1,0 +1,131 @@
+"""Measure time and peak workspace of (layer geometry, pass, algorithm, micro-batch).
+
+What is measured, per configuration, exactly as :func:`~batchcraft.microbatching.function.execute_step`
+runs it inside a planned layer: the algorithm's call plus, for a micro-batch that is a step of a
+divided batch, the copy of its result into the output slice (or the ``+=`` into dW).
+
+* time: the *minimum* wall-clock of ``repeats`` calls after ``warmup`` untimed ones, intra-op
+  threads as set in torch. The minimum, not the median: on a shared machine a burst of load
+  makes OpenMP barriers wait for a descheduled thread (tens of ms), and a plan must not be
+  chosen by such noise; the least-disturbed call is the kernel's own cost. A configuration whose first timed call is already more than
+  ``cutoff`` times slower than the best seen for that (pass, micro-batch) stops there
+  (one sample), because it cannot be chosen for speed.
+* workspace: one call under :func:`~batchcraft.microbatching.memory.peak_extra_bytes`, i.e. the
+  peak of bytes allocated through the CPU allocator above the level at entry. For an undivided
+  call the result is the layer's own output and is subtracted; for a step it is a temporary
+  and counts.
+
+Results go to a :class:`~batchcraft.microbatching.cache.MeasurementCache`; a configuration
+already there is not measured again. A configuration whose workspace exceeds ``limit_bytes`` is
+stored without a time (it can never be chosen under that budget) and not timed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from batchcraft.microbatching.algorithms import ConvGeometry
+from batchcraft.microbatching.cache import MeasurementCache, MeasurementKey, MeasurementRecord
+from batchcraft.microbatching.function import execute_step
+from batchcraft.microbatching.memory import peak_extra_bytes
+
+__all__ = ["Measurer", "device_name"]
+
+
+def device_name(device: torch.device) -> str:
+    """Name of the device for cache keys: CPU model or CUDA device name."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    from batchcraft.measure.machine import _cpu_model
+
+    return f"cpu:{_cpu_model()}"
+
+
+@dataclass
+class _Inputs:
+    x: torch.Tensor
+    w: torch.Tensor
+    dy: torch.Tensor
+
+
+class Measurer:
+    """Measures configurations on random inputs, through a cache.
+
+    Args:
+        cache (MeasurementCache): where records are read and written.
+        dtype (torch.dtype): element type of inputs and weights. Default: float32.
+        repeats (int): timed calls per configuration (>= 1). Default: 3.
+        warmup (int): untimed calls before measuring. Default: 1.
+        cutoff (float): see module docstring. Default: 2.0.
+    """
+
+    def __init__(self, cache: MeasurementCache, *, dtype: torch.dtype = torch.float32, repeats: int = 3,
+                 warmup: int = 1, cutoff: float = 2.0, device: torch.device | str = "cpu"):
+        self.cache, self.dtype = cache, dtype
+        self.repeats, self.warmup, self.cutoff = max(1, int(repeats)), max(0, int(warmup)), float(cutoff)
+        self.device = torch.device(device)
+        self.device_name = device_name(self.device)
+        self._inputs: tuple[tuple, _Inputs] | None = None
+        self._best_ms: dict[tuple, float] = {}
+        self.measured = 0  # configurations actually run (not found in the cache)
+
+    def key(self, geom: ConvGeometry, pass_: str, algorithm: str, n: int, divided: bool) -> MeasurementKey:
+        return MeasurementKey(self.device_name, torch.__version__, torch.get_num_threads(),
+                              str(self.dtype).replace("torch.", ""), geom.key(), pass_, algorithm, n, divided)
+
+    def _tensors(self, geom: ConvGeometry, n: int) -> _Inputs:
+        # one geometry and size at a time: keeps at most one set of activations alive
+        tag = (geom, n)
+        if self._inputs is None or self._inputs[0] != tag:
+            self._inputs = None
+            g = torch.Generator().manual_seed(0)
+            opts = dict(dtype=self.dtype, device=self.device)
+            mk = lambda shape: torch.randn(shape, generator=g, dtype=self.dtype).to(**opts)  # noqa: E731
+            self._inputs = (tag, _Inputs(mk(geom.input_shape(n)), mk(geom.weight_shape()), mk(geom.output_shape(n))))
+        return self._inputs[1]
+
+    def _step(self, geom, pass_, algorithm, n, divided):
+        t = self._tensors(geom, n)
+        a, b = {"forward": (t.x, t.w), "backward_data": (t.dy, t.w), "backward_filter": (t.dy, t.x)}[pass_]
+        if not divided:
+            return lambda: execute_step(pass_, algorithm, a, b, geom, None)
+        dest = (torch.zeros if pass_ == "backward_filter" else torch.empty)(
+            geom.result_shape(pass_, n), dtype=self.dtype, device=self.device)
+        return lambda: (execute_step(pass_, algorithm, a, b, geom, dest), None)[1]
+
+    def measure(self, geom: ConvGeometry, pass_: str, algorithm: str, n: int, divided: bool,
+                limit_bytes: int | None = None) -> MeasurementRecord:
+        """The record of one configuration, measured now unless the cache can answer."""
+        key = self.key(geom, pass_, algorithm, n, divided)
+        rec = self.cache.get(key)
+        best_key = (geom, pass_, n, divided)
+        if rec is not None and (rec.time_ms is not None or (limit_bytes is not None and rec.workspace_bytes > limit_bytes)):
+            if rec.time_ms is not None:
+                self._best_ms[best_key] = min(self._best_ms.get(best_key, float("inf")), rec.time_ms)
+            return rec
+        self.measured += 1
+        fn = self._step(geom, pass_, algorithm, n, divided)
+        for _ in range(self.warmup):
+            fn()
+        result, peak = peak_extra_bytes(fn)
+        if result is not None:  # undivided: the result is the layer's output, not workspace
+            peak -= result.numel() * result.element_size()
+        del result
+        workspace = max(0, int(peak))
+        if limit_bytes is not None and workspace > limit_bytes:
+            rec = MeasurementRecord(None, 0, workspace)
+        else:
+            times = []
+            for _ in range(self.repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+                if times[0] > self.cutoff * self._best_ms.get(best_key, float("inf")):
+                    break
+            rec = MeasurementRecord(min(times), len(times), workspace)
+            self._best_ms[best_key] = min(self._best_ms.get(best_key, float("inf")), rec.time_ms)
+        self.cache.put(key, rec)
+        return rec
