@@ -1,0 +1,13 @@
+"""Auto-batching of dynamic models (merge): the door is :func:`autobatch`.
+
+Write the model for one instance, with ordinary Python control flow; run it over
+many instances; same-shaped work of all instances runs as batched kernels, with
+results equal to running each instance alone.
+"""
+
+from batchcraft.autobatching.api import AutoBatched, autobatch, phase
+from batchcraft.autobatching.blocks import static_block
+from batchcraft.autobatching.lazy import LazyTensor
+from batchcraft.autobatching.stats import RunStats
+
+__all__ = ["autobatch", "AutoBatched", "static_block", "phase", "RunStats", "LazyTensor"]

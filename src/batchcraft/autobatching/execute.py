@@ -1,0 +1,236 @@
+"""Execution of recorded groups: gather -> one batched call -> results in place.
+
+For each group of nodes with the same (phase, depth, signature):
+
+1. **gather** each per-instance argument into one tensor with a leading batch
+   dimension. Inputs that are already rows ``r..r+n`` of one earlier result are
+   a view (no copy); rows of one result are one ``index_select``; rows of several
+   results are gathered per source and put in order; leaves created by
+   ``torch.tensor(scalar)`` become one ``torch.tensor(list)``. Shared arguments
+   (parameters) are passed once, never gathered (ACRoBat §4.3, parameter reuse).
+2. **call** the batching rule (static blocks replay their traced program).
+3. **check** every output's shape; a rule that fails or mismatches falls back to
+   running the group one instance at a time (counted in ``RunStats.fallbacks``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from batchcraft.autobatching.blocks import StaticBlock
+from batchcraft.autobatching.graph import LeafNode
+from batchcraft.autobatching.lazy import LazyTensor
+from batchcraft.autobatching.rules import rule_for, rule_vmap
+from batchcraft.autobatching.signature import flatten, rebuild
+from batchcraft.errors import AutobatchError, InstanceError
+
+_perf = time.perf_counter
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _call(func, struct, leaves):
+    it = iter(leaves)
+    args = rebuild(struct[0], it)
+    kwargs = rebuild(struct[1], it) if struct[1] is not None else {}
+    return func(*args, **kwargs)
+
+
+def _tensors(out) -> list:
+    flat: list = []
+    flatten(out, flat)
+    return flat
+
+
+def stack_leaves(nodes) -> torch.Tensor:
+    """Batch per-instance leaves: one ``torch.tensor(list)`` for Python scalars, else a stack."""
+    first = nodes[0]
+    if first.pyvalue is not None:
+        vals = [nd.pyvalue for nd in nodes]
+        if None not in vals:
+            dev = first.value.device if first._value is not None else None
+            return torch.tensor(vals, dtype=first.dtype, device=dev)
+    return torch.stack([nd.value for nd in nodes])
+
+
+def gather(lazies: list, n: int) -> torch.Tensor:
+    """One tensor of shape (n, *per-instance shape) holding the values of ``lazies`` in order."""
+    x0 = lazies[0]
+    nd0 = x0.node
+    outs0 = nd0.outs
+    if outs0 is None and type(nd0) is LeafNode:
+        nodes = [x.node for x in lazies]
+        if all(type(nd) is LeafNode for nd in nodes):
+            return stack_leaves(nodes)
+    elif outs0 is not None:
+        slot, r0 = x0.slot, nd0.row
+        i = r0
+        for x in lazies:
+            nd = x.node
+            if nd.outs is not outs0 or x.slot != slot or nd.row != i:
+                break
+            i += 1
+        else:
+            t = outs0[slot]
+            return t if (r0 == 0 and t.shape[0] == n) else t[r0:r0 + n]
+    # general case: group by source, keep order
+    index: dict = {}
+    sources: list = []  # [tensor or None (leaves), rows or leaf nodes]
+    order = []
+    for x in lazies:
+        nd = x.node
+        if type(nd) is LeafNode:
+            k = None
+        else:
+            k = (id(nd.outs), x.slot)
+        s = index.get(k)
+        if s is None:
+            s = len(sources)
+            index[k] = s
+            sources.append((None if k is None else nd.outs[x.slot], []))
+        rows = sources[s][1]
+        order.append((s, len(rows)))
+        rows.append(nd if k is None else nd.row)
+    pieces = []
+    for t, rows in sources:
+        if t is None:
+            pieces.append(stack_leaves(rows))
+        else:
+            r0 = rows[0]
+            if rows == list(range(r0, r0 + len(rows))):
+                pieces.append(t[r0:r0 + len(rows)])
+            else:
+                pieces.append(t.index_select(0, torch.tensor(rows, device=t.device)))
+    if len(pieces) == 1:
+        return pieces[0]
+    cat = torch.cat(pieces)
+    offsets, acc = [], 0
+    for p in pieces:
+        offsets.append(acc)
+        acc += p.shape[0]
+    perm = [offsets[s] + p for s, p in order]
+    if perm == list(range(n)):
+        return cat
+    return cat.index_select(0, torch.tensor(perm, device=cat.device))
+
+
+class Executor:
+    """Runs groups of pending nodes as batched calls and records statistics."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def run_group(self, nodes: list) -> None:
+        n = len(nodes)
+        first = nodes[0]
+        st = self.stats
+        t0 = _perf()
+        leaves, mask, shapes = [], [], []
+        for j, x in enumerate(first.leaves):
+            if type(x) is LazyTensor:
+                leaves.append(gather([nd.leaves[j] for nd in nodes], n))
+                mask.append(True)
+                shapes.append(x.desc[0])
+            else:
+                leaves.append(x)
+                mask.append(False)
+                shapes.append(tuple(x.shape))
+        t1 = _perf()
+        info = first.info
+        outs = self.call_batched(first.func, first.struct, leaves, mask, shapes, n, info.out_descs,
+                                 info.key[3], nodes, info)
+        for r, nd in enumerate(nodes):
+            nd.outs = outs
+            nd.row = r
+        t2 = _perf()
+        st.gather_s += t1 - t0
+        st.kernel_s += t2 - t1
+        st.batched_calls += 1
+
+    def call_batched(self, func, struct, leaves, mask, shapes, n, out_descs, grad, nodes, info=None):
+        """Batched outputs (list, one tensor of shape (n, ...) per output slot)."""
+        if grad != torch.is_grad_enabled():
+            with torch.set_grad_enabled(grad):
+                return self.call_batched(func, struct, leaves, mask, shapes, n, out_descs, grad, nodes, info)
+        kinds = self.stats.groups_by_rule
+        if isinstance(func, StaticBlock):
+            kinds["block"] = kinds.get("block", 0) + 1
+            return self.replay(info.program, leaves, mask, n, nodes)
+        rule = rule_for(func)
+        try:
+            outs = _tensors(rule(func, struct, leaves, mask, shapes, n))
+            if len(outs) != len(out_descs):
+                raise _Mismatch(f"{len(outs)} outputs, expected {len(out_descs)}")
+            for t, d in zip(outs, out_descs):
+                if t.shape[0] != n or tuple(t.shape[1:]) != d[0]:
+                    raise _Mismatch(f"batched shape {tuple(t.shape)}, expected ({n}, *{d[0]})")
+            name = rule.__name__
+            kinds[name] = kinds.get(name, 0) + 1
+            return outs
+        except Exception as exc:  # any rule failure: run per instance, correct and counted
+            return self.per_instance(func, struct, leaves, mask, n, nodes, exc)
+
+    def per_instance(self, func, struct, leaves, mask, n, nodes, cause):
+        """Eager fallback: run the group one instance at a time and stack the results."""
+        self.stats.fallbacks += n
+        kinds = self.stats.groups_by_rule
+        kinds["fallback"] = kinds.get("fallback", 0) + 1
+        per_slot = None
+        for i in range(n):
+            li = [x[i] if m else x for x, m in zip(leaves, mask)]
+            try:
+                outs = _tensors(_call(func, struct, li))
+            except Exception as exc:
+                inst = nodes[i].instance if nodes is not None and i < len(nodes) else -1
+                name = getattr(func, "__name__", repr(func))
+                raise InstanceError(inst, f"{name} failed: {type(exc).__name__}: {exc}") from exc
+            if per_slot is None:
+                per_slot = [[] for _ in outs]
+            for s, t in enumerate(outs):
+                per_slot[s].append(t)
+        return [torch.stack(ts) for ts in per_slot]
+
+    def replay(self, prog, leaves, mask, n, nodes):
+        """Run a traced static block on batched inputs, step by step."""
+        vals = []
+        for step in prog.steps:
+            sl, sm = [], []
+            for ref in step.refs:
+                kind = ref[0]
+                if kind == "in":
+                    sl.append(leaves[ref[1]])
+                    sm.append(mask[ref[1]])
+                elif kind == "val":
+                    outs, batched = vals[ref[1]]
+                    sl.append(outs[ref[2]])
+                    sm.append(batched)
+                else:
+                    sl.append(ref[1])
+                    sm.append(False)
+            if any(sm):
+                shapes = [s if m else tuple(x.shape) for s, m, x in zip(step.shapes, sm, sl)]
+                outs = self.call_batched(step.func, step.struct, sl, sm, shapes, n, step.out_descs,
+                                         step.grad, nodes, step.info)
+                vals.append((outs, True))
+            else:
+                with torch.set_grad_enabled(step.grad):
+                    vals.append((_tensors(_call(step.func, step.struct, sl)), False))
+        res = []
+        for ref in prog.out_refs:
+            kind = ref[0]
+            if kind == "in":
+                v, b = leaves[ref[1]], mask[ref[1]]
+            elif kind == "val":
+                outs, b = vals[ref[1]]
+                v = outs[ref[2]]
+            else:
+                v, b = ref[1], False
+            res.append(v if b else v.unsqueeze(0).expand(n, *v.shape))
+        return res
+
+
+__all__ = ["Executor", "gather", "stack_leaves", "AutobatchError"]

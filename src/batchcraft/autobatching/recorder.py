@@ -1,0 +1,243 @@
+"""Recording of per-instance operations on lazy values.
+
+:class:`Recorder` is the hot path: every torch call made by instance code on a
+lazy value costs one :meth:`Recorder.record` (a few microseconds: flatten the
+arguments, build the signature, look up the inferred output shape, append the
+node to its (phase, depth, signature) bucket).
+
+Output shapes are inferred once per signature by running the operation on
+``meta`` tensors and cached, so instance code can read ``.shape`` of any lazy
+value. Calls with no lazy argument run at once; tensors they return (e.g.
+``torch.tensor(word_id)``) become per-instance *leaves* that are batched like
+any other per-instance value.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from batchcraft.autobatching import lazy as _lazy
+from batchcraft.autobatching.graph import Graph, LeafNode, Node
+from batchcraft.autobatching.lazy import LazyTensor
+from batchcraft.autobatching.signature import LEAF, SigInfo, flatten, flatten_args, rebuild
+from batchcraft.errors import AutobatchError, UnsupportedOperationError
+
+_tls = threading.local()
+
+
+def current():
+    """The innermost active recorder of this thread, or None."""
+    stack = getattr(_tls, "stack", None)
+    return stack[-1] if stack else None
+
+
+def push(rec) -> None:
+    if not hasattr(_tls, "stack"):
+        _tls.stack = []
+    _tls.stack.append(rec)
+
+
+def pop() -> None:
+    _tls.stack.pop()
+
+
+class _State:
+    current = staticmethod(current)
+
+
+_lazy._state = _State
+
+# Per-signature output inference: key -> (out_struct, out_descs). Keys hold ids of shared tensors,
+# so the cache is bounded and cleared when it grows (a stale id only costs a re-inference).
+_META_CACHE: dict = {}
+_META_CACHE_MAX = 200_000
+_grad_enabled = torch.is_grad_enabled
+_CPU = torch.device("cpu")
+
+
+def infer_outputs(func, struct, leaves, device):
+    """Run ``func`` on meta tensors; return (out_struct, out_descs)."""
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        metas = []
+        for x in leaves:
+            if type(x) is LazyTensor:
+                shape, dtype, _ = x.desc
+                metas.append(torch.empty(shape, dtype=dtype, device="meta"))
+            else:
+                metas.append(x.to("meta"))
+        it = iter(metas)
+        args = rebuild(struct[0], it)
+        kwargs = rebuild(struct[1], it) if struct[1] is not None else {}
+        out = func(*args, **kwargs)
+    out_leaves: list = []
+    out_struct = flatten(out, out_leaves)
+    descs = tuple((tuple(t.shape), t.dtype, device) for t in out_leaves)
+    return out_struct, descs
+
+
+_torch_tensor = torch.tensor
+_PY_SCALARS = (int, float, bool)
+
+
+class _RecordingMode(TorchFunctionMode):
+    """Routes every torch call of instance code to the active recorder."""
+
+    def __init__(self, recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        rec = current()
+        if func is _torch_tensor and not kwargs and len(args) == 1 and type(args[0]) in _PY_SCALARS:
+            leaf = getattr(rec, "scalar_leaf", None)  # fast path: no tensor is made until needed
+            if leaf is not None:
+                return leaf(args[0])
+        return rec.record(func, args, kwargs or {})
+
+
+class Recorder:
+    """Records the operations of the instances of one ``autobatch`` call.
+
+    Args:
+        runtime: the owning runtime (executes pending work on ``materialize``).
+    """
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.graph = Graph()
+        self.instance = -1
+        self.phase = 0
+        self.ops_recorded = 0
+        self.eager_ops = 0  # ops that could not be recorded lazily and ran on concrete values
+        self.blocks_checked: set = set()
+        self.mode = _RecordingMode(self)
+        self.step_counts: dict[int, int] = {}
+
+    # -- the hot path --------------------------------------------------------------------------
+    def record(self, func, args, kwargs):
+        leaves: list = []
+        struct = (flatten_args(args, leaves), flatten(kwargs, leaves) if kwargs else None)
+        depth = 0
+        has_lazy = False
+        rg = False
+        descs = []
+        phase = self.phase
+        device = None
+        for x in leaves:
+            if type(x) is LazyTensor:
+                has_lazy = True
+                nd = x.node
+                if nd.outs is None and nd.depth > depth and nd.phase == phase:
+                    depth = nd.depth
+                if nd.requires_grad:
+                    rg = True
+                descs.append(x.desc)
+                if device is None:
+                    device = x.desc[2]
+            else:
+                descs.append(("shared", id(x), x.shape, x.dtype, x.device))
+                if x.requires_grad:
+                    rg = True
+        if not has_lazy:
+            return self.run_concrete(func, args, kwargs)
+        grad = _grad_enabled()
+        key = (func, struct, tuple(descs), grad)
+        info = _META_CACHE.get(key)
+        if info is None:
+            try:
+                info = self.infer(func, struct, leaves, device, key)
+            except _NeedsValues as nv:
+                return self.run_on_values(func, struct, leaves, nv)
+        node = Node(info, func, struct, leaves, depth + 1, self.instance, phase, rg and grad)
+        self.graph.add(node)
+        self.ops_recorded += 1
+        if info.single:
+            return LazyTensor(node, 0, info.out_descs[0])
+        return rebuild(info.out_struct, iter([LazyTensor(node, i, d) for i, d in enumerate(info.out_descs)]))
+
+    # -- slower paths --------------------------------------------------------------------------
+    def infer(self, func, struct, leaves, device, key):
+        from batchcraft.autobatching.blocks import StaticBlock
+
+        if isinstance(func, StaticBlock):
+            return func.trace(struct, leaves, device, key)
+        try:
+            out_struct, out_descs = infer_outputs(func, struct, leaves, device)
+        except (NotImplementedError, RuntimeError, TypeError) as exc:
+            # e.g. data-dependent output shapes (nonzero, unique): needs concrete values
+            raise _NeedsValues(exc) from None
+        if len(_META_CACHE) > _META_CACHE_MAX:
+            _META_CACHE.clear()
+        info = _META_CACHE[key] = SigInfo(key, out_struct, out_descs)
+        return info
+
+    def run_concrete(self, func, args, kwargs):
+        """A call without lazy arguments: run it now; its tensors become per-instance leaves."""
+        with torch._C.DisableTorchFunction():
+            out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            scalar = (func is torch.tensor and args and type(args[0]) in (int, float, bool)
+                      and not out.requires_grad)
+            return self.leaf(out, args[0] if scalar else None)
+        if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+            leaves: list = []
+            st = flatten(out, leaves)
+            return rebuild(st, iter([self.leaf(t) if isinstance(t, torch.Tensor) else t for t in leaves]))
+        return out
+
+    def scalar_leaf(self, v) -> LazyTensor:
+        """``torch.tensor(v)`` for a Python int/float/bool, as a leaf whose tensor is made lazily."""
+        t = type(v)
+        dtype = torch.int64 if t is int else (torch.bool if t is bool else torch.get_default_dtype())
+        node = LeafNode(None, v, self.instance, dtype)
+        return LazyTensor(node, 0, ((), dtype, _CPU))
+
+    def leaf(self, value: torch.Tensor, pyvalue=None) -> LazyTensor:
+        node = LeafNode(value, pyvalue, self.instance)
+        return LazyTensor(node, 0, (tuple(value.shape), value.dtype, value.device))
+
+    def run_on_values(self, func, struct, leaves, nv):
+        """Run an op whose output shape depends on values (nonzero, unique, ...) eagerly.
+
+        Its lazy inputs are materialised (a fiber yields until they are computed);
+        the op runs per instance, is counted in ``eager_ops``, and its outputs become leaves.
+        """
+        name = getattr(func, "__name__", repr(func))
+        values = [self.materialize(x, f"run {name} (output shape depends on values)")
+                  if type(x) is LazyTensor else x for x in leaves]
+        it = iter(values)
+        a = rebuild(struct[0], it)
+        k = rebuild(struct[1], it) if struct[1] is not None else {}
+        self.eager_ops += 1
+        with torch._C.DisableTorchFunction():
+            try:
+                out = func(*a, **k)
+            except Exception as exc:
+                raise exc from nv.cause
+        out_leaves: list = []
+        st = flatten(out, out_leaves)
+        return rebuild(st, iter([self.leaf(t) if isinstance(t, torch.Tensor) else t for t in out_leaves]))
+
+    def materialize(self, x: LazyTensor, why: str) -> torch.Tensor:
+        """Concrete value of ``x``; runs pending work first if needed (fibers yield here)."""
+        node = x.node
+        if type(node) is LeafNode:
+            return node.value
+        if node.outs is None:
+            self.runtime.wait_for(x, why)
+        return node.outs[x.slot][node.row]
+
+
+class _NeedsValues(Exception):
+    """Raised when an operation's output cannot be inferred without concrete inputs."""
+
+    def __init__(self, cause):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+__all__ = ["Recorder", "current", "push", "pop", "infer_outputs", "AutobatchError",
+           "UnsupportedOperationError"]

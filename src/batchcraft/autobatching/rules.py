@@ -1,0 +1,374 @@
+"""Batching rules: run one operation for ``n`` instances at once.
+
+A rule receives the operation, its argument structure, the argument tensors
+(per-instance ones already gathered into one tensor with a leading batch
+dimension of size ``n``; shared ones as they are), which of them are batched,
+and each one's per-instance shape. It returns the batched result, whose every
+output has shape ``(n, *per-instance shape)``.
+
+Hand-written rules cover the common operations (elementwise maths, linear
+algebra on a shared weight, embeddings, normalisation, reductions and shape
+operations with a dimension argument, indexing, RNN cells); everything else
+goes through ``torch.func.vmap`` (the general rule). The executor checks each
+result's shape and falls back to per-instance eager execution if a rule fails.
+
+Source: DyNet auto-batching (Neubig et al. 2017) for the per-op batched kernels;
+``torch.func.vmap`` (functorch) for the general rule.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchcraft.autobatching.signature import rebuild
+
+RULES: dict = {}
+
+
+def _call(func, struct, leaves):
+    it = iter(leaves)
+    args = rebuild(struct[0], it)
+    kwargs = rebuild(struct[1], it) if struct[1] is not None else {}
+    return func(*args, **kwargs)
+
+
+def _args(struct, leaves):
+    it = iter(leaves)
+    args = rebuild(struct[0], it)
+    kwargs = rebuild(struct[1], it) if struct[1] is not None else {}
+    return list(args), kwargs
+
+
+def rule_vmap(func, struct, leaves, mask, shapes, n):
+    """General rule: ``torch.func.vmap`` over the batched arguments (dim 0), shared ones unbatched."""
+    in_dims = tuple(0 if m else None for m in mask)
+
+    def per_instance(*ls):
+        return _call(func, struct, ls)
+
+    return torch.func.vmap(per_instance, in_dims=in_dims, randomness="different")(*leaves)
+
+
+def rule_direct(func, struct, leaves, mask, shapes, n):
+    """Operations that act row-wise on a leading batch dimension as they are."""
+    return _call(func, struct, leaves)
+
+
+def rule_elementwise(func, struct, leaves, mask, shapes, n):
+    """Broadcasting maths: give each batched argument the output's rank before its own dims."""
+    rank = 0
+    for s in shapes:
+        if len(s) > rank:
+            rank = len(s)
+    new = []
+    for x, m, s in zip(leaves, mask, shapes):
+        if m and len(s) < rank:
+            x = x.reshape((n,) + (1,) * (rank - len(s)) + tuple(s))
+        new.append(x)
+    return _call(func, struct, new)
+
+
+def _shared_weights(mask, first=1):
+    return not any(mask[first:])
+
+
+def rule_weight(func, struct, leaves, mask, shapes, n):
+    """linear / embedding / layer_norm: batched input, shared weights: a direct call works."""
+    if mask[0] and _shared_weights(mask):
+        return _call(func, struct, leaves)
+    return rule_vmap(func, struct, leaves, mask, shapes, n)
+
+
+def rule_rnn_cell(func, struct, leaves, mask, shapes, n):
+    """lstm_cell / gru_cell / rnn_*_cell: per-instance (k, features) inputs -> (n*k, features)."""
+    ks = {s[0] for s, m in zip(shapes, mask) if m}
+    if len(ks) != 1 or any(len(s) != 2 for s, m in zip(shapes, mask) if m):
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    k = ks.pop()
+    flat = [x.reshape(n * k, s[1]) if m else x for x, m, s in zip(leaves, mask, shapes)]
+    out = _call(func, struct, flat)
+    if isinstance(out, tuple):
+        return tuple(o.reshape(n, k, *o.shape[1:]) for o in out)
+    return out.reshape(n, k, *out.shape[1:])
+
+
+def rule_matmul(func, struct, leaves, mask, shapes, n):
+    """matmul / mm / @ with at most one shared 2-D operand; other cases use vmap."""
+    if len(leaves) != 2:
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    (a, b), (ma, mb), (sa, sb) = leaves, mask, shapes
+    reflected = getattr(func, "__name__", "") == "__rmatmul__"
+    if reflected:  # b @ a, with a the lazy self
+        a, b, ma, mb, sa, sb = b, a, mb, ma, sb, sa
+    if ma and not mb and len(sb) == 2 and len(sa) >= 1:
+        return torch.matmul(a, b)
+    if ma and mb and len(sa) >= 2 and len(sb) >= 2:
+        return torch.matmul(a, b)
+    if mb and not ma and len(sa) == 2 and len(sb) >= 2:
+        return torch.matmul(a, b)
+    if mb and not ma and len(sa) == 2 and len(sb) == 1:
+        return torch.matmul(b, a.transpose(0, 1))
+    return rule_vmap(func, struct, leaves, mask, shapes, n)
+
+
+def _shift(d, rank):
+    """Per-instance dim -> batched dim (negative dims count from the end and stay)."""
+    return d + 1 if d >= 0 else d
+
+
+def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):
+    """Rule for ops with a dimension argument at ``pos`` / keyword ``name``.
+
+    ``default``: the op's default dim when not given (None: no default). ``full``: how to spell
+    a reduction over all per-instance dims ("tuple" for sum-like ops; None: use vmap).
+    """
+
+    def rule(func, struct, leaves, mask, shapes, n):
+        if not mask[0] or any(mask[1:]) and func not in _BATCHED_OTHER_OK:
+            return rule_vmap(func, struct, leaves, mask, shapes, n)
+        rank = len(shapes[0])
+        args, kwargs = _args(struct, leaves)
+        if name in kwargs:
+            d, where = kwargs[name], "kw"
+        elif len(args) > pos:
+            d, where = args[pos], "pos"
+        else:
+            d, where = default, "kw"
+        if d is None:
+            if full != "tuple":
+                return rule_vmap(func, struct, leaves, mask, shapes, n)
+            nd = tuple(range(1, rank + 1))
+            if rank == 0:
+                return args[0]
+        elif isinstance(d, int):
+            nd = _shift(d, rank)
+        elif isinstance(d, (tuple, list)) and all(isinstance(i, int) for i in d):
+            nd = tuple(_shift(i, rank) for i in d)
+        else:
+            return rule_vmap(func, struct, leaves, mask, shapes, n)
+        if where == "pos":
+            args[pos] = nd
+        else:
+            kwargs[name] = nd
+        return func(*args, **kwargs)
+
+    return rule
+
+
+_BATCHED_OTHER_OK: set = set()
+
+
+def rule_seq_dim(func, struct, leaves, mask, shapes, n):
+    """cat / stack over a list of tensors: shift dim; expand shared members to the batch."""
+    args, kwargs = _args(struct, leaves)
+    seq = args[0]
+    if not isinstance(seq, (list, tuple)):
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    # which members are batched: leaves are the members in order (plus nothing else)
+    members = list(seq)
+    if len(members) != len(mask):
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    rank = len(shapes[0]) if func is not torch.stack else len(shapes[0])
+    members = [m if b else m.expand(n, *m.shape) for m, b in zip(members, mask)]
+    d = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if not isinstance(d, int):
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    if func is torch.stack or getattr(func, "__name__", "") == "stack":
+        nd = d + 1 if d >= 0 else d
+    else:
+        nd = _shift(d, rank)
+    if "dim" in kwargs:
+        kwargs["dim"] = nd
+        return func(members, **kwargs)
+    return func(members, nd, *args[2:], **kwargs)
+
+
+def rule_shape_args(prepend_n: bool):
+    """view / reshape / expand (prepend ``n``) and repeat (prepend 1)."""
+
+    def rule(func, struct, leaves, mask, shapes, n):
+        if not mask[0] or any(mask[1:]):
+            return rule_vmap(func, struct, leaves, mask, shapes, n)
+        args, kwargs = _args(struct, leaves)
+        x, rest = args[0], args[1:]
+        if "size" in kwargs or "shape" in kwargs:
+            return rule_vmap(func, struct, leaves, mask, shapes, n)
+        if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+            rest = list(rest[0])
+        if not all(isinstance(s, int) for s in rest):
+            return rule_vmap(func, struct, leaves, mask, shapes, n)
+        lead = n if prepend_n else 1
+        return func(x, (lead, *rest), **kwargs)
+
+    return rule
+
+
+def rule_permute(func, struct, leaves, mask, shapes, n):
+    args, kwargs = _args(struct, leaves)
+    dims = args[1:] if "dims" not in kwargs else kwargs.pop("dims")
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = dims[0]
+    rank = len(shapes[0])
+    return args[0].permute(0, *[(d % rank) + 1 for d in dims])
+
+
+def rule_t(func, struct, leaves, mask, shapes, n):
+    x = leaves[0]
+    return x.transpose(1, 2) if len(shapes[0]) == 2 else x
+
+
+def rule_transpose(func, struct, leaves, mask, shapes, n):
+    args, kwargs = _args(struct, leaves)
+    d0 = kwargs.get("dim0", args[1] if len(args) > 1 else None)
+    d1 = kwargs.get("dim1", args[2] if len(args) > 2 else None)
+    if not (isinstance(d0, int) and isinstance(d1, int)) or any(mask[1:]):
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    rank = len(shapes[0])
+    return torch.transpose(args[0], _shift(d0, rank), _shift(d1, rank))
+
+
+def rule_flatten(func, struct, leaves, mask, shapes, n):
+    args, kwargs = _args(struct, leaves)
+    rank = len(shapes[0])
+    s = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
+    e = kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
+    if rank == 0:
+        return args[0].reshape(n, 1)
+    s, e = s % rank, e % rank
+    return torch.flatten(args[0], s + 1, e + 1)
+
+
+def rule_squeeze(func, struct, leaves, mask, shapes, n):
+    args, kwargs = _args(struct, leaves)
+    d = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    shape = shapes[0]
+    if d is None:  # never squeeze the batch dimension, even when n == 1
+        dims = tuple(i + 1 for i, s in enumerate(shape) if s == 1)
+    elif isinstance(d, int):
+        dims = (d % len(shape) + 1,) if shape else ()
+    else:
+        dims = tuple(i % len(shape) + 1 for i in d)
+    x = args[0]
+    for dd in sorted(dims, reverse=True):
+        x = x.squeeze(dd)
+    return x
+
+
+def rule_unsqueeze(func, struct, leaves, mask, shapes, n):
+    args, kwargs = _args(struct, leaves)
+    d = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    rank = len(shapes[0])
+    d = d if d >= 0 else d + rank + 1
+    return args[0].unsqueeze(d + 1)
+
+
+def _is_plain_index(idx) -> bool:
+    if isinstance(idx, tuple):
+        return all(_is_plain_index(i) for i in idx)
+    return idx is None or idx is Ellipsis or isinstance(idx, (int, slice, bool)) and not isinstance(idx, torch.Tensor)
+
+
+def rule_getitem(func, struct, leaves, mask, shapes, n):
+    """x[i], x[a:b], x[..., None]: prepend a full slice for the batch dimension."""
+    if len(leaves) != 1:  # a tensor index
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    args, _ = _args(struct, leaves)
+    x, idx = args[0], args[1]
+    if not _is_plain_index(idx):
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    return x[(slice(None),) + idx]
+
+
+def rule_new_factory(func, struct, leaves, mask, shapes, n):
+    """x.new_zeros(size) and friends: prepend n to the size."""
+    args, kwargs = _args(struct, leaves)
+    x, rest = args[0], args[1:]
+    if len(rest) >= 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+        size = tuple(rest[0])
+        rest = rest[1:]
+    else:
+        k = 1 if func is torch.Tensor.new_full else 0
+        size = tuple(rest[: len(rest) - k]) if rest else ()
+        rest = rest[len(rest) - k:] if k else ()
+        if "size" in kwargs:
+            size = tuple(kwargs.pop("size"))
+    return func(x, (n, *size), *rest, **kwargs)
+
+
+def rule_split(func, struct, leaves, mask, shapes, n):
+    args, kwargs = _args(struct, leaves)
+    d = kwargs.pop("dim", args[2] if len(args) > 2 else 0)
+    if any(mask[1:]) or not isinstance(d, int):
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    return func(args[0], args[1], _shift(d, len(shapes[0])), **kwargs)
+
+
+def _register(funcs, rule):
+    for f in funcs:
+        if f is not None:
+            RULES[f] = rule
+
+
+def _tensor_methods(*names):
+    return [getattr(torch.Tensor, n, None) for n in names]
+
+
+def _torch_funcs(*names):
+    return [getattr(torch, n, None) for n in names]
+
+
+_ELEMENTWISE = ("add", "sub", "mul", "div", "true_divide", "neg", "sigmoid", "tanh", "relu", "exp",
+                "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "pow", "maximum", "minimum", "where",
+                "clamp", "clamp_min", "clamp_max", "sin", "cos", "reciprocal", "square", "sign", "floor",
+                "ceil", "round", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
+                "logical_not", "masked_fill", "zeros_like", "ones_like", "full_like", "rand_like",
+                "randn_like", "empty_like", "lerp", "addcmul", "addcdiv", "erf", "atan2", "fmod",
+                "remainder", "floor_divide", "bitwise_and", "bitwise_or", "isnan", "isinf", "isfinite",
+                "nan_to_num", "sub", "rsub", "mul", "logaddexp", "hypot", "trunc", "frac")
+_DUNDERS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+            "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__pow__", "__rpow__",
+            "__and__", "__or__", "__xor__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__",
+            "__ne__", "__neg__", "__abs__", "__invert__", "__pos__", "__lshift__", "__rshift__")
+_CONVERSIONS = ("float", "double", "half", "long", "int", "bool", "to", "type_as", "contiguous",
+                "clone", "detach", "bfloat16", "cpu", "cuda")
+
+_register(_torch_funcs(*_ELEMENTWISE) + _tensor_methods(*_ELEMENTWISE, *_DUNDERS), rule_elementwise)
+_register([F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.softplus, F.hardtanh, F.relu6, F.dropout,
+           F.sigmoid, F.tanh, F.mish, F.selu, F.logsigmoid, F.hardswish, F.hardsigmoid, torch.selu,
+           torch.dropout, torch.celu], rule_elementwise)
+_register(_tensor_methods(*_CONVERSIONS) + [torch.clone, torch.detach], rule_direct)
+_register([F.linear, F.embedding, F.layer_norm, torch.layer_norm, torch.embedding, F.rms_norm], rule_weight)
+_register([torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell], rule_rnn_cell)
+_register([torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__,
+           torch.Tensor.__rmatmul__], rule_matmul)
+_dim1 = make_dim_rule(1)
+_register(_torch_funcs("softmax", "log_softmax", "cumsum", "cumprod", "logsumexp", "argmax", "argmin",
+                       "amax", "amin", "index_select", "narrow", "select", "gather")
+          + _tensor_methods("softmax", "log_softmax", "cumsum", "cumprod", "logsumexp", "argmax", "argmin",
+                            "amax", "amin", "index_select", "narrow", "select", "gather")
+          + [F.softmax, F.log_softmax], _dim1)
+_sum_like = make_dim_rule(1, full="tuple")
+_register(_torch_funcs("prod") + _tensor_methods("prod"), _dim1)
+_register(_torch_funcs("sum", "mean", "std", "var", "all", "any")
+          + _tensor_methods("sum", "mean", "all", "any"), _sum_like)
+_register(_torch_funcs("max", "min") + _tensor_methods("max", "min"), make_dim_rule(1))
+_BATCHED_OTHER_OK.update([torch.gather, torch.Tensor.gather])
+_register([torch.cat, torch.concat, torch.concatenate, torch.stack], rule_seq_dim)
+_register(_tensor_methods("view", "reshape", "expand") + [torch.reshape], rule_shape_args(True))
+_register(_tensor_methods("repeat"), rule_shape_args(False))
+_register([torch.permute, torch.Tensor.permute], rule_permute)
+_register([torch.t, torch.Tensor.t], rule_t)
+_register([torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes], rule_transpose)
+_register([torch.flatten, torch.Tensor.flatten], rule_flatten)
+_register([torch.squeeze, torch.Tensor.squeeze], rule_squeeze)
+_register([torch.unsqueeze, torch.Tensor.unsqueeze], rule_unsqueeze)
+_register([torch.Tensor.__getitem__], rule_getitem)
+_register(_tensor_methods("new_zeros", "new_ones", "new_empty", "new_full"), rule_new_factory)
+_register([torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk], rule_split)
+
+
+def rule_for(func):
+    """The batching rule of ``func`` (vmap when none is registered)."""
+    return RULES.get(func, rule_vmap)

@@ -1,0 +1,55 @@
+"""Statistics of the last ``autobatch`` run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RunStats:
+    """What one call of an auto-batched function did.
+
+    Attributes:
+        instances (int): instances run.
+        ops_recorded (int): per-instance operations recorded (static-block calls count once).
+        batched_calls (int): batched executions of a (depth, signature) group; one per group.
+        fallbacks (int): nodes run one instance at a time because no batching rule applied.
+        eager_ops (int): operations run on concrete values at record time (value-dependent shapes).
+        syncs (int): times pending work was executed because instance code needed a value.
+        groups_by_rule (dict[str, int]): batched calls per rule kind (direct rules, vmap, block).
+        record_s, schedule_s, gather_s, kernel_s (float): seconds spent recording instance code,
+            ordering groups, gathering per-instance arguments, and in batched calls.
+    """
+
+    instances: int = 0
+    ops_recorded: int = 0
+    batched_calls: int = 0
+    fallbacks: int = 0
+    eager_ops: int = 0
+    syncs: int = 0
+    groups_by_rule: dict = field(default_factory=dict)
+    record_s: float = 0.0
+    schedule_s: float = 0.0
+    gather_s: float = 0.0
+    kernel_s: float = 0.0
+
+    @property
+    def mean_batch(self) -> float:
+        """Mean instances' operations per batched call (ops_recorded / batched_calls)."""
+        return self.ops_recorded / self.batched_calls if self.batched_calls else 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.record_s + self.schedule_s + self.gather_s + self.kernel_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mean_batch"] = self.mean_batch
+        return d
+
+    def summary(self) -> str:
+        return (f"{self.instances} instances: {self.ops_recorded} ops recorded -> {self.batched_calls} "
+                f"batched calls (mean {self.mean_batch:.1f} per call), {self.fallbacks} fallbacks, "
+                f"{self.eager_ops} eager ops, {self.syncs} syncs; time: record {self.record_s * 1e3:.1f} ms, "
+                f"schedule {self.schedule_s * 1e3:.1f} ms, gather {self.gather_s * 1e3:.1f} ms, "
+                f"kernels {self.kernel_s * 1e3:.1f} ms")

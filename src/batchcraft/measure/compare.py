@@ -1,0 +1,98 @@
+"""Side-by-side run of a per-instance model: eager loop vs. ``batchcraft.autobatch``.
+
+Both run the same per-instance code on the same batches, in one process, one
+after the other per batch; outputs are compared element-wise. Times are the
+median over batches of ms per batch (after one warm-up batch that pays for
+signature inference and static-block tracing).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from batchcraft.autobatching import autobatch
+
+
+def _max_abs_diff(a, b) -> float:
+    if isinstance(a, torch.Tensor):
+        return (a.detach().float() - b.detach().float()).abs().max().item() if a.numel() else 0.0
+    if isinstance(a, dict):
+        return max((_max_abs_diff(a[k], b[k]) for k in a), default=0.0)
+    if isinstance(a, (tuple, list)):
+        return max((_max_abs_diff(x, y) for x, y in zip(a, b)), default=0.0)
+    return 0.0 if a == b else float("inf")
+
+
+def batches(items: Sequence, size: int) -> list:
+    return [list(items[i:i + size]) for i in range(0, len(items), size)]
+
+
+def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, scheduler: str = "depth",
+                  progress: bool = False, warmup: bool = True, grad: bool = False) -> dict:
+    """Run ``fn`` eagerly (one instance at a time) and auto-batched; return figures.
+
+    Args:
+        fn: per-instance function.
+        instances: all instances; split into batches of ``batch_size``.
+        grad (bool): run with autograd on (default: inference under ``torch.no_grad``).
+    Returns:
+        dict with ``eager_ms`` and ``batchcraft_ms`` (median ms per batch), ``speedup``,
+        ``instances_per_s_eager`` / ``_batchcraft``, ``max_abs_diff``, ``batched_calls`` and
+        ``ops_recorded`` (per batch, summed then averaged), ``mean_batch``, ``fallbacks`` and
+        the time split of the auto-batched runs.
+    """
+    bs = batches(instances, batch_size)
+    f = autobatch(fn, scheduler=scheduler)
+    ctx = torch.enable_grad if grad else torch.no_grad
+    it = bs
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(bs, desc="batches", unit="batch", leave=False)
+    eager_t, bc_t, diffs = [], [], []
+    totals = dict(batched_calls=0, ops_recorded=0, fallbacks=0, eager_ops=0, syncs=0,
+                  record_s=0.0, schedule_s=0.0, gather_s=0.0, kernel_s=0.0)
+    with ctx():
+        if warmup and bs:
+            f(bs[0])
+        for b in it:
+            t0 = time.perf_counter()
+            ref = [fn(x) for x in b]
+            t1 = time.perf_counter()
+            out = f(b)
+            t2 = time.perf_counter()
+            eager_t.append(t1 - t0)
+            bc_t.append(t2 - t1)
+            diffs.append(max(_max_abs_diff(o, r) for o, r in zip(out, ref)))
+            st = f.stats
+            for k in totals:
+                totals[k] += getattr(st, k)
+    nb = max(len(bs), 1)
+    e_ms = statistics.median(eager_t) * 1e3 if eager_t else 0.0
+    b_ms = statistics.median(bc_t) * 1e3 if bc_t else 0.0
+    n_inst = len(instances)
+    res = {
+        "batch_size": batch_size,
+        "batches": len(bs),
+        "instances": n_inst,
+        "eager_ms": e_ms,
+        "batchcraft_ms": b_ms,
+        "speedup": e_ms / b_ms if b_ms else 0.0,
+        "instances_per_s_eager": n_inst / sum(eager_t) if eager_t else 0.0,
+        "instances_per_s_batchcraft": n_inst / sum(bc_t) if bc_t else 0.0,
+        "max_abs_diff": max(diffs) if diffs else 0.0,
+        "batched_calls": totals["batched_calls"] / nb,
+        "ops_recorded": totals["ops_recorded"] / nb,
+        "mean_batch": totals["ops_recorded"] / totals["batched_calls"] if totals["batched_calls"] else 0.0,
+        "fallbacks": totals["fallbacks"],
+        "eager_ops": totals["eager_ops"],
+        "syncs_per_batch": totals["syncs"] / nb,
+        "scheduler": scheduler,
+    }
+    for k in ("record_s", "schedule_s", "gather_s", "kernel_s"):
+        res[k.replace("_s", "_ms")] = totals[k] / nb * 1e3
+    return res
