@@ -85,7 +85,8 @@ class TuneResult:
         per_batch (list[dict]): per batch size: ``best`` (config + result), ``baselines``
             (label -> result), ``ratios`` (label -> best score / baseline score, throughput or
             latency as the objective says).
-        trials (list[dict]): every measurement, in order, with ``round`` and ``role``.
+        trials (list[dict]): every measurement, in order, with ``round``, ``role`` and ``repeat``.
+        rounds (list[dict]): per round and configuration, the median of its repeats.
     """
 
     model: str
@@ -98,6 +99,7 @@ class TuneResult:
     best_result: TrialResult
     per_batch: list[dict] = field(default_factory=list)
     trials: list[dict] = field(default_factory=list)
+    rounds: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -112,6 +114,7 @@ class TuneResult:
                                               if k not in ("config", "batch_size")}},
             "per_batch": self.per_batch,
             "trials": self.trials,
+            "rounds": self.rounds,
             "notes": self.notes,
         }
 
@@ -123,7 +126,7 @@ class _Groups:
         self.model, self.model_kwargs, self.image_size, self.cpus = model, model_kwargs, image_size, cpus
         self._groups: dict[tuple, WorkerGroup] = {}
 
-    def measure(self, cfg: ParallelConfig, duration_s: float, warmup_s: float = 0.2) -> TrialResult:
+    def measure(self, cfg: ParallelConfig, duration_s: float, warmup_s: float = 0.3) -> TrialResult:
         g = self._groups.get(cfg.key())
         if g is None:
             g = WorkerGroup(cfg, self.model, model_kwargs=self.model_kwargs, image_size=self.image_size,
@@ -206,22 +209,23 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
         sizes = [math.ceil(n / eta ** r) for r in range(rounds + 1)]
         units = sum(s * eta ** r for r, s in enumerate(sizes)) + len(BASELINES) * eta ** rounds
         n_trials = (sum(sizes) + len(BASELINES)) * repeats
-        startup_s = 2.0 * len({c.key() for c in plans[0][0]})
+        startup_s = 1.5 * len({c.key() for c in plans[0][0]})
         per_batch_s = (budget_s - startup_s - (time.monotonic() - t_start)) / len(batch_sizes)
-        d0 = (per_batch_s - 0.25 * n_trials) / units  # 0.25 s: warm-up + synchronisation per trial
+        # first warm-up of each configuration ~0.3 s, then ~0.08 s of synchronisation per trial
+        d0 = (per_batch_s - 0.3 * n - 0.08 * n_trials) / units
         notes = []
         if d0 < 0.05:
             notes.append(f"budget {budget_s:.0f} s is too small for {n} candidates x {len(batch_sizes)} "
                          f"batch sizes; trials shortened to 0.05 s (noisy)")
             d0 = 0.05
         groups = _Groups(model, model_kwargs, image_size, cpus)
-        trials, per_batch, finals = [], [], []
+        trials, rounds, per_batch, finals = [], [], [], []
         bar = tqdm(total=n_trials * len(batch_sizes), desc=f"tune {model}", file=sys.stderr,
                    disable=not progress, leave=False)
         try:
             for (cands, baselines), b in zip(plans, batch_sizes):
                 best_cfg, best_res, base_res, d = _halving(
-                    cands, baselines, d0, eta, groups, objective, latency_limit_ms, trials, bar,
+                    cands, baselines, d0, eta, groups, objective, latency_limit_ms, trials, rounds, bar,
                     deadline=t_start + budget_s, repeats=repeats)
                 ratios = {}
                 for label, r in base_res.items():
@@ -239,7 +243,8 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
     return TuneResult(model=model, objective=objective, latency_limit_ms=latency_limit_ms,
                       budget_s=budget_s, elapsed_s=time.monotonic() - t_start,
                       analysis=None if analysis is None else analysis.to_dict(),
-                      best=best_cfg, best_result=best_res, per_batch=per_batch, trials=trials, notes=notes)
+                      best=best_cfg, best_result=best_res, per_batch=per_batch, trials=trials,
+                      rounds=rounds, notes=notes)
 
 
 def _ratio(best: TrialResult, base: TrialResult, objective: str) -> float:
@@ -253,7 +258,7 @@ def _median_result(results: list[TrialResult], objective: str, limit) -> TrialRe
     return ranked[len(ranked) // 2]
 
 
-def _halving(cands, baselines, d0, eta, groups, objective, limit, trials, bar, *, deadline, repeats):
+def _halving(cands, baselines, d0, eta, groups, objective, limit, trials, rounds, bar, *, deadline, repeats):
     """Successive halving over ``cands``, then the winner and the baselines at the final length.
 
     Each round measures its configurations ``repeats`` times in interleaved passes of d / repeats
@@ -264,12 +269,14 @@ def _halving(cands, baselines, d0, eta, groups, objective, limit, trials, bar, *
         runs = {id(c): [] for c in configs}
         for rep in range(repeats):
             for c in configs:
-                res = groups.measure(c, d / repeats, warmup_s=0.2 if rep == 0 else 0.02)
+                res = groups.measure(c, d / repeats)
                 runs[id(c)].append(res)
                 trials.append({"round": rnd, "role": role, "repeat": rep, "duration_s": d / repeats,
                                **res.to_dict()})
             bar.update(len(configs))
-        return [(c, _median_result(runs[id(c)], objective, limit)) for c in configs]
+        medians = [(c, _median_result(runs[id(c)], objective, limit)) for c in configs]
+        rounds.extend({"round": rnd, "role": role, "repeats": repeats, **r.to_dict()} for _, r in medians)
+        return medians
 
     alive, d, rnd = list(cands), d0, 0
     while True:
@@ -315,8 +322,7 @@ def sweep(model: str, *, batch_sizes=(1, 8, 64), duration_s: float = 1.0, repeat
                 runs = {id(c): [] for c in cands}
                 for rep in range(repeats):
                     for c in cands:
-                        runs[id(c)].append(groups.measure(c, duration_s / repeats,
-                                                          warmup_s=0.2 if rep == 0 else 0.02))
+                        runs[id(c)].append(groups.measure(c, duration_s / repeats))
                 out += [_median_result(runs[id(c)], "throughput", None) for c in cands]
         finally:
             groups.close()

@@ -1,0 +1,45 @@
+"""`batchcraft tune` and `batchcraft launch` end to end: JSON on stdout, saved best, applied config."""
+
+import json
+import sys
+
+import pytest
+
+from batchcraft.cli import main
+from batchcraft.parallel import BASELINES, usable_cpus
+
+
+@pytest.mark.slow
+def test_tune_json_saves_best_and_launch_applies_it(tmp_path, capsys):
+    best, png = tmp_path / "best.json", tmp_path / "tune.png"
+    rc = main(["tune", "--model", "mlp_fc512", "--batch-sizes", "2", "--budget", "5s", "--repeats", "1",
+               "--json", "--output", str(best), "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    result = json.loads(out)  # exactly one JSON object on stdout
+    assert set(result["per_batch"][0]["ratios"]) == set(BASELINES)
+    saved = json.loads(best.read_text())
+    assert saved["best"]["batch_size"] == 2 and saved["best"]["throughput_items_per_s"] > 0
+    assert png.stat().st_size > 0
+
+    script = tmp_path / "show.py"
+    script.write_text("import json, os, sys, torch\n"
+                      "open(sys.argv[1] + os.environ['BATCHCRAFT_INSTANCE'], 'w').write(json.dumps("
+                      "[sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.environ['BATCHCRAFT_BATCH_SIZE']]))\n")
+    rc = main(["launch", "--config", str(best), "--", sys.executable, str(script), str(tmp_path / "seen")])
+    assert rc == 0
+    cfg = saved["best"]
+    for i in range(cfg["instances"]):
+        affinity, threads, batch = json.loads((tmp_path / f"seen{i}").read_text())
+        if cfg["intra_op_threads"] is not None:
+            assert threads == cfg["intra_op_threads"]
+            if cfg["pin"]:
+                assert len(affinity) == len(usable_cpus()) // cfg["instances"]
+        assert batch == "2"
+
+
+def test_tune_usage_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--model", "mlp_fc512", "--budget", "soon"])
+    assert info.value.code == 2
+    assert "expected a duration" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""Search space, objectives and an end-to-end tune within a small budget."""
+
+import os
+
+import pytest
+import torch
+
+from batchcraft.errors import ConfigurationError
+from batchcraft.parallel import BASELINES, ParallelConfig, baseline_configs, tune, usable_cpus
+from batchcraft.parallel.analysis import GraphAnalysis
+from batchcraft.parallel.launcher import TrialResult
+from batchcraft.parallel.search import candidate_grid, score
+
+
+def _result(thr, p50, p90):
+    return TrialResult({}, 1, thr, p50, p90, p90, 10, 1.0)
+
+
+@pytest.mark.parametrize("n_cpus", [1, 2, 4, 6])
+def test_grid_fits_the_cores_and_pools_follow_the_width(n_cpus):
+    cpus = list(range(n_cpus))
+    wide = GraphAnalysis(depth=2, average_width=3.0, max_width=4)
+    grid = candidate_grid(wide, 8, cpus)
+    assert grid and all(c.instances * c.inter_op_threads * c.intra_op_threads <= n_cpus for c in grid)
+    assert all(c.batch_size == 8 for c in grid)
+    assert len({c.key() for c in grid}) == len(grid)
+    assert any(c.intra_op_threads == n_cpus for c in grid)  # the whole machine for one pool
+    narrow = candidate_grid(GraphAnalysis(depth=3, average_width=1.0, max_width=1), 8, cpus)
+    assert {c.inter_op_threads for c in narrow} == {1}
+    assert {c.inter_op_threads for c in candidate_grid(wide, 8, cpus, traceable=False)} == {1}
+
+
+def test_baselines_are_what_the_docstring_says():
+    cpus = [0, 1]
+    base = {b.label: b for b in baseline_configs(GraphAnalysis(depth=5, average_width=4.4, max_width=18), 8, cpus)}
+    assert tuple(base) == BASELINES
+    d = base["pytorch-default"]
+    assert (d.instances, d.inter_op_threads, d.intra_op_threads, d.pin) == (1, 1, None, False)
+    t = base["tensorflow-recommended"]
+    assert (t.inter_op_threads, t.intra_op_threads) == (len(cpus), len(cpus))
+    i = base["intel-recommended"]
+    assert i.intra_op_threads >= 1 and i.env["KMP_AFFINITY"] == "granularity=fine,compact,1,0"
+    assert i.env["OMP_PROC_BIND"] == "close"
+
+
+def test_latency_objective_prefers_configurations_within_the_limit():
+    fast_but_slow_calls = _result(1000.0, 9.0, 12.0)
+    slower_within_limit = _result(500.0, 2.0, 3.0)
+    assert score(fast_but_slow_calls, "throughput") > score(slower_within_limit, "throughput")
+    assert score(slower_within_limit, "latency", 5.0) > score(fast_but_slow_calls, "latency", 5.0)
+    assert score(slower_within_limit, "latency") > score(fast_but_slow_calls, "latency")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"model": "no_such_model"}, "unknown model"),
+    ({"model": "treelstm"}, "cannot be tuned here"),
+    ({"model": "mlp_fc512", "objective": "speed"}, "objective must be one of"),
+    ({"model": "mlp_fc512", "batch_sizes": [0]}, "batch sizes must be ints >= 1"),
+    ({"model": "mlp_fc512", "budget_s": 0}, "budget_s must be > 0"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        tune(**kwargs)
+
+
+@pytest.mark.slow
+def test_tune_end_to_end_never_below_a_baseline_and_restores_threads():
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    res = tune("mlp_fc512", batch_sizes=[2], budget_s=8, repeats=1, model_kwargs={"layers": 1})
+    assert torch.get_num_threads() == threads and os.environ.get("OMP_NUM_THREADS") == env
+    (pb,) = res.per_batch
+    assert set(pb["baselines"]) == set(BASELINES)
+    # the choice and every baseline were measured in the same final round; the choice is never worse
+    assert all(r >= 1.0 for r in pb["ratios"].values()), pb["ratios"]
+    assert res.best.batch_size == 2 and res.best_result.throughput_items_per_s > 0
+    ParallelConfig.from_dict(res.best.to_dict()).validate(usable_cpus(), oversubscribe=res.best.label != "grid")
+    finals = [r for r in res.rounds if r["role"] == "final"]
+    assert {r["config"]["label"] for r in finals} >= set(BASELINES)
+    assert res.elapsed_s < 8 * 4  # budget respected up to start-up noise on a loaded machine
