@@ -227,7 +227,9 @@ class NNPACKAlgorithm(ConvAlgorithm):
     passes = ("forward",)
 
     def _supports(self, geom, n):
-        return geom.groups == 1 and geom.dilation == (1, 1) and torch._nnpack_available()
+        # NNPACK rejects padding >= kernel ("unsupported padding") and kernels above 16
+        return (geom.groups == 1 and geom.dilation == (1, 1) and max(geom.kernel) <= 16
+                and all(p < k for p, k in zip(geom.padding, geom.kernel)) and torch._nnpack_available())
 
     def workspace_bytes(self, geom, pass_, n):
         return _F32 * n * geom.in_channels * geom.height * geom.width  # transformed input tiles (order)

@@ -138,17 +138,31 @@ class MeasurementCache:
                       RuntimeWarning, stacklevel=3)
         return aside
 
+    def _execute(self, sql: str, args: tuple):
+        try:
+            return self._conn.execute(sql, args)
+        except sqlite3.OperationalError:
+            raise  # locked beyond the timeout, disk full, ...: not corruption
+        except sqlite3.DatabaseError as exc:
+            # damaged while in use (e.g. by another program): move aside, rebuild, retry once
+            if self.path == ":memory:":
+                raise MeasurementCacheError(f"in-memory measurement cache failed: {exc}") from exc
+            self._conn.close()
+            self.recovered_from = self._move_aside(exc)
+            self._conn = self._open()
+            return self._conn.execute(sql, args)
+
     def get(self, key: MeasurementKey) -> MeasurementRecord | None:
         """The stored record for ``key``, or None."""
         where = " AND ".join(f"{c} = ?" for c in _KEY_COLUMNS)
-        row = self._conn.execute(f"SELECT time_ms, time_samples, workspace_bytes FROM {_TABLE} WHERE {where}",
-                                 key.values()).fetchone()
+        row = self._execute(f"SELECT time_ms, time_samples, workspace_bytes FROM {_TABLE} WHERE {where}",
+                            key.values()).fetchone()
         return None if row is None else MeasurementRecord(row[0], int(row[1]), int(row[2]))
 
     def put(self, key: MeasurementKey, record: MeasurementRecord) -> None:
         """Store ``record`` under ``key`` (replacing an older one), committed at once."""
         cols = _KEY_COLUMNS + ("time_ms", "time_samples", "workspace_bytes", "created_at")
-        self._conn.execute(
+        self._execute(
             f"INSERT OR REPLACE INTO {_TABLE} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
             key.values() + (record.time_ms, record.time_samples, int(record.workspace_bytes), time.time()))
 

@@ -148,6 +148,11 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, workspace_limit
 
     # optimisation
     choices: dict[tuple[str, str], object] = {}
+    for name, _, g, p in layer_passes:
+        if batch not in all_ws.get((g, p), {}) and not any(s < batch for s in all_ws.get((g, p), {})):
+            raise ConfigurationError(
+                f"microbatch: layer {name} ({p}, {g.key()}): none of the algorithms {tuple(algorithms)} can run it",
+                hint="add 'default' to algorithms")
     minimum = {(name, p): _smallest_feasible(all_ws[(g, p)], batch) for name, _, g, p in layer_passes}
     if policy == "wr":
         for name, _, g, p in layer_passes:
