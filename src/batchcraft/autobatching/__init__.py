@@ -8,6 +8,7 @@ results equal to running each instance alone.
 from batchcraft.autobatching.api import AutoBatched, autobatch, phase
 from batchcraft.autobatching.blocks import static_block
 from batchcraft.autobatching.lazy import LazyTensor
+from batchcraft.autobatching.rules import register_rule
 from batchcraft.autobatching.stats import RunStats
 
-__all__ = ["autobatch", "AutoBatched", "static_block", "phase", "RunStats", "LazyTensor"]
+__all__ = ["autobatch", "AutoBatched", "static_block", "phase", "RunStats", "LazyTensor", "register_rule"]

@@ -161,6 +161,8 @@ class Executor:
             kinds["block"] = kinds.get("block", 0) + 1
             return self.replay(info.program, leaves, mask, n, nodes)
         rule = rule_for(func)
+        if rule is None:
+            return self.per_instance(func, struct, leaves, mask, n, nodes, None)
         try:
             outs = _tensors(rule(func, struct, leaves, mask, shapes, n))
             if len(outs) != len(out_descs):

@@ -369,6 +369,40 @@ _register(_tensor_methods("new_zeros", "new_ones", "new_empty", "new_full"), rul
 _register([torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk], rule_split)
 
 
+_NO_RULE: dict = {}
+
+
 def rule_for(func):
-    """The batching rule of ``func`` (vmap when none is registered)."""
-    return RULES.get(func, rule_vmap)
+    """The batching rule of ``func``: a registered rule, else vmap, else None (run per instance).
+
+    Custom operators (``torch.library``) without a vmap rule of their own get None: vmap would
+    only loop over the instances inside, so batchcraft runs them per instance and counts it.
+    """
+    r = RULES.get(func)
+    if r is not None:
+        return r
+    if func in _NO_RULE:
+        return None
+    if isinstance(func, torch._ops.OpOverload) and func.namespace not in ("aten", "prim", "prims"):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "FuncTorchBatched"):
+            _NO_RULE[func] = True
+            return None
+    return rule_vmap
+
+
+def register_rule(func, rule=None):
+    """Register a batching rule for ``func`` (usable as a decorator).
+
+    A rule is ``rule(func, struct, leaves, mask, shapes, n) -> batched output``: ``leaves`` are
+    the tensor arguments (batched ones with a leading dimension ``n``), ``mask[j]`` says
+    whether leaf ``j`` is batched, ``shapes[j]`` is its per-instance shape; rebuild the call
+    with :func:`call_with` and return outputs of shape ``(n, *per-instance shape)``.
+    """
+    if rule is None:
+        return lambda r: register_rule(func, r)
+    RULES[func] = rule
+    _NO_RULE.pop(func, None)
+    return rule
+
+
+call_with = _call

@@ -34,6 +34,13 @@ from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError, St
 _perf = time.perf_counter
 
 
+def _tag(exc, i: int) -> None:
+    """Name the instance in a batchcraft error raised by instance code (type kept)."""
+    if getattr(exc, "instance", None) is None:
+        exc.instance = i
+        exc.args = (f"instance {i}: {exc.args[0]}",) + exc.args[1:] if exc.args else exc.args
+
+
 class _Wait:
     """Message from a fiber to the scheduler: I need pending work to run."""
 
@@ -147,7 +154,8 @@ class Runtime:
             rec.instance, rec.phase = i, 0
             try:
                 outputs.append(self._body(i, inst))
-            except BatchcraftError:
+            except BatchcraftError as exc:
+                _tag(exc, i)
                 raise
             except Exception as exc:
                 raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
@@ -176,7 +184,8 @@ class Runtime:
                         else:
                             started[i] = True
                             res = fibers[i].switch(i, instances[i])
-                    except BatchcraftError:
+                    except BatchcraftError as exc:
+                        _tag(exc, i)
                         raise
                     except Exception as exc:
                         raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
@@ -219,10 +228,13 @@ class Runtime:
             if nd.outs is None:  # pragma: no cover
                 raise AutobatchError(f"internal error: output of instance {i} was not computed")
             return nd.outs[out.slot][nd.row]
-        if t is tuple or t is list:
-            return t(self._resolve(o, i) for o in out)
+        if t is list:
+            return [self._resolve(o, i) for o in out]
         if t is dict:
             return {k: self._resolve(v, i) for k, v in out.items()}
-        if isinstance(out, tuple) and hasattr(out, "_fields"):
-            return t(*[self._resolve(o, i) for o in out])
+        if isinstance(out, tuple):
+            items = [self._resolve(o, i) for o in out]
+            if t is tuple:
+                return tuple(items)
+            return t(*items) if hasattr(t, "_fields") else t(items)  # namedtuple / structseq
         return out

@@ -66,7 +66,7 @@ def flatten(obj, leaves: list):
         return (tuple, tuple([(int, d) for d in obj]))
     if t is dict:
         return (dict, tuple(obj.keys()), tuple([flatten(v, leaves) for v in obj.values()]))
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+    if isinstance(obj, tuple):  # namedtuple, torch.return_types (structseq)
         return (t, tuple([flatten(o, leaves) for o in obj]))
     return (Opaque, Opaque(obj))
 
@@ -124,8 +124,9 @@ def rebuild(struct, it):
         return {k: rebuild(s, it) for k, s in zip(struct[1], struct[2])}
     if tag is Opaque:
         return struct[1].obj
-    if isinstance(tag, type) and issubclass(tag, tuple):  # namedtuple
-        return tag(*[rebuild(s, it) for s in struct[1]])
+    if isinstance(tag, type) and issubclass(tag, tuple):
+        items = [rebuild(s, it) for s in struct[1]]
+        return tag(*items) if hasattr(tag, "_fields") else tag(items)  # namedtuple / structseq
     return struct[1]
 
 

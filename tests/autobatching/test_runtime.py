@@ -1,0 +1,196 @@
+"""The runtime end to end: equivalence with eager on real and random trees, edge cases, stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from batchcraft import autobatch, static_block
+from batchcraft.errors import InstanceError, UnsupportedOperationError
+from batchcraft.models.treelstm import TreeLSTM
+
+from conftest import assert_matches_eager, make_tree, random_tree
+
+
+@pytest.fixture
+def treelstm():
+    torch.manual_seed(0)
+    return TreeLSTM(vocab_size=400, hidden=24, word_dim=16, tag_dim=8)
+
+
+def test_treelstm_real_ud_trees_values_and_gradients(treelstm, ud_sentences):
+    m = TreeLSTM(vocab_size=max(max(s.word_ids) for s in ud_sentences) + 1, hidden=24, word_dim=16, tag_dim=8)
+    f = assert_matches_eager(m, ud_sentences[:40], list(m.parameters()))
+    assert f.stats.batched_calls < f.stats.ops_recorded / 5  # it really batched
+    assert f.stats.fallbacks == 0
+
+
+@pytest.mark.parametrize("scheduler", ["depth", "agenda"])
+def test_treelstm_random_trees(treelstm, scheduler):
+    trees = [random_tree(n, seed=n) for n in (1, 2, 3, 5, 8, 13, 21, 34)]
+    assert_matches_eager(treelstm, trees, list(treelstm.parameters()), scheduler=scheduler)
+
+
+def test_single_node_deep_chain_and_wide_fanout(treelstm):
+    single = make_tree([-1])
+    chain = make_tree([-1] + list(range(0, 59)))  # depth 60
+    fan = make_tree([-1] + [0] * 40)  # one node with 40 children
+    assert_matches_eager(treelstm, [single, chain, fan], list(treelstm.parameters()))
+
+
+def test_batch_of_one_and_empty_input(treelstm):
+    assert_matches_eager(treelstm, [random_tree(7, 3)], list(treelstm.parameters()))
+    f = autobatch(treelstm)
+    assert f([]) == []
+    assert f.stats.instances == 0 and f.stats.batched_calls == 0
+
+
+def test_instances_in_scrambled_order_read_their_own_rows(treelstm):
+    # operands of a group come from different earlier groups in scrambled order (DyNet #1258)
+    trees = [random_tree(n, seed=100 + n) for n in (9, 2, 17, 1, 6, 30, 4)]
+    f = autobatch(treelstm)
+    with torch.no_grad():
+        out = f(trees)
+        out_rev = f(trees[::-1])
+    for a, b in zip(out, out_rev[::-1]):
+        torch.testing.assert_close(a, b)
+
+
+def test_nested_container_outputs():
+    lin = nn.Linear(4, 3)
+
+    def fn(x):
+        h = lin(x)
+        return {"h": h, "pair": (h.sum(), [torch.relu(h), x * 2]), "n": 7}
+
+    xs = [torch.randn(4) for _ in range(5)]
+    out = autobatch(fn)(xs)
+    for o, x in zip(out, xs):
+        r = fn(x)
+        assert set(o) == {"h", "pair", "n"} and o["n"] == 7
+        torch.testing.assert_close(o["pair"][1][0], r["pair"][1][0])
+        torch.testing.assert_close(o["pair"][0], r["pair"][0])
+        assert isinstance(o["pair"], tuple) and isinstance(o["pair"][1], list)
+        assert type(o["h"]) is torch.Tensor
+
+
+def test_loops_of_instance_dependent_length_batch_across_instances():
+    cell = nn.GRUCell(6, 10)
+    proj = nn.Linear(10, 2)
+
+    def fn(seq):  # seq: (length, 6)
+        h = torch.zeros(10)
+        for t in range(seq.shape[0]):
+            h = cell(seq[t], h)
+        return proj(h)
+
+    seqs = [torch.randn(n, 6) for n in (1, 4, 9, 4, 2, 7)]
+    f = assert_matches_eager(fn, seqs, list(cell.parameters()) + list(proj.parameters()))
+    assert f.stats.fallbacks == 0
+
+
+def test_embedding_of_created_scalar_tensors_is_one_batched_lookup():
+    emb = nn.Embedding(100, 8)
+    f = autobatch(lambda ids: torch.stack([emb(torch.tensor(i)) for i in ids]).sum(0))
+    insts = [[1, 5, 7], [2, 2, 9], [40, 3, 3]]
+    out = f(insts)
+    for o, ids in zip(out, insts):
+        torch.testing.assert_close(o, emb(torch.tensor(ids)).sum(0))
+    # 9 lookups recorded, run as one batched call
+    assert f.stats.groups_by_rule.get("rule_weight") == 1
+
+
+def test_fallback_counted_for_operation_without_batching_rule():
+    @torch.library.custom_op("batchcraft_test::scale_shift", mutates_args=())
+    def scale_shift(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    @scale_shift.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    scale_shift.register_autograd(lambda ctx, g: g * 2)
+
+    lin = nn.Linear(3, 3)
+    fn = lambda x: lin(scale_shift(lin(x)))  # noqa: E731
+    f = assert_matches_eager(fn, [torch.randn(3) for _ in range(6)], list(lin.parameters()))
+    assert f.stats.fallbacks == 6
+    assert f.stats.groups_by_rule["fallback"] == 1
+
+
+def test_value_dependent_output_shape_runs_eagerly_and_is_counted():
+    def fn(x):
+        return torch.nonzero(x > 0).sum() + x.sum()
+
+    xs = [torch.tensor([1.0, -2.0, 3.0]), torch.tensor([-1.0, -1.0, 0.5])]
+    f = autobatch(fn)
+    out = f(xs)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, fn(x))
+    assert f.stats.eager_ops == 2
+
+
+def test_in_place_operations_raise_clear_errors():
+    def fn(x):
+        y = x * 2
+        y.add_(1)
+        return y
+
+    with pytest.raises(UnsupportedOperationError, match="in-place method .add_") as ei:
+        autobatch(fn)([torch.randn(3), torch.randn(3)])
+    assert ei.value.instance == 0 and "instance 0" in str(ei.value)
+
+    def fn2(x):
+        y = x * 2
+        y[0] = 5.0
+        return y
+
+    with pytest.raises(UnsupportedOperationError, match="in-place assignment"):
+        autobatch(fn2)([torch.randn(3)])
+
+
+def test_exception_in_one_instance_names_it():
+    def fn(x):
+        if x.shape[0] == 3:
+            raise ValueError("bad instance")
+        return x * 2
+
+    with pytest.raises(InstanceError) as ei:
+        autobatch(fn)([torch.randn(2), torch.randn(2), torch.randn(3)])
+    assert ei.value.instance == 2 and "bad instance" in str(ei.value)
+
+
+def test_stats_are_public_and_consistent(treelstm):
+    f = autobatch(treelstm)
+    trees = [random_tree(n, seed=n) for n in (3, 4, 5, 6)]
+    with torch.no_grad():
+        f(trees)
+    st = f.stats
+    assert st.instances == 4
+    assert st.ops_recorded == 2 * sum(len(t) for t in trees)  # two static blocks per node
+    assert 0 < st.batched_calls < st.ops_recorded
+    assert st.record_s > 0 and st.kernel_s > 0
+    assert "batched calls" in st.summary() and st.to_dict()["mean_batch"] == st.mean_batch
+
+
+def test_static_block_function_and_results_outside_autobatch():
+    w = torch.randn(5, 5, requires_grad=True)
+
+    @static_block
+    def block(x, y):
+        return torch.tanh(x @ w + y), (x * y).sum()
+
+    xs = [(torch.randn(5), torch.randn(5)) for _ in range(4)]
+    a, b = block(*xs[0])  # outside autobatch it is a plain call
+    assert a.shape == (5,)
+    assert_matches_eager(lambda p: block(*p), xs, [w])
+
+
+def test_rejects_bad_options():
+    with pytest.raises(ValueError, match="scheduler"):
+        autobatch(lambda x: x, scheduler="fastest")
+    with pytest.raises(ValueError, match="max_steps"):
+        autobatch(lambda x: x, max_steps=0)
+    with pytest.raises(TypeError):
+        autobatch(42)

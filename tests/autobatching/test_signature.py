@@ -1,0 +1,114 @@
+"""Signatures: FIELD-FAULTS from DyNet and peers, each as a test."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchcraft import autobatch
+
+from conftest import assert_matches_eager
+
+
+def test_scalar_arguments_are_part_of_the_signature():
+    # DyNet #555: ops differing only in a scalar were batched with the first instance's scalar
+    def fn(inst):
+        x, k = inst
+        return F.leaky_relu(x + k, negative_slope=0.01 * k) * k + x[k:].sum()
+
+    insts = [(torch.randn(6), k) for k in (1, 2, 3, 1, 2)]
+    f = autobatch(fn)
+    out = f(insts)
+    for o, i in zip(out, insts):
+        torch.testing.assert_close(o, fn(i))
+
+
+def test_int_and_float_scalars_do_not_share_a_signature():
+    def fn(inst):
+        x, c = inst
+        return x + c
+
+    insts = [(torch.arange(3), 1), (torch.arange(3), 1.5)]
+    out = autobatch(fn)(insts)
+    assert out[0].dtype == torch.int64 and out[1].dtype == torch.float32
+    torch.testing.assert_close(out[1], torch.arange(3) + 1.5)
+
+
+def test_inputs_of_different_shapes_with_equal_output_shapes_are_not_batched():
+    # DyNet #622/#573: keyed on output shape, inputs of different sizes were batched together
+    def fn(x):
+        return x.sum(0)  # (k, 4) -> (4,) for any k
+
+    xs = [torch.randn(k, 4, requires_grad=True) for k in (1, 2, 3, 2, 1)]
+    f = autobatch(fn)
+    out = f(xs)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, x.sum(0))
+    torch.stack(out).sum().backward()
+    for x in xs:
+        assert torch.isfinite(x.grad).all()
+        torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
+def test_every_instance_gets_its_own_gradient():
+    # DyNet #1490: a saved value kept only for the last batch element
+    lin = nn.Linear(5, 5)
+
+    def fn(x):
+        return (torch.tanh(lin(x)) * x).sum()
+
+    xs = [torch.randn(5, requires_grad=True) for _ in range(6)]
+    out = autobatch(fn)(xs)
+    torch.stack(out).sum().backward()
+    got = [x.grad.clone() for x in xs]
+    for x in xs:
+        x.grad = None
+    torch.stack([fn(x) for x in xs]).sum().backward()
+    for g, x in zip(got, xs):
+        torch.testing.assert_close(g, x.grad)
+
+
+def test_random_draws_are_per_instance_and_reproducible():
+    # DyNet PR #812/#1053: one dropout mask shared by all sentences
+    def fn(x):
+        return F.dropout(x, p=0.5, training=True)
+
+    xs = [torch.ones(200) for _ in range(8)]
+    f = autobatch(fn)
+    torch.manual_seed(3)
+    a = f(xs)
+    masks = [(o != 0) for o in a]
+    assert all(not torch.equal(masks[0], m) for m in masks[1:])
+    torch.manual_seed(3)
+    b = f(xs)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+    f16 = autobatch(fn)  # a different batch size still works
+    assert len(f16([torch.ones(200)] * 16)) == 16
+
+
+def test_shared_parameters_are_not_gathered_and_grads_match():
+    lin = nn.Linear(4, 4)
+    f = assert_matches_eager(lambda x: lin(lin(x)), [torch.randn(4) for _ in range(5)],
+                             list(lin.parameters()))
+    assert f.stats.batched_calls == 2
+
+
+def test_tensors_captured_from_outside_are_shared():
+    w = torch.randn(4, 4, requires_grad=True)
+    assert_matches_eager(lambda x: torch.tanh(x @ w) + w[0], [torch.randn(4) for _ in range(5)], [w])
+
+
+def test_no_grad_inside_instance_code_is_respected():
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        with torch.no_grad():
+            a = lin(x)
+        return a + lin(x)
+
+    out = autobatch(fn)([torch.randn(3) for _ in range(3)])
+    out[0].sum().backward()
+    # only the second lin call contributes: d/dW = x once
+    assert lin.weight.grad is not None

@@ -1,0 +1,47 @@
+"""`batchcraft run`: the main job's table and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from batchcraft.cli import main
+
+
+def test_run_treelstm_json(capsys):
+    rc = main(["run", "treelstm", "--limit", "24", "--batch-size", "8", "--hidden", "16", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    for key in ("model", "batch_size", "eager_ms", "batchcraft_ms", "speedup", "max_abs_diff",
+                "batched_calls", "ops_recorded"):
+        assert key in res
+    assert res["model"] == "treelstm" and res["batch_size"] == 8
+    assert res["max_abs_diff"] <= 1e-5
+    assert 0 < res["batched_calls"] < res["ops_recorded"]
+
+
+def test_run_table_and_list(capsys):
+    assert main(["run", "treelstm", "--limit", "16", "--batch-size", "8", "--hidden", "16",
+                 "--no-progress", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up" in out and "batchcraft.autobatch" in out and "time split" in out
+    assert main(["run", "--list"]) == 0
+    assert "treelstm" in capsys.readouterr().out
+
+
+def test_run_errors(capsys, tmp_path):
+    assert main(["run", "nosuchmodel"]) == 1
+    assert "unknown model" in capsys.readouterr().err
+    bad = tmp_path / "bad.conllu"
+    bad.write_text("1\tA\n\n")
+    assert main(["run", "treelstm", "--data", str(bad), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["error"]["code"] == "data-format" and "bad.conllu:1" in out["error"]["message"]
+    assert main(["run", "treelstm", "--batch-size", "0"]) == 1
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "batchcraft", "run", "--list"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "treelstm" in r.stdout
