@@ -85,14 +85,22 @@ class WorkspaceAudit:
     def __exit__(self, *exc):
         WorkspaceAudit._active = None
 
-    def run(self, layer: str, pass_: str, fn):
+    def run(self, layer: str, passes, fn):
+        """Run ``fn`` profiled; record its peak minus its result(s) under each of ``passes``."""
         from batchcraft.microbatching.memory import peak_extra_bytes
 
         result, peak = peak_extra_bytes(fn)
-        extra = max(0, peak - result.numel() * result.element_size())
-        key = (layer, pass_)
-        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0), extra)
+        results = result if isinstance(result, tuple) else (result,)
+        extra = max(0, peak - sum(r.numel() * r.element_size() for r in results if r is not None))
+        for pass_ in ([passes] if isinstance(passes, str) else passes):
+            key = (layer, pass_)
+            self.peak_bytes[key] = max(self.peak_bytes.get(key, 0), extra)
         return result
+
+
+def _audited(layer: str, passes, fn):
+    audit = WorkspaceAudit._active
+    return fn() if audit is None else audit.run(layer, passes, fn)
 
 
 def _run(layer: str, pass_: str, steps, a, b, geom):
@@ -101,17 +109,29 @@ def _run(layer: str, pass_: str, steps, a, b, geom):
             f"layer {layer}: pass {pass_} was not planned, so it has no workspace guarantee",
             hint="plan it: microbatch(..., passes='training')")
     a = a.contiguous()
-    fn = lambda: execute_pass(pass_, steps, a, b.contiguous(), geom)  # noqa: E731
-    audit = WorkspaceAudit._active
-    return fn() if audit is None else audit.run(layer, pass_, fn)
+    return _audited(layer, pass_, lambda: execute_pass(pass_, steps, a, b.contiguous(), geom))
+
+
+def _is_plain_default(steps, n: int) -> bool:
+    return steps is not None and len(steps) == 1 and steps[0][0] == "default" and steps[0][1] >= n
+
+
+def _default_conv(x, weight, bias, g: ConvGeometry):
+    return torch.ops.aten.convolution(x, weight, bias, list(g.stride), list(g.padding), list(g.dilation),
+                                      False, [0, 0], g.groups)
 
 
 class _PlannedConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module):
-        y = _run(module.layer_name, "forward", module.steps.get("forward"), x, weight, module.geometry)
-        if bias is not None:
-            y = y.add_(bias.view(1, -1, 1, 1))
+        g, steps = module.geometry, module.steps.get("forward")
+        if _is_plain_default(steps, x.shape[0]):
+            # the plan is PyTorch's own call: make it exactly that call (bias fused), no extra pass
+            y = _audited(module.layer_name, "forward", lambda: _default_conv(x, weight, bias, g))
+        else:
+            y = _run(module.layer_name, "forward", steps, x, weight, g)
+            if bias is not None:
+                y = y.add_(bias.view(1, -1, 1, 1))
         ctx.save_for_backward(x, weight)
         ctx.module, ctx.has_bias = module, bias is not None
         return y
@@ -122,11 +142,23 @@ class _PlannedConvFunction(torch.autograd.Function):
         m = ctx.module
         dy = dy.contiguous()
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        plain = [_is_plain_default(m.steps.get(p), x.shape[0]) for p in ("backward_data", "backward_filter")]
+        if (plain[0] or not need_x) and (plain[1] or not need_w):
+            # both passes are PyTorch's default, undivided: one convolution_backward, as autograd
+            # would do; its peak is recorded for both passes
+            g = m.geometry
+            dx, dw, db = _audited(m.layer_name, [p for p, need in (("backward_data", need_x),
+                                                                   ("backward_filter", need_w)) if need],
+                                  lambda: torch.ops.aten.convolution_backward(
+                dy, x, weight, [weight.shape[0]] if need_b else None, list(g.stride), list(g.padding),
+                list(g.dilation), False, [0, 0], g.groups, [need_x, need_w, need_b]))
+            return dx, dw, db, None
+        if need_x:
             dx = _run(m.layer_name, "backward_data", m.steps.get("backward_data"), dy, weight, m.geometry)
-        if ctx.needs_input_grad[1]:
+        if need_w:
             dw = _run(m.layer_name, "backward_filter", m.steps.get("backward_filter"), dy, x, m.geometry)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if need_b:
             db = dy.sum((0, 2, 3))
         return dx, dw, db, None
 

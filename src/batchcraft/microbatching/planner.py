@@ -136,7 +136,9 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, workspace_limit
 
     for geom, p, n, a in tqdm(jobs, desc="microbatch: measuring", unit="config", file=sys.stderr,
                               disable=not progress, leave=False):
-        rec = measurer.measure(geom, p, a, n, divided=n < batch, limit_bytes=limit)
+        # the default, undivided, is always timed: it is the baseline even when it exceeds the budget
+        baseline = n == batch and a == "default"
+        rec = measurer.measure(geom, p, a, n, divided=n < batch, limit_bytes=None if baseline else limit)
         if n == batch and a == "default":
             defaults[(geom, p)] = (rec.time_ms, rec.workspace_bytes)
             if algorithms is not None and "default" not in algorithms:
@@ -162,7 +164,7 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, workspace_limit
             (name, p), need = max(bad, key=lambda kv: kv[1])
             raise WorkspaceError(
                 f"microbatch: layer {name} ({p}) cannot run within workspace_limit={format_bytes(limit)} "
-                f"({limit} bytes, policy 'wr') with any algorithm or micro-batch division; "
+                f"({limit} bytes, policy 'wr') with any algorithm and micro-batch candidates '{batch_sizes}'; "
                 f"the smallest feasible budget for this model is {max(minimum.values())} bytes "
                 f"({format_bytes(max(minimum.values()))})",
                 hint="raise workspace_limit, or allow more algorithms / batch_sizes='all'")

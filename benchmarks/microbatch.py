@@ -1,0 +1,139 @@
+"""Micro-batching benchmark (issue 4): AlexNet and ResNet-18 at batch 64 under 8, 64 and 512 MiB.
+
+For each model, budget and mode (forward only; forward + backward) it plans with the WR policy
+and powerOfTwo candidates, then times three variants in interleaved rounds: PyTorch's default
+(no budget), the best undivided plan under the same budget, and the micro-batched plan. Reports
+medians, speed-ups, the measured peak workspace (every planned layer-pass profiled on an untimed
+run) and the checks of the issue. Per-layer speed-ups come from the planner's measurements.
+
+Measurements are cached in ``--cache`` (budgets run largest first, so later budgets reuse them);
+delete the file for a cold run. Writes JSON to ``--out`` and a markdown report to stdout.
+
+    python benchmarks/microbatch.py                      # ~10 min on 2 cores
+    python benchmarks/microbatch.py --models alexnet --budgets 64MiB --repeats 3   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from batchcraft import models
+from batchcraft.measure import format_table, machine_info
+from batchcraft.microbatching.budget import format_bytes, parse_budget
+from batchcraft.microbatching.compare import compare, example_input_for
+
+
+def _sizes(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="alexnet,resnet18")
+    p.add_argument("--image-sizes", type=_sizes, default=_sizes("alexnet=128,resnet18=112"),
+                   help="input H=W per model (default alexnet=128,resnet18=112: 224 does not fit 10 min on 2 cores)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--budgets", default="512MiB,64MiB,8MiB")
+    p.add_argument("--modes", default="inference,training")
+    p.add_argument("--policy", default="wr", choices=["wr", "wd"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cache", default="results/microbatch_cache.sqlite")
+    p.add_argument("--out", default="results/microbatch.json")
+    args = p.parse_args(argv)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+    info = machine_info()
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    budgets = sorted(args.budgets.split(","), key=parse_budget, reverse=True)
+    runs = []
+    for name in args.models.split(","):
+        torch.manual_seed(0)
+        model = models.get(name)
+        x = example_input_for(model, args.batch_size, args.image_sizes.get(name))
+        for budget in budgets:
+            for mode in args.modes.split(","):
+                print(f"[{time.perf_counter() - t0:6.0f} s] {name} {budget} {mode}", file=sys.stderr)
+                r = compare(model, x, budget, policy=args.policy, training=mode == "training",
+                            repeats=args.repeats, cache=args.cache)
+                r.pop("plan_obj")
+                r.update(model=name, budget=budget, mode=mode, input_shape=list(x.shape))
+                runs.append(r)
+    elapsed = time.perf_counter() - t0
+    out = {"machine": info, "load_before": load_before, "load_after": os.getloadavg(), "elapsed_s": elapsed,
+           "args": vars(args), "runs": runs}
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    print(render(out))
+    return 0
+
+
+def _checks(r) -> str:
+    t = r["times_ms"]
+    notes = []
+    if "undivided" in t:
+        ratio = t["planned"] / t["undivided"]
+        notes.append(f"vs undivided {'ok' if ratio <= 1.03 else 'SLOWER'} ({ratio:.3f})")
+    else:
+        notes.append("no undivided plan fits")
+    if r["default_admitted"]:
+        ratio = t["planned"] / t["default"]
+        notes.append(f"default fits: {'ok' if ratio <= 1.03 else 'SLOWER >3%'} ({ratio:.3f})")
+    else:
+        notes.append("default exceeds budget")
+    budget = r["workspace_limit_bytes"]
+    peak = r["peak_workspace_bytes"].get("planned", 0)
+    notes.append(f"peak {'<=' if peak <= budget else 'OVER'} budget")
+    return "; ".join(notes)
+
+
+def render(out: dict) -> str:
+    m = out["machine"]
+    lines = [f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, torch {m['torch']}, {m['torch_threads']} intra-op "
+             f"threads, Python {m['python']}. Load average before/after: "
+             f"{out['load_before'][0]:.2f} / {out['load_after'][0]:.2f}. Total {out['elapsed_s'] / 60:.1f} min.", ""]
+    rows = []
+    for r in out["runs"]:
+        t = r["times_ms"]
+        default_ws = max((pp["default_workspace_bytes"] or 0) for layer in r["plan"]["layers"]
+                         for pp in layer["passes"].values())
+        rows.append([r["model"], "fwd" if r["mode"] == "inference" else "fwd+bwd", r["budget"], t["default"],
+                     t.get("undivided", "n/a"), t["planned"], f"{r['speedup_vs_default']:.2f}x",
+                     "n/a" if r["speedup_vs_undivided"] is None else f"{r['speedup_vs_undivided']:.2f}x",
+                     format_bytes(r["peak_workspace_bytes"].get("planned", 0)), format_bytes(default_ws),
+                     f"{r['max_abs_diff']['planned']:.1e}", _checks(r)])
+    lines.append(format_table(["model", "pass", "budget", "default_ms", "undivided_ms", "planned_ms", "vs default",
+                               "vs undivided", "peak ws (planned, measured)", "default needs (max layer)",
+                               "max abs diff", "checks"], rows, markdown=True))
+    lines.append("")
+    lines.append("Per layer-pass (forward + backward plans; times are the planner's measurements, ms):")
+    for r in out["runs"]:
+        if r["mode"] != "training":
+            continue
+        lines.append(f"\n<details><summary>{r['model']} {r['budget']}: predicted {r['plan']['predicted_ms']:.1f} ms, "
+                     f"default {r['plan']['default_predicted_ms']:.1f} ms, undivided "
+                     f"{r['plan']['undivided_predicted_ms'] or float('nan'):.1f} ms</summary>\n")
+        prow = []
+        for layer in r["plan"]["layers"]:
+            for pname, pp in layer["passes"].items():
+                steps = " + ".join(f"{s['algorithm']} {s['micro_batch']}" for s in pp["steps"])
+                if len(pp["steps"]) > 1 and len({(s["algorithm"], s["micro_batch"]) for s in pp["steps"]}) == 1:
+                    steps = f"{pp['steps'][0]['algorithm']} {pp['steps'][0]['micro_batch']}x{len(pp['steps'])}"
+                prow.append([layer["name"], pname, steps, pp["time_ms"], format_bytes(pp["workspace_bytes"]),
+                             pp["default_ms"], "n/a" if pp["undivided_ms"] is None else pp["undivided_ms"],
+                             f"{pp['default_ms'] / pp['time_ms']:.2f}x",
+                             "n/a" if pp["undivided_ms"] is None else f"{pp['undivided_ms'] / pp['time_ms']:.2f}x"])
+        lines.append(format_table(["layer", "pass", "division", "plan_ms", "workspace", "default_ms", "undivided_ms",
+                                   "vs default", "vs undivided"], prow, markdown=True))
+        lines.append("\n</details>")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

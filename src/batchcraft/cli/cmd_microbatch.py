@@ -1,0 +1,107 @@
+"""``batchcraft microbatch``: plan a model's convolutions under a workspace budget and time it."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+NAME = "microbatch"
+HELP = "micro-batch a model's convolutions under a workspace budget (μ-cuDNN) and time it"
+DESCRIPTION = (
+    "Measure every convolution algorithm at every candidate micro-batch size (cached in SQLite), "
+    "choose per layer the fastest division that fits the workspace budget (policy wr: dynamic "
+    "programming per layer; wd: integer programming over the network), then time the planned model "
+    "against PyTorch's default and against the best undivided plan under the same budget, and "
+    "report the measured peak workspace.")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="registry model name, e.g. resnet18, alexnet, deepbench_3x3_54x54x64")
+    p.add_argument("--batch-size", type=int, default=64, help="mini-batch to divide (default: 64)")
+    p.add_argument("--workspace", default="64MiB", help="workspace budget: bytes or 8MiB, 1.5GiB, ... (default: 64MiB)")
+    p.add_argument("--policy", choices=["wr", "wd"], default="wr",
+                   help="wr: limit per layer-pass (DP); wd: one network budget (ILP) (default: wr)")
+    p.add_argument("--batch-sizes", choices=["undivided", "powerOfTwo", "all"], default="powerOfTwo",
+                   help="micro-batch candidates (default: powerOfTwo)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="input height = width for image models (default: 224; DeepBench layers use their own)")
+    p.add_argument("--inference", action="store_true", help="plan and time the forward pass only (eval mode)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (default: 5)")
+    p.add_argument("--cache", default=None, metavar="FILE",
+                   help="measurement cache file (default: the user's cache directory; $BATCHCRAFT_CACHE_DIR)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of per-layer time: default, undivided, plan")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # optional extra
+        from batchcraft.errors import ConfigurationError
+
+        raise ConfigurationError("--plot needs matplotlib", hint="pip install 'batchcraft[plot]'") from exc
+    rows = [(f"{layer['name']}:{p[:10]}", pp) for layer in result["plan"]["layers"] for p, pp in layer["passes"].items()]
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(rows)), 4))
+    xs = range(len(rows))
+    for i, (key, label) in enumerate([("default_ms", "PyTorch default"), ("undivided_ms", "best undivided"),
+                                      ("time_ms", "micro-batched plan")]):
+        ax.bar([x + (i - 1) * 0.27 for x in xs], [pp[key] or 0 for _, pp in rows], width=0.27, label=label)
+    ax.set_xticks(list(xs), [r[0] for r in rows], rotation=90, fontsize=6)
+    ax.set_ylabel("measured time per layer-pass (ms)")
+    ax.set_title(f"{result['model']} batch {result['batch_size']}, workspace {result['workspace']}, {result['policy']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(args) -> int:
+    import torch
+
+    from batchcraft import models
+    from batchcraft.errors import ConfigurationError
+    from batchcraft.measure import format_table, machine_info
+    from batchcraft.microbatching.budget import format_bytes
+    from batchcraft.microbatching.compare import compare, example_input_for
+
+    if args.batch_size < 1:
+        raise ConfigurationError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model = models.get(args.model)
+    except KeyError as exc:
+        raise ConfigurationError(str(exc.args[0])) from None
+    x = example_input_for(model, args.batch_size, args.image_size)
+    result = compare(model, x, args.workspace, policy=args.policy, batch_sizes=args.batch_sizes,
+                     training=not args.inference, repeats=args.repeats, cache=args.cache,
+                     progress=not args.json)
+    plan = result.pop("plan_obj")
+    result.update(model=args.model, workspace=args.workspace, input_shape=list(x.shape), machine=machine_info())
+    if args.plot:
+        _plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    mode = "inference (forward)" if args.inference else "training (forward + backward)"
+    print(f"{args.model}, batch {args.batch_size}, input {tuple(x.shape[1:])}, {mode}, workspace {args.workspace} "
+          f"({result['workspace_limit_bytes']} bytes), policy {args.policy}, candidates {args.batch_sizes}")
+    print(f"planning: {plan.planning_s:.1f} s, {plan.measured} configurations measured (rest from the cache)\n")
+    print(plan.table())
+    if plan.skipped:
+        print("\nnot planned: " + "; ".join(f"{k}: {v}" for k, v in plan.skipped.items()))
+    t, iqr = result["times_ms"], result["iqr_ms"]
+    rows = [[k, t[k], iqr[k], t[k] / t["planned"], format_bytes(result["peak_workspace_bytes"][k])
+             if k in result["peak_workspace_bytes"] else "unbounded (PyTorch)"] for k in t]
+    print(f"\nwhole model, median of {result['repeats']} interleaved rounds "
+          f"({torch.get_num_threads()} intra-op threads):")
+    print(format_table(["variant", "median_ms", "iqr_ms", "time / planned", "peak workspace (measured)"], rows))
+    if result["undivided_error"]:
+        print(f"no undivided plan fits: {result['undivided_error']}")
+    print(f"planned vs default: max |diff| of eval outputs {result['max_abs_diff']['planned']:.2e} "
+          f"(output scale {result['output_scale']:.2e})")
+    sys.stdout.flush()
+    return 0
