@@ -59,38 +59,30 @@ def stack_leaves(nodes) -> torch.Tensor:
 
 def gather(lazies: list, n: int) -> torch.Tensor:
     """One tensor of shape (n, *per-instance shape) holding the values of ``lazies`` in order."""
-    x0 = lazies[0]
-    nd0 = x0.node
+    nodes = [x.node for x in lazies]
+    nd0 = nodes[0]
     outs0 = nd0.outs
-    if outs0 is None and type(nd0) is LeafNode:
-        nodes = [x.node for x in lazies]
-        if all(type(nd) is LeafNode for nd in nodes):
+    if outs0 is None:
+        if type(nd0) is LeafNode and all(type(nd) is LeafNode for nd in nodes):
             return stack_leaves(nodes)
-    elif outs0 is not None:
-        slot, r0 = x0.slot, nd0.row
-        i = r0
-        for x in lazies:
-            nd = x.node
-            if nd.outs is not outs0 or x.slot != slot or nd.row != i:
-                break
-            i += 1
-        else:
+    else:
+        slot = lazies[0].slot
+        if all(nd.outs is outs0 for nd in nodes) and all(x.slot == slot for x in lazies):
             t = outs0[slot]
-            return t if (r0 == 0 and t.shape[0] == n) else t[r0:r0 + n]
-    # general case: group by source, keep order
+            rows = [nd.row for nd in nodes]
+            r0 = rows[0]
+            if rows[-1] - r0 == n - 1 and rows == list(range(r0, r0 + n)):
+                return t if (r0 == 0 and t.shape[0] == n) else t[r0:r0 + n]  # a view, no copy
+            return t.index_select(0, torch.tensor(rows, device=t.device))
+    # several sources: one piece per source, then put the rows back in order
     index: dict = {}
-    sources: list = []  # [tensor or None (leaves), rows or leaf nodes]
+    sources: list = []  # (tensor or None for leaves, rows or leaf nodes)
     order = []
-    for x in lazies:
-        nd = x.node
-        if type(nd) is LeafNode:
-            k = None
-        else:
-            k = (id(nd.outs), x.slot)
+    for x, nd in zip(lazies, nodes):
+        k = None if type(nd) is LeafNode else (id(nd.outs), x.slot)
         s = index.get(k)
         if s is None:
-            s = len(sources)
-            index[k] = s
+            s = index[k] = len(sources)
             sources.append((None if k is None else nd.outs[x.slot], []))
         rows = sources[s][1]
         order.append((s, len(rows)))
@@ -101,12 +93,10 @@ def gather(lazies: list, n: int) -> torch.Tensor:
             pieces.append(stack_leaves(rows))
         else:
             r0 = rows[0]
-            if rows == list(range(r0, r0 + len(rows))):
+            if rows[-1] - r0 == len(rows) - 1 and rows == list(range(r0, r0 + len(rows))):
                 pieces.append(t[r0:r0 + len(rows)])
             else:
                 pieces.append(t.index_select(0, torch.tensor(rows, device=t.device)))
-    if len(pieces) == 1:
-        return pieces[0]
     cat = torch.cat(pieces)
     offsets, acc = [], 0
     for p in pieces:

@@ -156,6 +156,8 @@ class Recorder:
         self.ops_recorded += 1
         if info.single:
             return LazyTensor(node, 0, info.out_descs[0])
+        if info.flat_tuple:
+            return tuple([LazyTensor(node, i, d) for i, d in enumerate(info.out_descs)])
         return rebuild(info.out_struct, iter([LazyTensor(node, i, d) for i, d in enumerate(info.out_descs)]))
 
     # -- slower paths --------------------------------------------------------------------------

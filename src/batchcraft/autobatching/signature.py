@@ -96,7 +96,7 @@ class SigInfo:
         program: the traced program, for static blocks.
     """
 
-    __slots__ = ("sid", "key", "out_struct", "out_descs", "single", "program")
+    __slots__ = ("sid", "key", "out_struct", "out_descs", "single", "flat_tuple", "program")
     _next = 0
 
     def __init__(self, key, out_struct, out_descs, program=None):
@@ -106,6 +106,9 @@ class SigInfo:
         self.out_struct = out_struct
         self.out_descs = out_descs
         self.single = out_struct is LEAF
+        # outputs that are a plain tuple of tensors (e.g. (h, c)) are built without rebuild()
+        self.flat_tuple = (type(out_struct) is tuple and out_struct[0] is tuple
+                           and all(s is LEAF for s in out_struct[1]))
         self.program = program
 
 
