@@ -1,23 +1,33 @@
 """`batchcraft tune` and `batchcraft launch` end to end: JSON on stdout, saved best, applied config."""
 
 import json
+import os
 import sys
 
 import pytest
+import torch
 
 from batchcraft.cli import main
-from batchcraft.parallel import BASELINES, usable_cpus
+from batchcraft.parallel import BASELINES, ParallelConfig, usable_cpus
 
 
 @pytest.mark.slow
 def test_tune_json_saves_best_and_launch_applies_it(tmp_path, capsys):
     best, png = tmp_path / "best.json", tmp_path / "tune.png"
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     rc = main(["tune", "--model", "mlp_fc512", "--batch-sizes", "2", "--budget", "5s", "--repeats", "1",
                "--json", "--output", str(best), "--plot", str(png)])
     out = capsys.readouterr().out
     assert rc == 0
     result = json.loads(out)  # exactly one JSON object on stdout
-    assert set(result["per_batch"][0]["ratios"]) == set(BASELINES)
+    assert torch.get_num_threads() == threads and os.environ.get("OMP_NUM_THREADS") == env  # restored
+    (pb,) = result["per_batch"]
+    assert set(pb["ratios"]) == set(BASELINES)
+    # the choice and every baseline were measured in the same final round; the choice is never worse
+    assert all(r >= 1.0 for r in pb["ratios"].values()), pb["ratios"]
+    assert {r["config"]["label"] for r in result["rounds"] if r["role"] == "final"} >= set(BASELINES)
+    best_cfg = ParallelConfig.load(best)
+    best_cfg.validate(usable_cpus(), oversubscribe=best_cfg.label != "grid")
     saved = json.loads(best.read_text())
     assert saved["best"]["batch_size"] == 2 and saved["best"]["throughput_items_per_s"] > 0
     assert png.stat().st_size > 0

@@ -155,6 +155,11 @@ class WorkerGroup:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> "WorkerGroup":
         """Start the instances and wait until each has built its model."""
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> "WorkerGroup":
+        """Start the instance processes without waiting (see :meth:`wait_ready`)."""
         code = _bootstrap_code()
         src_root = str(Path(__file__).resolve().parents[2])  # the directory holding batchcraft/
         try:
@@ -172,6 +177,14 @@ class WorkerGroup:
                 self._procs.append(proc)
                 self._conns.append(parent_conn)
                 self._logs.append(log)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def wait_ready(self) -> "WorkerGroup":
+        """Wait until every spawned instance has built its model; raise WorkerError if one failed."""
+        try:
             self.info = [self._expect(i, "ready", self.start_timeout_s)[1] for i in range(len(self._procs))]
         except BaseException:
             self.close()

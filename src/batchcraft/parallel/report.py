@@ -35,7 +35,7 @@ def comparison_table(result: dict, *, markdown: bool = False) -> str:
         best = pb["best"]
         rows.append([pb["batch_size"], "tuned", *_cfg_cells(best["config"])[1:], best["throughput_items_per_s"],
                      best["latency_p50_ms"], 1.0])
-        for label in BASELINES:
+        for label in [lbl for lbl in BASELINES if lbl in pb["baselines"]]:
             r = pb["baselines"][label]
             rows.append([pb["batch_size"], label, *_cfg_cells(r["config"])[1:], r["throughput_items_per_s"],
                          r["latency_p50_ms"], pb["ratios"][label]])
@@ -59,9 +59,10 @@ def plot(result: dict, path) -> None:
     per = result["per_batch"]
     fig, axes = plt.subplots(1, len(per), figsize=(4.5 * len(per), 3.8), squeeze=False)
     for ax, pb in zip(axes[0], per):
-        labels = ["tuned", *BASELINES]
-        values = [pb["best"]["throughput_items_per_s"]] + [pb["baselines"][k]["throughput_items_per_s"] for k in BASELINES]
-        ax.bar(range(len(labels)), values, color=["tab:green"] + ["tab:gray"] * len(BASELINES))
+        present = [k for k in BASELINES if k in pb["baselines"]]
+        labels = ["tuned", *present]
+        values = [pb["best"]["throughput_items_per_s"]] + [pb["baselines"][k]["throughput_items_per_s"] for k in present]
+        ax.bar(range(len(labels)), values, color=["tab:green"] + ["tab:gray"] * len(present))
         ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=30, ha="right")
         ax.set_title(f"{result['model']}, batch {pb['batch_size']}")
         ax.set_ylabel("items/s")

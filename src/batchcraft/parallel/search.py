@@ -126,12 +126,24 @@ class _Groups:
         self.model, self.model_kwargs, self.image_size, self.cpus = model, model_kwargs, image_size, cpus
         self._groups: dict[tuple, WorkerGroup] = {}
 
+    def _new(self, cfg: ParallelConfig) -> WorkerGroup:
+        return WorkerGroup(cfg, self.model, model_kwargs=self.model_kwargs, image_size=self.image_size,
+                           cpus=self.cpus, oversubscribe=cfg.label != "grid")
+
+    def start_all(self, configs) -> None:
+        """Start every configuration's processes at once (start-up overlaps), then wait for all."""
+        new = []
+        for cfg in configs:
+            if cfg.key() not in self._groups:
+                self._groups[cfg.key()] = g = self._new(cfg).spawn()
+                new.append(g)
+        for g in new:
+            g.wait_ready()
+
     def measure(self, cfg: ParallelConfig, duration_s: float, warmup_s: float = 0.3) -> TrialResult:
         g = self._groups.get(cfg.key())
         if g is None:
-            g = WorkerGroup(cfg, self.model, model_kwargs=self.model_kwargs, image_size=self.image_size,
-                            cpus=self.cpus, oversubscribe=cfg.label != "grid")
-            self._groups[cfg.key()] = g.start()
+            self._groups[cfg.key()] = g = self._new(cfg).start()
         res = g.measure(cfg.batch_size, duration_s, warmup_s=warmup_s)
         res.config["label"] = cfg.label
         return res
@@ -167,7 +179,7 @@ def _prepare(model, model_kwargs, image_size, batch_sizes, objective, cpus):
 def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", budget_s: float = 120.0,
          latency_limit_ms: float | None = None, model_kwargs: dict | None = None,
          image_size: int | None = None, cpus: list[int] | None = None, eta: int = 2,
-         repeats: int = 3, progress: bool = False) -> TuneResult:
+         repeats: int = 3, compare_baselines: bool = True, progress: bool = False) -> TuneResult:
     """Find the best parallel configuration for registry model ``model`` within ``budget_s``.
 
     Args:
@@ -182,6 +194,10 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
         eta (int): successive-halving factor (>= 2). Default: 2.
         repeats (int): interleaved passes per round; each configuration keeps its median (>= 1).
             Default: 3.
+        compare_baselines (bool): measure every baseline again in the final round, beside the
+            choice, for like-with-like ratios (and replace the choice if a baseline beats it there).
+            False: only the choice is measured at the final length; per_batch has no baselines.
+            Default: True.
         progress (bool): show a tqdm progress bar on stderr. Default: False.
     Returns:
         TuneResult: best configuration, per-batch-size baselines and ratios, every trial.
@@ -204,13 +220,19 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
     with preserved_thread_state():
         cpus, analysis, traceable = _prepare(model, model_kwargs, image_size, batch_sizes, objective, cpus)
         plans = [_candidates(analysis, traceable, b, cpus) for b in batch_sizes]
+        groups = _Groups(model, model_kwargs, image_size, cpus)
+        try:
+            groups.start_all(plans[0][0])
+        except BaseException:
+            groups.close()
+            raise
         n = len(plans[0][0])
         rounds = max(1, math.ceil(math.log(n, eta))) if n > 1 else 0
         sizes = [math.ceil(n / eta ** r) for r in range(rounds + 1)]
-        units = sum(s * eta ** r for r, s in enumerate(sizes)) + len(BASELINES) * eta ** rounds
-        n_trials = (sum(sizes) + len(BASELINES)) * repeats
-        startup_s = 1.5 * len({c.key() for c in plans[0][0]})
-        per_batch_s = (budget_s - startup_s - (time.monotonic() - t_start)) / len(batch_sizes)
+        n_final_baselines = len(BASELINES) if compare_baselines else 0
+        units = sum(s * eta ** r for r, s in enumerate(sizes)) + n_final_baselines * eta ** rounds
+        n_trials = (sum(sizes) + n_final_baselines) * repeats
+        per_batch_s = (budget_s - (time.monotonic() - t_start)) / len(batch_sizes)
         # first warm-up of each configuration ~0.3 s, then ~0.08 s of synchronisation per trial
         d0 = (per_batch_s - 0.3 * n - 0.08 * n_trials) / units
         notes = []
@@ -218,7 +240,6 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
             notes.append(f"budget {budget_s:.0f} s is too small for {n} candidates x {len(batch_sizes)} "
                          f"batch sizes; trials shortened to 0.05 s (noisy)")
             d0 = 0.05
-        groups = _Groups(model, model_kwargs, image_size, cpus)
         trials, rounds, per_batch, finals = [], [], [], []
         bar = tqdm(total=n_trials * len(batch_sizes), desc=f"tune {model}", file=sys.stderr,
                    disable=not progress, leave=False)
@@ -226,7 +247,7 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
             for (cands, baselines), b in zip(plans, batch_sizes):
                 best_cfg, best_res, base_res, d = _halving(
                     cands, baselines, d0, eta, groups, objective, latency_limit_ms, trials, rounds, bar,
-                    deadline=t_start + budget_s, repeats=repeats)
+                    deadline=t_start + budget_s, repeats=repeats, compare_baselines=compare_baselines)
                 ratios = {}
                 for label, r in base_res.items():
                     ratios[label] = _ratio(best_res, r, objective)
@@ -258,7 +279,8 @@ def _median_result(results: list[TrialResult], objective: str, limit) -> TrialRe
     return ranked[len(ranked) // 2]
 
 
-def _halving(cands, baselines, d0, eta, groups, objective, limit, trials, rounds, bar, *, deadline, repeats):
+def _halving(cands, baselines, d0, eta, groups, objective, limit, trials, rounds, bar, *, deadline, repeats,
+             compare_baselines):
     """Successive halving over ``cands``, then the winner and the baselines at the final length.
 
     Each round measures its configurations ``repeats`` times in interleaved passes of d / repeats
@@ -292,13 +314,15 @@ def _halving(cands, baselines, d0, eta, groups, objective, limit, trials, rounds
     winner = measured[0][0]
     if len(measured) > 1:  # final round at eta x the last length: the winner and every baseline
         d, rnd = d * eta, rnd + 1
+    if not compare_baselines:
+        baselines = [b for b in baselines if b.key() == winner.key()]
     final = [winner] + [b for b in baselines if b.key() != winner.key()]
     final_res = dict((c.key(), r) for c, r in measure_round(final, d, rnd, "final"))
     base_res = {b.label: final_res[b.key()] for b in baselines}
     winner_res = final_res[winner.key()]
     # Never keep a choice that a baseline beat in the same final round.
-    top = max(baselines, key=lambda b: score(base_res[b.label], objective, limit))
-    if score(base_res[top.label], objective, limit) > score(winner_res, objective, limit):
+    top = max(baselines, key=lambda b: score(base_res[b.label], objective, limit), default=None)
+    if top is not None and score(base_res[top.label], objective, limit) > score(winner_res, objective, limit):
         winner, winner_res = top, base_res[top.label]
     return winner, winner_res, base_res, d
 
@@ -317,6 +341,7 @@ def sweep(model: str, *, batch_sizes=(1, 8, 64), duration_s: float = 1.0, repeat
         groups = _Groups(model, model_kwargs, image_size, cpus)
         out = []
         try:
+            groups.start_all(_candidates(analysis, traceable, batch_sizes[0], cpus)[0])
             for b in batch_sizes:
                 cands = _candidates(analysis, traceable, b, cpus)[0]
                 runs = {id(c): [] for c in cands}

@@ -1,0 +1,168 @@
+"""Parallelism tuner vs an exhaustive sweep and the recommended baselines (issue 5).
+
+For every model and batch size: the tuner's choice (``batchcraft.parallel.tune`` with a time
+budget) is re-measured in an exhaustive sweep of every candidate configuration, so the choice, the
+sweep's best and every baseline are compared in one set of measurements. Also measures the
+inter-op executor's gain on the wide models in-process. Writes JSON to results/ and prints
+markdown for docs/benchmarks.md.
+
+    .venv/bin/python benchmarks/parallel.py                       # all models, ~8-10 min on 2 cores
+    .venv/bin/python benchmarks/parallel.py --models mlp_fc512 --batch-sizes 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from batchcraft import models
+from batchcraft.measure import format_table, machine_info, measure
+from batchcraft.parallel import BASELINES, InterOpExecutor, sweep, tune
+from batchcraft.parallel.workload import build_model, make_input
+
+DEFAULT_MODELS = ["mlp_fc512", "mlp_fc4096", "inception_wide", "recommender", "resnet18"]
+
+
+def _key(cfg: dict) -> tuple:
+    return (cfg["instances"], cfg["inter_op_threads"], cfg["intra_op_threads"], cfg["pin"],
+            tuple(sorted(cfg.get("env", {}).items())))
+
+
+def _short(cfg: dict) -> str:
+    intra = "def" if cfg["intra_op_threads"] is None else cfg["intra_op_threads"]
+    return f"{cfg['instances']}x{cfg['inter_op_threads']}x{intra}"
+
+
+def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: float, image_size: int) -> dict:
+    t0 = time.monotonic()
+    # The baselines are compared in the sweep below, so the tuner only searches (no baseline report).
+    tuned = tune(name, batch_sizes=batch_sizes, budget_s=budget_s, image_size=image_size, compare_baselines=False)
+    tune_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    swept = sweep(name, batch_sizes=batch_sizes, duration_s=sweep_s, image_size=image_size)
+    sweep_s_used = time.monotonic() - t0
+    rows = []
+    for pb in tuned.per_batch:
+        b = pb["batch_size"]
+        at_b = [r for r in swept if r.batch_size == b]
+        by_key = {_key(r.config): r for r in at_b}
+        best = max(at_b, key=lambda r: r.throughput_items_per_s)
+        choice_cfg = pb["best"]["config"]
+        choice = by_key[_key(choice_cfg)]
+        row = {
+            "model": name, "batch_size": b,
+            "tuned": _short(choice_cfg), "tuned_label": choice_cfg["label"],
+            "sweep_best": _short(best.config), "sweep_best_label": best.config["label"],
+            "tuned_items_per_s": choice.throughput_items_per_s,
+            "sweep_best_items_per_s": best.throughput_items_per_s,
+            "tuned_vs_sweep_best": choice.throughput_items_per_s / best.throughput_items_per_s,
+        }
+        for label in BASELINES:
+            base = next(r for r in at_b if r.config["label"] == label)
+            row[f"vs_{label}"] = choice.throughput_items_per_s / base.throughput_items_per_s
+            row[f"{label}_items_per_s"] = base.throughput_items_per_s
+        rows.append(row)
+    return {"model": name, "tune_s": tune_s, "sweep_s": sweep_s_used, "rows": rows,
+            "analysis": tuned.analysis, "tune_notes": tuned.notes,
+            "tune_result": tuned.to_dict(), "sweep": [r.to_dict() for r in swept]}
+
+
+def bench_executor(name: str, batch_sizes: list[int], image_size: int) -> list[dict]:
+    """In-process: eager with all cores vs the inter-op executor (cores split over pools)."""
+    cores = len(os.sched_getaffinity(0))
+    model = build_model(name)
+    out = []
+    saved = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for b in batch_sizes:
+                x = make_input(model, b, image_size=image_size)
+                torch.set_num_threads(cores)
+                eager = measure(lambda: model(x), repeats=15, warmup=3)
+                pools = min(cores, 2) if cores >= 2 else 1
+                with InterOpExecutor(model, inter_op_threads=pools, intra_op_threads=max(1, cores // pools)) as run:
+                    diff = (run(x) - model(x)).abs().max().item()
+                    ex = measure(lambda: run(x), repeats=15, warmup=3)
+                out.append({"model": name, "batch_size": b, "eager_ms": eager.median_ms,
+                            "eager_iqr_ms": eager.iqr_ms, "executor_ms": ex.median_ms, "executor_iqr_ms": ex.iqr_ms,
+                            "pools": pools, "intra_op_threads": max(1, cores // pools),
+                            "speedup": eager.median_ms / ex.median_ms, "max_abs_diff": diff})
+    finally:
+        torch.set_num_threads(saved)
+    return out
+
+
+def render(report: dict) -> str:
+    lines = []
+    m = report["machine"]
+    lines.append(f"Machine: {m['cpu']}, {m['usable_cpus']} usable cores, torch {m['torch']}, "
+                 f"Python {m['python']}; load average before/after: {report['load_before']} / {report['load_after']}.")
+    lines.append(f"Settings: tuner budget {report['budget_s']:.0f} s per model (all batch sizes), sweep "
+                 f"{report['sweep_s']:.1f} s per configuration and batch size (3 interleaved repeats, median).")
+    lines.append("")
+    headers = ["model", "batch", "tuned (inst x pools x intra)", "sweep best", "tuned/sweep best",
+               *[f"vs {b}" for b in BASELINES]]
+    rows = []
+    for mres in report["models"]:
+        for r in mres["rows"]:
+            rows.append([r["model"], r["batch_size"], f"{r['tuned']} ({r['tuned_label']})",
+                         f"{r['sweep_best']} ({r['sweep_best_label']})", r["tuned_vs_sweep_best"],
+                         *[r[f"vs_{b}"] for b in BASELINES]])
+    lines.append(format_table(headers, rows, markdown=True))
+    lines.append("")
+    lines.append(format_table(["model", "tuner time (s)", "sweep time (s)", "tuner/sweep"],
+                              [[m["model"], m["tune_s"], m["sweep_s"], m["tune_s"] / m["sweep_s"]]
+                               for m in report["models"]], markdown=True))
+    if report["executor"]:
+        lines.append("")
+        lines.append(format_table(
+            ["model", "batch", "eager ms (all cores)", "executor ms (pools x intra)", "speedup", "max_abs_diff"],
+            [[e["model"], e["batch_size"], e["eager_ms"], f"{e['executor_ms']:.2f} ({e['pools']}x{e['intra_op_threads']})",
+              e["speedup"], e["max_abs_diff"]] for e in report["executor"]], markdown=True))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    p.add_argument("--batch-sizes", default="1,8,64")
+    p.add_argument("--budget-s", type=float, default=25.0, help="tuner budget per model")
+    p.add_argument("--sweep-s", type=float, default=1.2, help="sweep time per configuration and batch size")
+    p.add_argument("--image-size", type=int, default=64, help="ResNet-18 input size (no example_input)")
+    p.add_argument("--executor-models", default="inception_wide,recommender")
+    p.add_argument("--out", default=None, help="JSON path (default results/parallel-<time>.json)")
+    args = p.parse_args(argv)
+    names = [n for n in args.models.split(",") if n]
+    missing = [n for n in names if n not in models.names()]
+    if missing:
+        print(f"skipping models not in the registry: {missing}", file=sys.stderr)
+        names = [n for n in names if n in models.names()]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    report = {"machine": machine_info(), "load_before": os.getloadavg(), "budget_s": args.budget_s,
+              "sweep_s": args.sweep_s, "batch_sizes": batch_sizes, "image_size": args.image_size,
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "models": [], "executor": []}
+    t0 = time.monotonic()
+    for n in args.executor_models.split(","):
+        if n in names:
+            report["executor"] += bench_executor(n, batch_sizes, args.image_size)
+    for n in names:
+        print(f"[{time.monotonic() - t0:6.0f} s] {n}", file=sys.stderr)
+        report["models"].append(bench_model(n, batch_sizes, args.budget_s, args.sweep_s, args.image_size))
+    report["load_after"] = os.getloadavg()
+    report["total_s"] = time.monotonic() - t0
+    out = Path(args.out or f"results/parallel-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(render(report))
+    print(f"\n(total {report['total_s']:.0f} s; raw results in {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
