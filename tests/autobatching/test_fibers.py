@@ -1,0 +1,173 @@
+"""Tensor-dependent control flow: fibers yield on values, batch, resume (ACRoBat §5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import batchcraft
+from batchcraft import autobatch
+from batchcraft.errors import InstanceError, StepLimitError
+
+from conftest import assert_matches_eager
+
+torch.manual_seed(0)
+CELL = nn.GRUCell(8, 8)
+HEAD = nn.Linear(8, 1)
+PARAMS = list(CELL.parameters()) + list(HEAD.parameters())
+
+
+def early_exit(x):
+    """Iterate until the exit score passes 0, at most 12 steps: paths differ per instance."""
+    h = torch.zeros(8)
+    for step in range(12):
+        h = CELL(x, h)
+        score = HEAD(h)
+        if score > 0:  # bool() of a tensor: the fiber yields here
+            break
+    return h * (step + 1)
+
+
+def test_early_exit_matches_eager_and_paths_differ():
+    xs = [torch.randn(8) * s for s in (0.1, 1, 3, 0.5, 2, 5, 0.2, 1.5)]
+    f = assert_matches_eager(early_exit, xs, PARAMS)
+    steps = []
+    for x in xs:
+        h = torch.zeros(8)
+        for step in range(12):
+            h = CELL(x, h)
+            if HEAD(h) > 0:
+                break
+        steps.append(step)
+    assert len(set(steps)) > 1, "test data must take different paths"
+    assert f.stats.syncs >= max(steps)
+    assert f.stats.mean_batch > 2
+
+
+@pytest.mark.parametrize("how", ["item", "int", "index", "tolist", "while"])
+def test_value_requests_of_every_kind(how):
+    table = [10.0, 20.0, 30.0, 40.0]
+
+    def fn(x):
+        k = (x.sum() > 0).long() + (x.abs().sum() > 3).long()
+        if how == "item":
+            return x * k.item()
+        if how == "int":
+            return x * int(k)
+        if how == "index":
+            return x * table[k]
+        if how == "tolist":
+            return x * sum(k.reshape(1).tolist())
+        n = torch.zeros(())
+        while n < k:  # `while` on a tensor
+            n = n + 1
+        return x * n
+
+    xs = [torch.randn(3) * s for s in (0.5, 2, 4, 1)]
+    out = autobatch(fn)(xs)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, fn(x))
+
+
+def test_no_work_is_executed_twice():
+    calls = []
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        y = lin(x)
+        if y.sum() > 0:
+            y = lin(y)
+        return y
+
+    f = autobatch(fn)
+    xs = [torch.randn(4) for _ in range(10)]
+    f(xs)
+    # one group for the first linear (+ the sum/compare), then one for the taken branch
+    assert f.stats.ops_recorded == sum(1 for _ in xs) * 3 + sum(1 for x in xs if lin(x).sum() > 0)
+    assert f.stats.batched_calls <= 4
+    del calls
+
+
+def test_exception_inside_a_fiber_names_the_instance():
+    def fn(x):
+        if x.sum() > 100:
+            raise RuntimeError("too big")
+        return x
+
+    with pytest.raises(InstanceError) as ei:
+        autobatch(fn)([torch.ones(2), torch.full((2,), 60.0), torch.ones(2)])
+    assert ei.value.instance == 1 and "too big" in str(ei.value)
+
+
+def test_step_limit_stops_a_fiber_that_never_finishes():
+    def forever(x):
+        while x.sum() > -1:  # never false for these inputs
+            x = x + 1
+        return x
+
+    with pytest.raises(StepLimitError, match="max_steps=50"):
+        autobatch(forever, max_steps=50)([torch.zeros(2), torch.ones(2)])
+
+
+def test_without_fibers_value_requests_still_give_correct_results():
+    xs = [torch.randn(8) for _ in range(5)]
+    f = autobatch(early_exit, fibers=False)
+    for o, x in zip(f(xs), xs):
+        torch.testing.assert_close(o, early_exit(x))
+
+
+def test_factory_calls_after_a_yield_are_still_batched():
+    emb = nn.Embedding(50, 4)
+
+    def fn(x):
+        if x.sum() > 0:
+            ids = [1, 2, 3]
+        else:
+            ids = [4, 5]
+        return torch.stack([emb(torch.tensor(i)) for i in ids]).sum(0)
+
+    xs = [torch.randn(3) for _ in range(8)]
+    f = autobatch(fn)
+    out = f(xs)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, fn(x))
+    assert f.stats.groups_by_rule.get("rule_weight") == 1  # all lookups, both branches, one call
+
+
+def branchy(x):
+    if x.sum() > 0:  # branches of different lengths
+        y = torch.tanh(torch.sin(torch.cos(x)))
+    else:
+        y = torch.relu(x)
+    return HEAD(CELL(y, y))  # the common tail should batch across both branches
+
+
+def test_agenda_aligns_work_after_branches_of_different_lengths():
+    xs = [torch.randn(8) for _ in range(12)]
+    fd = assert_matches_eager(branchy, xs, PARAMS, scheduler="depth")
+    fa = assert_matches_eager(branchy, xs, PARAMS, scheduler="agenda")
+    assert fa.stats.batched_calls < fd.stats.batched_calls
+
+
+def test_phases_schedule_each_phase_on_its_own():
+    lin = nn.Linear(4, 4)
+    cls = nn.Linear(4, 3)
+
+    def make(use_phase):
+        def fn(x):
+            h = x[0]
+            for t in range(1, x.shape[0]):  # encoder of instance-dependent length
+                h = torch.tanh(lin(h) + x[t])
+            if use_phase:
+                batchcraft.phase("classifier")
+            return cls(h).softmax(-1)
+        return fn
+
+    xs = [torch.randn(n, 4) for n in (1, 3, 6, 2)]
+    params = list(lin.parameters()) + list(cls.parameters())
+    with_phase = assert_matches_eager(make(True), xs, params)
+    without = assert_matches_eager(make(False), xs, params)
+    # encoders end at 4 different depths: without phases the classifier (linear + softmax) runs
+    # in 4 groups each; with a phase boundary it runs once for all instances
+    assert without.stats.batched_calls - with_phase.stats.batched_calls == 2 * (4 - 1)
