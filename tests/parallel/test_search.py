@@ -50,7 +50,6 @@ def test_latency_objective_prefers_configurations_within_the_limit():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"model": "no_such_model"}, "unknown model"),
-    ({"model": "treelstm"}, "cannot be tuned here"),
     ({"model": "mlp_fc512", "objective": "speed"}, "objective must be one of"),
     ({"model": "mlp_fc512", "batch_sizes": [0]}, "batch sizes must be ints >= 1"),
     ({"model": "mlp_fc512", "budget_s": 0}, "budget_s must be > 0"),

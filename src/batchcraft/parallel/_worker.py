@@ -36,18 +36,19 @@ def serve(spec: dict, *, torch_preloaded: bool) -> None:
     import torch
 
     from batchcraft.parallel.executor import InterOpExecutor
-    from batchcraft.parallel.workload import build_model, make_input
+    from batchcraft.parallel.workload import build_workload
 
     conn = Connection(spec["fd"])
     try:
-        model = build_model(spec["model"], **spec.get("model_kwargs", {}))
+        work = build_workload(spec["model"], model_kwargs=spec.get("model_kwargs"),
+                              image_size=spec.get("image_size"), seed=spec.get("instance", 0))
         pools = int(spec.get("executor_threads") or 1)
-        runner = model if pools == 1 else InterOpExecutor(model, pools, spec.get("intra_op_threads"))
+        runner = work.call if pools == 1 else InterOpExecutor(work.model, pools, spec.get("intra_op_threads"))
         conn.send(("ready", _info(spec, torch_preloaded, runner)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(("error", traceback.format_exc()))
         return
-    x, inputs = None, {}
+    x, items, inputs = None, 0, {}
     while True:
         try:
             msg = conn.recv()
@@ -62,9 +63,8 @@ def serve(spec: dict, *, torch_preloaded: bool) -> None:
                 _, batch_size, warmup_s = msg
                 warm = batch_size in inputs  # already warmed up at this size: one call suffices
                 if not warm:
-                    inputs[batch_size] = make_input(model, batch_size, image_size=spec.get("image_size"),
-                                                    seed=spec.get("instance", 0))
-                x = inputs[batch_size]
+                    inputs[batch_size] = work.make_batch(batch_size)
+                x, items = inputs[batch_size], batch_size
                 calls, t0 = 0, time.perf_counter()
                 with torch.inference_mode():
                     while calls < (1 if warm else 2) or (not warm and time.perf_counter() - t0 < warmup_s):
@@ -84,7 +84,7 @@ def serve(spec: dict, *, torch_preloaded: bool) -> None:
                             break
                         runner(x)
                         latencies.append(time.monotonic() - t0)
-                conn.send(("result", latencies, len(latencies) * x.shape[0], time.monotonic() - start_at))
+                conn.send(("result", latencies, len(latencies) * items, time.monotonic() - start_at))
             else:
                 conn.send(("error", f"unknown command {msg[0]!r}"))
         except BaseException:  # noqa: BLE001

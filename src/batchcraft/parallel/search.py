@@ -23,7 +23,7 @@ from batchcraft.parallel.baselines import BASELINES, baseline_configs
 from batchcraft.parallel.config import ParallelConfig, usable_cpus
 from batchcraft.parallel.launcher import TrialResult, WorkerGroup
 from batchcraft.parallel.threads import preserved_thread_state
-from batchcraft.parallel.workload import build_model, make_input
+from batchcraft.parallel.workload import build_workload
 
 __all__ = ["OBJECTIVES", "TuneResult", "candidate_grid", "score", "tune", "sweep"]
 
@@ -167,12 +167,13 @@ def _prepare(model, model_kwargs, image_size, batch_sizes, objective, cpus):
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ConfigurationError(f"tune: batch sizes must be ints >= 1, got {batch_sizes!r}")
     cpus = usable_cpus() if cpus is None else list(cpus)
-    net = build_model(model, **(model_kwargs or {}))
-    try:
-        analysis, traceable = analyze(net, make_input(net, 1, image_size=image_size)), True
-    except ConfigurationError:
-        analysis, traceable = None, False
-    del net
+    work = build_workload(model, model_kwargs=model_kwargs, image_size=image_size)
+    analysis, traceable = None, False
+    if work.traceable:
+        try:
+            analysis, traceable = analyze(work.model, work.make_batch(1)), True
+        except ConfigurationError:
+            pass
     return cpus, analysis, traceable
 
 
