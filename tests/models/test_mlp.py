@@ -1,18 +1,17 @@
 """MLP fc512 / fc4096: shapes, inputs, width 1."""
 
 import pytest
-import torch
 
 from batchcraft import models
 from batchcraft.parallel import analyze
 
 
-def test_inception_blocks_are_four_branches_wide():
-    m = models.get("inception_wide", blocks=2, branch=8, image_size=16, num_classes=5)
-    x = m.example_input(2)
-    assert x.shape == (2, 3, 16, 16) and m(x).shape == (2, 5)
-    a = analyze(m, x)
-    # stem, then per block 7 convs over 3 levels (1x1 | 1x1-3x3 | 1x1-3x3-3x3 | pool-1x1), then fc
-    assert len(a.heavy_ops) == 1 + 2 * 7 + 1 and a.depth == 1 + 2 * 3 + 1
-    assert a.max_width == 4
-    assert torch.equal(m.example_input(2, seed=1), m.example_input(2, seed=1))
+@pytest.mark.parametrize("name,hidden", [("mlp_fc512", 512), ("mlp_fc4096", 4096)])
+def test_mlp_shapes_and_width_one(name, hidden):
+    m = models.get(name, layers=2, out_features=3)
+    x = m.example_input(4)
+    assert x.shape == (4, hidden) and m(x).shape == (4, 3)
+    a = analyze(m)
+    assert (a.depth, a.average_width) == (3, 1.0)  # 2 hidden + head, one after the other
+    with pytest.raises(ValueError, match="layers and hidden must be >= 1"):
+        models.get(name, layers=0)
