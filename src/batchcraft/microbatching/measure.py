@@ -129,3 +129,24 @@ class Measurer:
             self._best_ms[best_key] = min(self._best_ms.get(best_key, float("inf")), rec.time_ms)
         self.cache.put(key, rec)
         return rec
+
+    def race(self, geom: ConvGeometry, pass_: str, n: int, divisions: list[list[tuple[str, int]]],
+             rounds: int = 5) -> list[float]:
+        """Minimum time (ms) of each whole division of ``n`` samples, timed in interleaved rounds.
+
+        Used to confirm a divided choice against the undivided one before trusting a small
+        predicted gain: both run on the same inputs, alternately, so load hits both alike.
+        """
+        from batchcraft.microbatching.function import execute_pass
+
+        t = self._tensors(geom, n)
+        a, b = {"forward": (t.x, t.w), "backward_data": (t.dy, t.w), "backward_filter": (t.dy, t.x)}[pass_]
+        best = [float("inf")] * len(divisions)
+        for steps in divisions:  # warm-up
+            execute_pass(pass_, steps, a, b, geom)
+        for _ in range(max(1, rounds)):
+            for i, steps in enumerate(divisions):
+                t0 = time.perf_counter()
+                execute_pass(pass_, steps, a, b, geom)
+                best[i] = min(best[i], (time.perf_counter() - t0) * 1e3)
+        return best

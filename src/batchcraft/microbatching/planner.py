@@ -83,9 +83,33 @@ def _smallest_feasible(table: dict[int, list[Config]], batch_size: int) -> int:
     raise WorkspaceError("no algorithm can run this layer at all")  # pragma: no cover - default always can
 
 
+def _confirm_against_undivided(choices, undivided, layer_passes, measurer, batch, progress) -> None:
+    """WR only: race each divided or non-default choice against the undivided best, keep the faster.
+
+    Per-configuration timings are sums of separate measurements; on a loaded machine one noisy
+    sample can make a division look faster than it is. Racing the two whole divisions, in
+    interleaved rounds, guards the promise that a plan is never slower than undivided.
+    """
+    from tqdm import tqdm
+
+    todo = {}
+    for name, _, g, p in layer_passes:
+        c, u = choices[(name, p)], undivided.get((name, p))
+        if u is not None and c.steps != u.steps:
+            todo.setdefault((g, p, c.steps, u.steps), []).append(name)
+    for (g, p, c_steps, u_steps), names in tqdm(todo.items(), desc="microbatch: confirming", file=sys.stderr,
+                                                disable=not progress, leave=False):
+        steps = [[(s.algorithm, s.micro_batch) for s in st] for st in (c_steps, u_steps)]
+        t_choice, t_undivided = measurer.race(g, p, batch, steps)
+        if t_undivided <= t_choice:
+            for name in names:
+                choices[(name, p)] = undivided[(name, p)]
+
+
 def plan_model(model: nn.Module, example_input: torch.Tensor, *, workspace_limit="64MiB", policy: str = "wr",
                batch_sizes: str = "powerOfTwo", passes="training", cache=None,
-               algorithms: Sequence[str] | None = None, repeats: int = 3, progress: bool = True):
+               algorithms: Sequence[str] | None = None, repeats: int = 3, progress: bool = True,
+               confirm: bool = True):
     """Plan without changing the model; returns (Plan, [(name, conv)]). See :func:`microbatch`."""
     t_start = time.perf_counter()
     if not isinstance(model, nn.Module):
@@ -191,6 +215,9 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, workspace_limit
                     for name, _, g, p in layer_passes}
         undivided = (None if any(not f for f in fronts_u.values()) else optimize_wd(fronts_u, limit)) or {}
 
+    if policy == "wr" and confirm:
+        _confirm_against_undivided(choices, undivided, layer_passes, measurer, batch, progress)
+
     plan = Plan(policy, limit, batch, batch_sizes, skipped=skipped, measured=measurer.measured)
     by_name: dict[str, LayerPlan] = {}
     for name, conv, g, p in layer_passes:
@@ -207,7 +234,8 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, workspace_limit
 
 def microbatch(model: nn.Module, example_input: torch.Tensor, workspace_limit="64MiB", policy: str = "wr",
                batch_sizes: str = "powerOfTwo", *, passes="training", cache=None,
-               algorithms: Sequence[str] | None = None, repeats: int = 3, progress: bool = True) -> nn.Module:
+               algorithms: Sequence[str] | None = None, repeats: int = 3, progress: bool = True,
+               confirm: bool = True) -> nn.Module:
     """Replace every ``Conv2d`` of ``model`` by a micro-batched one planned under a workspace budget.
 
     Each convolution's mini-batch is divided into micro-batches so that faster algorithms fit the
@@ -231,6 +259,8 @@ def microbatch(model: nn.Module, example_input: torch.Tensor, workspace_limit="6
         algorithms (sequence of str | None): restrict to these algorithm names. Default: all.
         repeats (int): timed calls per configuration. Default: 3.
         progress (bool): tqdm progress bar on stderr while measuring. Default: True.
+        confirm (bool): WR only: race every divided choice against the undivided best on the
+            whole batch (interleaved rounds) and keep the faster. Default: True.
     Returns:
         nn.Module: ``model``, with ``model.plan`` (a :class:`Plan`).
     Raises:
@@ -246,7 +276,7 @@ def microbatch(model: nn.Module, example_input: torch.Tensor, workspace_limit="6
     """
     plan, convs = plan_model(model, example_input, workspace_limit=workspace_limit, policy=policy,
                              batch_sizes=batch_sizes, passes=passes, cache=cache, algorithms=algorithms,
-                             repeats=repeats, progress=progress)
+                             repeats=repeats, progress=progress, confirm=confirm)
     layers = {layer.name: layer for layer in plan.layers}
     for name, conv in convs:
         layer = layers[name]
