@@ -227,28 +227,21 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
         except BaseException:
             groups.close()
             raise
-        n = len(plans[0][0])
-        rounds = max(1, math.ceil(math.log(n, eta))) if n > 1 else 0
-        sizes = [math.ceil(n / eta ** r) for r in range(rounds + 1)]
-        n_final_baselines = len(BASELINES) if compare_baselines else 0
-        units = sum(s * eta ** r for r, s in enumerate(sizes)) + n_final_baselines * eta ** rounds
-        n_trials = (sum(sizes) + n_final_baselines) * repeats
-        per_batch_s = (budget_s - (time.monotonic() - t_start)) / len(batch_sizes)
-        # first warm-up of each configuration ~0.3 s, then ~0.08 s of synchronisation per trial
-        d0 = (per_batch_s - 0.3 * n - 0.08 * n_trials) / units
         notes = []
-        if d0 < 0.05:
-            notes.append(f"budget {budget_s:.0f} s is too small for {n} candidates x {len(batch_sizes)} "
-                         f"batch sizes; trials shortened to 0.05 s (noisy)")
-            d0 = 0.05
         trials, rounds, per_batch, finals = [], [], [], []
-        bar = tqdm(total=n_trials * len(batch_sizes), desc=f"tune {model}", file=sys.stderr,
+        bar = tqdm(desc=f"tune {model}", unit="trial", file=sys.stderr,
                    disable=not progress, leave=False)
         try:
-            for (cands, baselines), b in zip(plans, batch_sizes):
+            for i, ((cands, baselines), b) in enumerate(zip(plans, batch_sizes)):
+                now = time.monotonic()
+                clock = _Clock(now + (t_start + budget_s - now) / (len(batch_sizes) - i), eta, repeats,
+                               len(BASELINES) if compare_baselines else 0)
                 best_cfg, best_res, base_res, d = _halving(
-                    cands, baselines, d0, eta, groups, objective, latency_limit_ms, trials, rounds, bar,
-                    deadline=t_start + budget_s, repeats=repeats, compare_baselines=compare_baselines)
+                    cands, baselines, clock, groups, objective, latency_limit_ms, trials, rounds, bar,
+                    compare_baselines=compare_baselines)
+                if clock.shortest_s < 0.05:
+                    notes.append(f"batch {b}: the budget left trials of {clock.shortest_s:.3f} s (noisy); "
+                                 f"give a larger --budget")
                 ratios = {}
                 for label, r in base_res.items():
                     ratios[label] = _ratio(best_res, r, objective)
@@ -280,19 +273,52 @@ def _median_result(results: list[TrialResult], objective: str, limit) -> TrialRe
     return ranked[len(ranked) // 2]
 
 
-def _halving(cands, baselines, d0, eta, groups, objective, limit, trials, rounds, bar, *, deadline, repeats,
-             compare_baselines):
+class _Clock:
+    """Fits trial lengths into what is left of a deadline, learning the per-trial overhead.
+
+    The overhead (warm-up, synchronisation, the last call running past the end) is learned as a
+    moving average; trial lengths only shrink below the successive-halving plan when the plan
+    would overrun the deadline.
+    """
+
+    def __init__(self, deadline: float, eta: int, repeats: int, n_final_baselines: int):
+        self.deadline, self.eta, self.repeats, self.n_base = deadline, eta, repeats, n_final_baselines
+        self.overhead_s = 0.15
+        self.shortest_s = math.inf
+
+    def fit(self, planned_s: float, alive: int) -> float:
+        """Round length (all repeats together) for ``alive`` configurations, at most ``planned_s``."""
+        levels = [alive]
+        while levels[-1] > 1:
+            levels.append(math.ceil(levels[-1] / self.eta))
+        last = len(levels) - 1
+        units = sum(n * self.eta ** k for k, n in enumerate(levels)) + self.n_base * self.eta ** last
+        n_trials = (sum(levels) + self.n_base) * self.repeats
+        left = self.deadline - time.monotonic() - self.overhead_s * n_trials
+        d = max(0.02 * self.repeats, min(planned_s, left / units))
+        self.shortest_s = min(self.shortest_s, d / self.repeats)
+        return d
+
+    def record(self, wall_s: float, duration_s: float) -> None:
+        self.overhead_s = 0.7 * self.overhead_s + 0.3 * max(0.0, wall_s - duration_s)
+
+
+def _halving(cands, baselines, clock, groups, objective, limit, trials, rounds, bar, *, compare_baselines):
     """Successive halving over ``cands``, then the winner and the baselines at the final length.
 
     Each round measures its configurations ``repeats`` times in interleaved passes of d / repeats
     seconds and keeps each one's median, so that load changing over time (other processes on a
-    shared machine) hits all of them alike.
+    shared machine) hits all of them alike. Round lengths grow eta-fold while ``clock`` allows.
     """
+    repeats = clock.repeats
+
     def measure_round(configs, d, rnd, role):
         runs = {id(c): [] for c in configs}
         for rep in range(repeats):
             for c in configs:
+                t0 = time.monotonic()
                 res = groups.measure(c, d / repeats)
+                clock.record(time.monotonic() - t0, d / repeats)
                 runs[id(c)].append(res)
                 trials.append({"round": rnd, "role": role, "repeat": rep, "duration_s": d / repeats,
                                **res.to_dict()})
@@ -301,20 +327,19 @@ def _halving(cands, baselines, d0, eta, groups, objective, limit, trials, rounds
         rounds.extend({"round": rnd, "role": role, "repeats": repeats, **r.to_dict()} for _, r in medians)
         return medians
 
-    alive, d, rnd = list(cands), d0, 0
+    alive, rnd = list(cands), 0
+    d = clock.fit(math.inf, len(alive))
     while True:
         measured = sorted(measure_round(alive, d, rnd, "search"),
                           key=lambda cr: score(cr[1], objective, limit), reverse=True)
-        keep = max(1, math.ceil(len(measured) / eta))
-        if len(measured) == 1 or time.monotonic() > deadline:
+        if len(measured) == 1:
             break
-        alive = [c for c, _ in measured[:keep]]
+        alive = [c for c, _ in measured[:max(1, math.ceil(len(measured) / clock.eta))]]
+        rnd += 1
+        d = clock.fit(d * clock.eta, len(alive))
         if len(alive) == 1:
             break
-        d, rnd = d * eta, rnd + 1
     winner = measured[0][0]
-    if len(measured) > 1:  # final round at eta x the last length: the winner and every baseline
-        d, rnd = d * eta, rnd + 1
     if not compare_baselines:
         baselines = [b for b in baselines if b.key() == winner.key()]
     final = [winner] + [b for b in baselines if b.key() != winner.key()]
@@ -325,7 +350,7 @@ def _halving(cands, baselines, d0, eta, groups, objective, limit, trials, rounds
     top = max(baselines, key=lambda b: score(base_res[b.label], objective, limit), default=None)
     if top is not None and score(base_res[top.label], objective, limit) > score(winner_res, objective, limit):
         winner, winner_res = top, base_res[top.label]
-    return winner, winner_res, base_res, d
+    return winner, winner_res, base_res, d / repeats
 
 
 def sweep(model: str, *, batch_sizes=(1, 8, 64), duration_s: float = 1.0, repeats: int = 3,
