@@ -70,6 +70,18 @@ def test_launch_python_script_pins_threads_and_passes_arguments(tmp_path):
 
 
 @needs_two
+def test_launch_any_command_is_pinned_before_exec(tmp_path):
+    out = tmp_path / "seen"
+    cmd = ["sh", "-c", f'grep Cpus_allowed_list /proc/self/status > {out}$BATCHCRAFT_INSTANCE; '
+                       f'echo "$OMP_NUM_THREADS $MKL_NUM_THREADS" >> {out}$BATCHCRAFT_INSTANCE']
+    cpus = usable_cpus()[:2]
+    assert launch(ParallelConfig(instances=2, intra_op_threads=1), cmd, cpus=cpus) == 0
+    for i in range(2):
+        allowed, threads = (out.parent / f"seen{i}").read_text().splitlines()
+        assert allowed.split()[-1] == str(cpus[i]) and threads == "1 1"
+
+
+@needs_two
 def test_failing_instance_stops_the_others(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys, time\n"

@@ -53,6 +53,7 @@ def test_latency_objective_prefers_configurations_within_the_limit():
     ({"model": "mlp_fc512", "objective": "speed"}, "objective must be one of"),
     ({"model": "mlp_fc512", "batch_sizes": [0]}, "batch sizes must be ints >= 1"),
     ({"model": "mlp_fc512", "budget_s": 0}, "budget_s must be > 0"),
+    ({"model": "mlp_fc512", "latency_limit_ms": 5.0}, "needs objective='latency'"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ConfigurationError, match=match):

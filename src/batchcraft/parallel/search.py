@@ -218,6 +218,10 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
         raise ConfigurationError(f"tune: eta must be an int >= 2, got {eta!r}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ConfigurationError(f"tune: repeats must be an int >= 1, got {repeats!r}")
+    if latency_limit_ms is not None and (objective != "latency" or latency_limit_ms <= 0):
+        raise ConfigurationError(
+            f"tune: latency_limit_ms={latency_limit_ms!r} needs objective='latency' and a value > 0 "
+            f"(objective is {objective!r})", hint="pass --objective latency with --latency-limit-ms")
     with preserved_thread_state():
         cpus, analysis, traceable = _prepare(model, model_kwargs, image_size, batch_sizes, objective, cpus)
         plans = [_candidates(analysis, traceable, b, cpus) for b in batch_sizes]
