@@ -12,6 +12,12 @@ import importlib
 _REGISTRY: dict[str, str] = {
     # auto-batching (per-instance dynamic models)
     "treelstm": "batchcraft.models.treelstm:TreeLSTM",
+    "mvrnn": "batchcraft.models.mvrnn:MVRNN",
+    "birnn": "batchcraft.models.birnn:BiRNNTagger",
+    "nestedrnn": "batchcraft.models.nestedrnn:NestedRNN",
+    "drnn": "batchcraft.models.drnn:DRNN",
+    "berxit": "batchcraft.models.berxit:Berxit",
+    "stackrnn": "batchcraft.models.stackrnn:StackRNNParser",
     # micro-batching (convolutional reference networks)
     "alexnet": "batchcraft.models.alexnet:alexnet",
     "resnet18": "batchcraft.models.resnet:resnet18",

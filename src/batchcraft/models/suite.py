@@ -41,9 +41,31 @@ def build_treelstm(sentences: list[Sentence], hidden: int, seed: int = 0) -> Tas
                 f"Child-Sum TreeLSTM, hidden {hidden}, over UD dependency trees")
 
 
+def _from_module(module: str) -> Callable:
+    """Builder that imports ``batchcraft.models.<module>`` only when used, then calls its build_task."""
+
+    def builder(sentences: list[Sentence], hidden: int, seed: int = 0) -> Task:
+        import importlib
+
+        return importlib.import_module(f"batchcraft.models.{module}").build_task(sentences, hidden, seed=seed)
+
+    builder.__name__ = f"build_{module}"
+    return builder
+
+
 BUILDERS: dict[str, tuple[Callable, str]] = {
     "treelstm": (build_treelstm, "Child-Sum TreeLSTM over dependency trees (Tai et al. 2015)"),
+    # ACRoBat suite (issue 3): one module per model, each with build_task(sentences, hidden, seed)
+    "mvrnn": (_from_module("mvrnn"), "MV-RNN over dependency trees (Socher et al. 2012)"),
+    "birnn": (_from_module("birnn"), "BiLSTM UPOS tagger, per-word logits (Plank et al. 2016)"),
+    "nestedrnn": (_from_module("nestedrnn"), "word LSTM over character-GRU word vectors (Ling et al. 2015)"),
+    "drnn": (_from_module("drnn"), "doubly-recurrent tree decoder, stops on probabilities (Alvarez-Melis 2017)"),
+    "berxit": (_from_module("berxit"), "early-exit Transformer encoder, 6 layers (Xin et al. 2021)"),
+    "stackrnn": (_from_module("stackrnn"), "stack-LSTM transition parser, argmax over legal moves (Dyer 2015)"),
 }
+
+#: models whose sizes differ from SIZES (ACRoBat §7: MV-RNN 64 / 128, its word matrices are hidden^2)
+MODEL_SIZES: dict[str, dict[str, int]] = {"mvrnn": {"small": 64, "large": 128}}
 
 
 def build(name: str, sentences: list[Sentence], *, size: str = "small", hidden: int | None = None,
@@ -53,5 +75,5 @@ def build(name: str, sentences: list[Sentence], *, size: str = "small", hidden: 
         raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(BUILDERS))}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
-    h = hidden if hidden is not None else SIZES[size]
+    h = hidden if hidden is not None else MODEL_SIZES.get(name, SIZES)[size]
     return BUILDERS[name][0](sentences, h, seed=seed)
