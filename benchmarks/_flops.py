@@ -1,0 +1,112 @@
+"""FLOP-bound time for the auto-batching benchmarks: FLOPs counted per node, GEMM rate measured.
+
+The FLOP-bound time of a batch is its FLOPs divided by the fp32 matrix-multiply rate of
+this machine (best of a few representative shapes, so the bound is optimistic: no
+system can beat it). FLOPs count a multiply-add as 2; the training step counts
+3x the forward (backward = gradient w.r.t. inputs + w.r.t. weights, each a forward's
+worth of GEMM FLOPs), the usual estimate (Kaplan et al. 2020, §2.1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+#: the dense weight whose gradient the benchmark compares across systems, per model
+GRAD_PARAM = {"treelstm": "inputs.W_iou.weight", "birnn": "fwd.weight_hh", "mvrnn": "compose.W.weight"}
+
+
+def treelstm_node_flops(k: int, hidden: int, in_dim: int) -> tuple[int, int]:
+    """(GEMM FLOPs, elementwise FLOPs) of one Child-Sum TreeLSTM node with ``k`` children.
+
+    Per node (batchcraft.models.treelstm): ``W_iou x + b`` and ``W_f x + b`` with
+    x of size ``in_dim``; with children, ``U_iou`` on the sum of the children's h and
+    ``U_f`` on each child's h, forget gates, the gated sum of child cells; then the
+    i/o/u gates, c and h.
+    """
+    H = hidden
+    gemm = 2 * in_dim * 4 * H
+    elem = 4 * H  # biases
+    if k:
+        gemm += 2 * H * 3 * H + k * 2 * H * H
+        elem += (k - 1) * H + 3 * H  # sum of child h, add to iou
+        elem += k * H * 3 + (k - 1) * H + H  # f_x + U_f h_k, sigmoid, f*c_k, their sum, add to c
+    elem += 6 * H  # sigmoid i, tanh u, i*u, sigmoid o, tanh c, o*tanh(c)
+    return gemm, elem
+
+
+def birnn_word_flops(hidden: int, in_dim: int, n_tags: int) -> tuple[int, int]:
+    """(GEMM, elementwise) FLOPs per word of the BiLSTM tagger: two ``nn.LSTMCell`` steps
+    (``W_ih x + W_hh h``, two biases, 3 sigmoids, 2 tanh, 3 products, 1 sum) and the output layer."""
+    H = hidden
+    gemm = 2 * (2 * (in_dim * 4 * H + H * 4 * H)) + 2 * 2 * H * n_tags
+    elem = 2 * (2 * 4 * H + 9 * H) + n_tags
+    return gemm, elem
+
+
+def mvrnn_compose_flops(hidden: int) -> tuple[int, int]:
+    """(GEMM, elementwise) FLOPs of one MV-RNN composition: ``B a``, ``A b``,
+    ``W [.;.] + b`` (H x 2H), tanh, and ``W_M [A; B]`` ((H x 2H) @ (2H x H))."""
+    H = hidden
+    return 2 * H * H * 2 + 2 * 2 * H * H + 2 * H * 2 * H * H, 2 * H
+
+
+def instance_flops(model: str, task, inst) -> tuple[int, int]:
+    """(GEMM, elementwise) forward FLOPs of one instance of suite model ``model``."""
+    m = task.model
+    if model == "treelstm":
+        in_dim = m.inputs.word.embedding_dim + m.inputs.tag.embedding_dim
+        g = e = 0
+        for kids in inst.children:
+            a, b = treelstm_node_flops(len(kids), task.hidden, in_dim)
+            g, e = g + a, e + b
+        return g, e
+    if model == "birnn":
+        g, e = birnn_word_flops(task.hidden, m.fwd.input_size, m.out.out_features)
+        return len(inst) * g, len(inst) * e
+    if model == "mvrnn":
+        g, e = mvrnn_compose_flops(task.hidden)
+        return (len(inst) - 1) * g, (len(inst) - 1) * e
+    raise KeyError(f"_flops: no FLOP count for {model!r}")
+
+
+def per_batch(model: str, task, batch_size: int) -> dict:
+    """Mean forward/training FLOPs per batch of ``batch_size`` over ``task.instances``."""
+    per = [instance_flops(model, task, s) for s in task.instances]
+    nb = -(-len(per) // batch_size)
+    gemm = sum(g for g, _ in per) / nb
+    elem = sum(e for _, e in per) / nb
+    return {"forward_flops": gemm + elem, "forward_gemm_flops": gemm, "train_flops": 3 * (gemm + elem),
+            "nodes_per_batch": sum(len(s) for s in task.instances) / nb}
+
+
+def measure_gemm_rate(hiddens: list[int], threads: int = 2, seconds: float = 0.25) -> dict:
+    """Best measured fp32 ``torch.mm`` rate (FLOP/s) over shapes the models use.
+
+    Shapes (M, K, N): a level of 64 cells (64, H, 3H) and all nodes' input projection
+    (1024, H + 32, 4H), per hidden size H. Median of 5 timed rounds per shape.
+    """
+    torch.set_num_threads(threads)
+    shapes = []
+    for h in hiddens:
+        shapes += [(64, h, 3 * h), (1024, h + 32, 4 * h)]
+    rates = {}
+    for (m, k, n) in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        torch.mm(a, b)
+        t0, reps = time.perf_counter(), 0
+        while time.perf_counter() - t0 < 0.05:
+            torch.mm(a, b)
+            reps += 1
+        reps = max(1, int(reps * seconds / 0.05 / 5))
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b)
+            rounds.append((time.perf_counter() - t0) / reps)
+        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(rounds)
+    best = max(rates, key=rates.get)
+    return {"rate_flop_per_s": rates[best], "best_shape": best, "rates_flop_per_s": rates, "threads": threads}
