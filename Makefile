@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 fuzz: $(STAMP)
-	BATCHCRAFT_FUZZ_PROFILE=long $(BIN)/python -m pytest tests/autobatch/test_fuzz.py -q
+	BATCHCRAFT_FUZZ_PROFILE=long $(BIN)/python -m pytest tests/autobatching/test_fuzz.py -q
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/treelstm.py

@@ -1,0 +1,616 @@
+"""Random per-instance programs for differential fuzzing of ``batchcraft.autobatch`` against eager.
+
+A *program* is a plain data structure (tuples of strings and numbers) drawn by hypothesis, so
+that hypothesis can shrink a failing program to a small one. :func:`compile_program` turns it
+into ordinary per-instance PyTorch code over a state vector ``h`` of shape ``(D,)``; each
+statement maps ``h`` to a new ``h`` using the instance and shared parameters. Statement kinds
+cover what the runtime must handle: elementwise maths, scalar constants (per program and per
+instance), reductions, linear algebra, cat/stack/split, indexing, embedding lookups, shape and
+dtype operations, static blocks, recursion over random trees, loops of instance-dependent
+length, recurrent cells, branches and while-loops on tensor values, value-dependent shapes and
+program phases.
+
+An instance is a dict: ``x`` (L, D) float (optionally requiring grad), ``ids`` (list of ints),
+``n`` (int loop count), ``k`` (0-d int64 tensor), ``c`` (a Python float), ``tree`` (nested
+``(word_id, (children...))`` tuples).
+
+Branches on float values are decided the same way in eager and batched runs only if the value
+is not within rounding of the threshold; the eager run records the smallest such margin in
+:data:`MARGIN` and the test discards programs whose margin is too small.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+from torch import nn
+
+import batchcraft
+from batchcraft import static_block
+
+VOCAB = 11
+
+# Statements that hit a bug still open in /work/notes/autobatch-bugs.md (number -> statements).
+# The fuzzer leaves them out while the bug is open; each bug has its own xfail regression test.
+# Remove a number here once the lead marks the bug fixed.
+OPEN_BUGS = {
+}
+_BLOCKED = {s for stmts in OPEN_BUGS.values() for s in stmts}
+
+
+def _allowed(kind, names):
+    return tuple(n for n in names if (kind, n) not in _BLOCKED)
+
+
+CONSTS = (-2.0, -0.5, 0.5, 1, 3, 2.5)
+
+
+class Margin:
+    """Smallest distance of a float branch value from its threshold, seen while tracking."""
+
+    tracking = False
+    smallest = math.inf
+
+    @classmethod
+    def see(cls, t):
+        if cls.tracking:
+            cls.smallest = min(cls.smallest, abs(float(t)))
+
+
+MARGIN = Margin
+
+# ---------------------------------------------------------------------------------------------
+# strategies
+# ---------------------------------------------------------------------------------------------
+UNARY = ("tanh", "sigmoid", "relu", "neg", "abs", "sin", "exp_clamped", "square", "gelu", "silu",
+         "softplus", "clamp", "leaky_where", "method_tanh", "log1p_abs", "sqrt_abs", "erf", "pos_op")
+SCALAR = ("add", "radd", "sub", "rsub", "mul", "rmul", "div", "pow2", "add_inst", "mul_inst", "torch_add_alpha")
+LINEAR = ("module", "f_linear", "h_at_M", "M_at_h", "matmul", "rowvec_mm", "mv", "lerp_param", "bilinear_row")
+REDUCE = ("sum", "mean", "amax", "max_values", "min_dim", "logsumexp", "norm", "softmax", "log_softmax",
+          "cumsum", "var", "prod_tanh", "sort_values", "topk1")
+CATSPLIT = ("rotate", "stack_sum", "split_flip", "chunk_swap", "cat_param", "cat_stack_mean")
+INDEX = ("perm_tensor", "index_select", "gather", "scalar_broadcast", "inst_index", "flip", "slice_pad",
+         "k_index")
+SHAPE = ("reshape_t", "expand_mean", "view_squeeze", "repeat_view", "permute3", "flatten", "transpose_mm")
+DTYPE = ("double", "to_double", "half_round_trip_free", "type_as")
+SEQ = ("x_at_M", "x_mean", "attention", "masked_rows", "x_row_k")
+CELL = ("gru", "lstm", "rnn_tanh")
+BRANCH_COND = ("k_gt", "sum_gt", "any_gt", "item_int", "argmax_table", "inst_c")
+NEWFACT = ("new_ones", "zeros_like", "full_like", "new_full", "where_const")
+
+
+def _statement(depth: int):
+    simple = st.one_of(
+        st.tuples(st.just("unary"), st.sampled_from(UNARY)),
+        st.tuples(st.just("scalar"), st.sampled_from(SCALAR), st.sampled_from(CONSTS)),
+        st.tuples(st.just("linear"), st.sampled_from(LINEAR), st.integers(0, 2)),
+        st.tuples(st.just("reduce"), st.sampled_from(REDUCE)),
+        st.tuples(st.just("catsplit"), st.sampled_from(CATSPLIT), st.integers(0, 5)),
+        st.tuples(st.just("index"), st.sampled_from(_allowed("index", INDEX)), st.integers(0, 5)),
+        st.tuples(st.just("shape"), st.sampled_from(SHAPE)),
+        st.tuples(st.just("dtype"), st.sampled_from(DTYPE)),
+        st.tuples(st.just("newfact"), st.sampled_from(NEWFACT)),
+        st.tuples(st.just("embed"), st.sampled_from(("one", "all", "f_embedding")), st.integers(0, 3)),
+        st.tuples(st.just("seq"), st.sampled_from(_allowed("seq", SEQ))),
+        st.tuples(st.just("cell"), st.sampled_from(CELL)),
+        st.tuples(st.just("tree"), st.sampled_from(("childsum", "stack", "branchy"))),
+        st.tuples(st.just("phase"),),
+    )
+    if depth <= 0:
+        return simple
+    body = st.lists(_statement(depth - 1), min_size=1, max_size=3).map(tuple)
+    straight = st.lists(st.one_of(
+        st.tuples(st.just("unary"), st.sampled_from(UNARY)),
+        st.tuples(st.just("scalar"), st.sampled_from(SCALAR[:8]), st.sampled_from(CONSTS)),
+        st.tuples(st.just("linear"), st.sampled_from(LINEAR), st.integers(0, 2)),
+        st.tuples(st.just("reduce"), st.sampled_from(REDUCE[:10])),
+        st.tuples(st.just("catsplit"), st.sampled_from(CATSPLIT), st.integers(0, 5)),
+        st.tuples(st.just("shape"), st.sampled_from(SHAPE)),
+    ), min_size=1, max_size=4).map(tuple)
+    return st.one_of(
+        simple,
+        st.tuples(st.just("block"), st.sampled_from(("fn", "fn_pair", "module")), straight),
+        st.tuples(st.just("loop"), st.sampled_from(("n", "L", "while_k")), body),
+        st.tuples(st.just("branch"), st.sampled_from(BRANCH_COND), body, body),
+    )
+
+
+@st.composite
+def programs(draw, max_statements: int = 6):
+    """A random program: (hidden size D, statements, output form)."""
+    d = draw(st.integers(1, 5))
+    stmts = tuple(draw(st.lists(_statement(2), min_size=1, max_size=max_statements)))
+    out = draw(st.sampled_from(("h", "tuple", "dict", "list_int")))
+    return (d, stmts, out)
+
+
+trees = st.recursive(
+    st.tuples(st.integers(0, VOCAB - 1), st.just(())),
+    lambda kids: st.tuples(st.integers(0, VOCAB - 1), st.lists(kids, min_size=1, max_size=3).map(tuple)),
+    max_leaves=6,
+)
+
+instance_specs = st.fixed_dictionaries({
+    "L": st.integers(1, 4),
+    "n": st.integers(0, 4),
+    "k": st.integers(0, 3),
+    "ids": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4),
+    "c": st.sampled_from((-1.5, 0.25, 2.0, 3)),
+    "tree": trees,
+    "x_grad": st.booleans(),
+    "seed": st.integers(0, 2 ** 16),
+})
+
+
+def make_instance(spec: dict, d: int) -> dict:
+    g = torch.Generator().manual_seed(spec["seed"])
+    x = torch.randn(spec["L"], d, generator=g)
+    if spec["x_grad"]:
+        x.requires_grad_(True)
+    return {"x": x, "ids": list(spec["ids"]), "n": spec["n"], "k": torch.tensor(spec["k"]),
+            "c": spec["c"], "tree": spec["tree"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters shared by all instances of one program
+# ---------------------------------------------------------------------------------------------
+class Params(nn.Module):
+    """The shared tensors a program may use, seeded for reproducibility."""
+
+    def __init__(self, d: int, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.d = d
+        self.lins = nn.ModuleList([nn.Linear(d, d) for _ in range(3)])
+        self.M = nn.Parameter(torch.randn(d, d) / max(1.0, math.sqrt(d)))
+        self.v = nn.Parameter(torch.randn(d))
+        self.emb = nn.Embedding(VOCAB, d)
+        self.tree_lin = nn.Linear(d, d)
+        self.gru = nn.GRUCell(d, d)
+        self.lstm = nn.LSTMCell(d, d)
+        self.rnn = nn.RNNCell(d, d)
+        self.table = nn.Parameter(torch.randn(max(d, 4)))
+        self.blocks: dict = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# compilation of a program into per-instance code
+# ---------------------------------------------------------------------------------------------
+def _unary(name, h):
+    if name == "tanh":
+        return torch.tanh(h)
+    if name == "sigmoid":
+        return torch.sigmoid(h)
+    if name == "relu":
+        return F.relu(h)
+    if name == "neg":
+        return -h
+    if name == "abs":
+        return h.abs()
+    if name == "sin":
+        return torch.sin(h)
+    if name == "exp_clamped":
+        return torch.exp(h.clamp(-3, 3))
+    if name == "square":
+        return torch.square(h) * 0.5
+    if name == "gelu":
+        return F.gelu(h)
+    if name == "silu":
+        return F.silu(h)
+    if name == "softplus":
+        return F.softplus(h)
+    if name == "clamp":
+        return torch.clamp(h, min=-1.0, max=1.0)
+    if name == "leaky_where":
+        return torch.where(h > 0, h, 0.1 * h)
+    if name == "method_tanh":
+        return h.tanh()
+    if name == "log1p_abs":
+        return torch.log1p(h.abs())
+    if name == "sqrt_abs":
+        return torch.sqrt(h.abs() + 0.1)
+    if name == "erf":
+        return torch.erf(h)
+    if name == "pos_op":
+        return +h
+    raise AssertionError(name)
+
+
+def _scalar(name, c, h, inst):
+    if name == "add":
+        return h + c
+    if name == "radd":
+        return c + h
+    if name == "sub":
+        return h - c
+    if name == "rsub":
+        return c - h
+    if name == "mul":
+        return h * c
+    if name == "rmul":
+        return c * h
+    if name == "div":
+        return h / c
+    if name == "pow2":
+        return h.pow(2) if c > 0 else h ** 1
+    if name == "add_inst":  # the constant differs per instance (DyNet #555)
+        return h + inst["c"]
+    if name == "mul_inst":
+        return torch.mul(h, inst["c"])
+    if name == "torch_add_alpha":
+        return torch.add(h, h.tanh(), alpha=c)
+    raise AssertionError(name)
+
+
+def _linear(name, j, h, P):
+    lin = P.lins[j]
+    if name == "module":
+        return lin(h)
+    if name == "f_linear":
+        return F.linear(h, lin.weight, lin.bias)
+    if name == "h_at_M":
+        return h @ P.M
+    if name == "M_at_h":
+        return P.M @ h
+    if name == "matmul":
+        return torch.matmul(h, lin.weight.t())
+    if name == "rowvec_mm":
+        return torch.mm(h.unsqueeze(0), P.M).squeeze(0)
+    if name == "mv":
+        return torch.mv(P.M, h)
+    if name == "lerp_param":
+        return torch.lerp(h, P.v, 0.25)
+    if name == "bilinear_row":
+        return h * (h @ P.v)
+    raise AssertionError(name)
+
+
+def _reduce(name, h):
+    if name == "sum":
+        return h + h.sum()
+    if name == "mean":
+        return h - h.mean()
+    if name == "amax":
+        return h - torch.amax(h, 0)
+    if name == "max_values":
+        return h + h.max(0).values
+    if name == "min_dim":
+        return h + torch.min(h, dim=0)[0]
+    if name == "logsumexp":
+        return h - torch.logsumexp(h, 0)
+    if name == "norm":
+        return h / (h.norm() + 1.0)
+    if name == "softmax":
+        return torch.softmax(h, dim=0)
+    if name == "log_softmax":
+        return F.log_softmax(h, dim=-1)
+    if name == "cumsum":
+        return torch.cumsum(h, 0) * 0.5
+    if name == "var":
+        return h + h.var(unbiased=False)
+    if name == "prod_tanh":
+        return h + torch.tanh(h).prod()
+    if name == "sort_values":
+        return torch.sort(h, descending=True).values
+    if name == "topk1":
+        return h + h.topk(1).values
+    raise AssertionError(name)
+
+
+def _catsplit(name, a, h, P):
+    d = h.shape[0]
+    k = a % (d + 1)
+    if name == "rotate":
+        return torch.cat([h[k:], h[:k]])
+    if name == "stack_sum":
+        return torch.stack([h, torch.tanh(h)], dim=1).sum(1)
+    if name == "split_flip":
+        parts = h.split(max(1, k))
+        return torch.cat(list(parts[::-1]))
+    if name == "chunk_swap":
+        parts = torch.chunk(h, 2)
+        return torch.cat(parts[::-1], dim=0)
+    if name == "cat_param":
+        return torch.cat([h, P.v]).reshape(2, d).mean(0)
+    if name == "cat_stack_mean":
+        return torch.stack([h, P.v, h * 2]).mean(dim=0)
+    raise AssertionError(name)
+
+
+def _index(name, a, h, inst):
+    d = h.shape[0]
+    k = a % d
+    if name == "perm_tensor":
+        perm = [(i + k) % d for i in range(d)]
+        return h[torch.tensor(perm)]
+    if name == "index_select":
+        idx = torch.tensor([(i * 2 + k) % d for i in range(d)])
+        return torch.index_select(h, 0, idx)
+    if name == "gather":
+        idx = torch.tensor([(d - 1 - i + k) % d for i in range(d)])
+        return h.gather(0, idx)
+    if name == "scalar_broadcast":
+        return h + h[k]
+    if name == "inst_index":  # index that differs per instance
+        return h * h[inst["ids"][0] % d]
+    if name == "flip":
+        return torch.flip(h, dims=(0,))
+    if name == "slice_pad":
+        return F.pad(h[k:], (0, k))
+    if name == "k_index":  # a tensor index from the instance
+        return h + h[inst["k"] % d]
+    raise AssertionError(name)
+
+
+def _shape(name, h):
+    d = h.shape[0]
+    if name == "reshape_t":
+        return h.reshape(d, 1).t().reshape(-1)
+    if name == "expand_mean":
+        return h.unsqueeze(0).expand(3, d).mean(0)
+    if name == "view_squeeze":
+        return h.view(1, d).squeeze(0)
+    if name == "repeat_view":
+        return h.repeat(2).view(2, d).sum(0) * 0.5
+    if name == "permute3":
+        return h.view(1, d, 1).permute(2, 0, 1).flatten()
+    if name == "flatten":
+        return torch.flatten(h.unsqueeze(-1))
+    if name == "transpose_mm":
+        m = h.unsqueeze(1)  # (d, 1)
+        return (m @ m.transpose(0, 1)).sum(1) * 0.1 + h
+    raise AssertionError(name)
+
+
+def _dtype(name, h):
+    if name == "double":
+        return (h.double() * 1.5).float()
+    if name == "to_double":
+        return h.to(torch.float64).tanh().to(torch.float32)
+    if name == "half_round_trip_free":
+        return h.long().float() * 0.0 + h  # an integer detour that contributes nothing
+    if name == "type_as":
+        return (h.double() + 1).type_as(h)
+    raise AssertionError(name)
+
+
+def _newfact(name, h):
+    if name == "new_ones":
+        return h + h.new_ones(h.shape[0])
+    if name == "zeros_like":
+        return h + torch.zeros_like(h)
+    if name == "full_like":
+        return h * torch.full_like(h, 0.5)
+    if name == "new_full":
+        return h - h.new_full((h.shape[0],), 0.25)
+    if name == "where_const":
+        return torch.where(h > 0.5, torch.ones_like(h), h)
+    raise AssertionError(name)
+
+
+def _embed(name, j, h, inst, P):
+    ids = inst["ids"]
+    if name == "one":
+        return h + P.emb(torch.tensor(ids[j % len(ids)]))
+    if name == "all":
+        return h + P.emb(torch.tensor(ids)).sum(0)
+    if name == "f_embedding":
+        return h * F.embedding(torch.tensor(ids[-1]), P.emb.weight).tanh()
+    raise AssertionError(name)
+
+
+def _seq(name, h, inst, P):
+    x = inst["x"]
+    if name == "x_at_M":
+        return h + torch.tanh(x @ P.M).sum(0)
+    if name == "x_mean":
+        return h + x.mean(0)
+    if name == "attention":
+        a = torch.softmax(x @ h, dim=0)
+        return h + a @ x
+    if name == "masked_rows":  # shape depends on values: runs eagerly
+        return h + x[x.sum(-1) > 0].sum(0)
+    if name == "x_row_k":
+        return h + x[int(inst["k"]) % x.shape[0]]
+    raise AssertionError(name)
+
+
+def _cell(name, h, inst, P):
+    x = inst["x"]
+    if name == "gru":
+        for t in range(x.shape[0]):
+            h = P.gru(x[t], h)
+        return h
+    if name == "lstm":
+        c = torch.zeros_like(h)
+        for t in range(x.shape[0]):
+            h, c = P.lstm(x[t], (h, c))
+        return h + c
+    if name == "rnn_tanh":
+        for t in range(x.shape[0]):
+            h = P.rnn(x[t], h)
+        return h
+    raise AssertionError(name)
+
+
+def _tree(name, h, inst, P):
+    def childsum(node):
+        wid, kids = node
+        s = P.emb(torch.tensor(wid))
+        for c in kids:
+            s = s + childsum(c)
+        return torch.tanh(P.tree_lin(s))
+
+    def stacked(node):
+        wid, kids = node
+        s = P.emb(torch.tensor(wid))
+        if kids:
+            s = s + torch.stack([stacked(c) for c in kids]).mean(0)
+        return torch.tanh(P.tree_lin(s))
+
+    def branchy(node):  # a branch on a tensor value at every node
+        wid, kids = node
+        s = P.emb(torch.tensor(wid))
+        for c in kids:
+            s = s + branchy(c)
+        t = P.tree_lin(s)
+        m = t.sum()
+        MARGIN.see(m)
+        return torch.tanh(t) if m > 0 else torch.sigmoid(t)
+
+    fn = {"childsum": childsum, "stack": stacked, "branchy": branchy}[name]
+    return h + fn(inst["tree"])
+
+
+def _cond(name, h, inst, P):
+    """A Python bool decided by a tensor value (the fiber yields here)."""
+    if name == "k_gt":
+        return bool(inst["k"] > 1)
+    if name == "sum_gt":
+        s = h.sum()
+        MARGIN.see(s)
+        return bool(s > 0)
+    if name == "any_gt":
+        MARGIN.see((h - 0.3).abs().min())
+        return bool((h > 0.3).any())
+    if name == "item_int":
+        return (inst["k"] * 2).item() % 3 == 0
+    if name == "argmax_table":
+        top = torch.topk(h, min(2, h.shape[0])).values
+        if top.shape[0] > 1:
+            MARGIN.see(top[0] - top[1])
+        return int(torch.argmax(h)) % 2 == 0
+    if name == "inst_c":
+        return bool(torch.tensor(inst["c"]) > 0)
+    raise AssertionError(name)
+
+
+class BlockBody(nn.Module):
+    """A module static block: its own Linear, then a straight-line sub-program."""
+
+    def __init__(self, P, body):
+        super().__init__()
+        self.lin = nn.Linear(P.d, P.d)
+        self.body = body
+        self.shared = [P]  # a list, so that P is not registered as a submodule
+
+    def forward(self, h, x0):
+        h = self.lin(h) + x0
+        for stmt in self.body:
+            h = run_statement(stmt, h, None, self.shared[0])
+        return h
+
+
+def _block(kind, body, P, key):
+    """A static block made of a straight-line sub-program, cached per program."""
+    blk = P.blocks.get(key)
+    if blk is not None:
+        return blk
+    if kind == "module":
+        blk = static_block(BlockBody(P, body))
+    else:
+        def fn(h, x0):
+            h = h + x0 * 0.5
+            for stmt in body:
+                h = run_statement(stmt, h, None, P)
+            return (h, h.sum()) if kind == "fn_pair" else h
+
+        blk = static_block(fn)
+    P.blocks[key] = blk
+    return blk
+
+
+def run_statement(stmt, h, inst, P):
+    kind = stmt[0]
+    if kind == "unary":
+        return _unary(stmt[1], h)
+    if kind == "scalar":
+        return _scalar(stmt[1], stmt[2], h, inst)
+    if kind == "linear":
+        return _linear(stmt[1], stmt[2], h, P)
+    if kind == "reduce":
+        return _reduce(stmt[1], h)
+    if kind == "catsplit":
+        return _catsplit(stmt[1], stmt[2], h, P)
+    if kind == "index":
+        return _index(stmt[1], stmt[2], h, inst)
+    if kind == "shape":
+        return _shape(stmt[1], h)
+    if kind == "dtype":
+        return _dtype(stmt[1], h)
+    if kind == "newfact":
+        return _newfact(stmt[1], h)
+    if kind == "embed":
+        return _embed(stmt[1], stmt[2], h, inst, P)
+    if kind == "seq":
+        return _seq(stmt[1], h, inst, P)
+    if kind == "cell":
+        return _cell(stmt[1], h, inst, P)
+    if kind == "tree":
+        return _tree(stmt[1], h, inst, P)
+    if kind == "phase":
+        batchcraft.phase()
+        return h
+    if kind == "block":
+        blk = _block(stmt[1], stmt[2], P, id(stmt))
+        out = blk(h, inst["x"][0])
+        return out[0] + out[1] if isinstance(out, tuple) else out
+    if kind == "loop":
+        how, body = stmt[1], stmt[2]
+        if how == "while_k":  # a loop whose condition is a tensor value
+            c = inst["k"]
+            while c > 0:
+                for s in body:
+                    h = run_statement(s, h, inst, P)
+                h = torch.tanh(h)
+                c = c - 1
+            return h
+        count = inst["n"] if how == "n" else inst["x"].shape[0]
+        for _ in range(count):
+            for s in body:
+                h = run_statement(s, h, inst, P)
+            h = torch.tanh(h)  # keep values bounded across iterations
+        return h
+    if kind == "branch":
+        take = _cond(stmt[1], h, inst, P)
+        for s in (stmt[2] if take else stmt[3]):
+            h = run_statement(s, h, inst, P)
+        return h
+    raise AssertionError(kind)
+
+
+def compile_program(program, P: Params):
+    """Per-instance function of ``program``: ``fn(instance) -> outputs``."""
+    _, stmts, out = program
+
+    def fn(inst):
+        h = torch.tanh(inst["x"].sum(0))
+        trail = []
+        for s in stmts:
+            h = run_statement(s, h, inst, P)
+            trail.append(h)
+        if out == "tuple":
+            return h, trail[0]
+        if out == "dict":
+            return {"h": h, "first": trail[0], "n": inst["n"]}
+        if out == "list_int":
+            return [h, len(trail)]
+        return h
+
+    return fn
+
+
+def count_statements(stmts) -> int:
+    n = 0
+    for s in stmts:
+        n += 1
+        if s[0] in ("loop",):
+            n += count_statements(s[2])
+        elif s[0] == "branch":
+            n += count_statements(s[2]) + count_statements(s[3])
+        elif s[0] == "block":
+            n += len(s[2])
+    return n
