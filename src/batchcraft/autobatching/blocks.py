@@ -65,13 +65,20 @@ class _Step:
 
 
 class Program:
-    """A traced block: steps in order, plus how to assemble the block's outputs."""
+    """A traced block: steps in order, plus how to assemble the block's outputs.
 
-    def __init__(self, steps, out_struct, out_refs, out_descs):
+    ``direct`` is True when every batched step is transparent (see
+    :func:`batchcraft.autobatching.rules.is_transparent`) and the body never read a shape:
+    then the block's own function is called on the batched inputs (checked, with the
+    step-by-step replay as fallback).
+    """
+
+    def __init__(self, steps, out_struct, out_refs, out_descs, direct=False):
         self.steps = steps
         self.out_struct = out_struct
         self.out_refs = out_refs
         self.out_descs = out_descs
+        self.direct = direct
 
 
 class TraceRecorder:
@@ -82,6 +89,7 @@ class TraceRecorder:
         self.parent = parent
         self.steps: list[_Step] = []
         self.instance = getattr(parent, "instance", -1)
+        self.shape_dependent = False
         self.blocks_checked = getattr(parent, "blocks_checked", set())
 
     def _ref(self, x):
@@ -225,10 +233,22 @@ class StaticBlock:
             else:
                 raise AutobatchError(f"static block {self.name!r} returned a non-tensor inside its outputs "
                                      f"({type(x).__name__})")
-        prog = Program(tracer.steps, out_struct, out_refs, out_descs)
+        direct = not tracer.shape_dependent and all(_step_transparent(st) for st in tracer.steps) \
+            and all(r[0] != "const" for r in out_refs)
+        prog = Program(tracer.steps, out_struct, out_refs, out_descs, direct)
         self._programs[key] = prog
         info = _rec._META_CACHE[key] = SigInfo(key, out_struct, tuple(out_descs), prog)
         return info
+
+
+def _step_transparent(step) -> bool:
+    if not step.batched:
+        return True
+    if isinstance(step.func, StaticBlock):
+        return step.info.program is not None and step.info.program.direct
+    from batchcraft.autobatching.rules import is_transparent
+
+    return is_transparent(step.func, step.struct, step.mask_static, step.shapes)
 
 
 def _has_lazy(args, kwargs) -> bool:

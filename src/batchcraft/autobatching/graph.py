@@ -77,7 +77,8 @@ class LeafNode:
     def value(self):
         """The tensor (created on first use for ``torch.tensor(python_scalar)`` leaves)."""
         if self._value is None:
-            self._value = torch.tensor(self.pyvalue, dtype=self.dtype)
+            with torch._C.DisableTorchFunction():  # may be read while the recording mode is on
+                self._value = torch.tensor(self.pyvalue, dtype=self.dtype)
         return self._value
 
 

@@ -36,6 +36,13 @@ def _materialize(x, why: str):
     return rec.materialize(x, why)
 
 
+def _note_shape():
+    """Tell a static-block tracer that the block reads shapes (so it cannot be called directly)."""
+    rec = _state.current()
+    if rec is not None and rec.__class__.__name__ == "TraceRecorder":
+        rec.shape_dependent = True
+
+
 class LazyTensor:
     """A per-instance tensor inside ``batchcraft.autobatch``: one output slot of a recorded node.
 
@@ -55,6 +62,7 @@ class LazyTensor:
     # -- metadata: known at record time, free to read --------------------------------------
     @property
     def shape(self) -> torch.Size:
+        _note_shape()
         return torch.Size(self.desc[0])
 
     @property
@@ -67,6 +75,7 @@ class LazyTensor:
 
     @property
     def ndim(self) -> int:
+        _note_shape()
         return len(self.desc[0])
 
     @property
@@ -85,19 +94,23 @@ class LazyTensor:
         return self.desc[1].is_floating_point
 
     def size(self, dim: int | None = None):
+        _note_shape()
         shape = self.desc[0]
         return torch.Size(shape) if dim is None else shape[dim]
 
     def dim(self) -> int:
+        _note_shape()
         return len(self.desc[0])
 
     def numel(self) -> int:
+        _note_shape()
         n = 1
         for d in self.desc[0]:
             n *= d
         return n
 
     def __len__(self) -> int:
+        _note_shape()
         if not self.desc[0]:
             raise TypeError("len() of a 0-d tensor")
         return self.desc[0][0]
@@ -136,6 +149,7 @@ class LazyTensor:
         return _materialize(self, "call .numpy()").numpy()
 
     def __iter__(self):
+        _note_shape()
         if not self.desc[0]:
             raise TypeError("iteration over a 0-d tensor")
         return iter([self[i] for i in range(self.desc[0][0])])

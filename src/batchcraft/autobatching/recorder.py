@@ -230,7 +230,10 @@ class Recorder:
             return node.value
         if node.outs is None:
             self.runtime.wait_for(x, why)
-        return node.outs[x.slot][node.row]
+        # the recording mode may be active here (a call through a LazyTensor method): index
+        # the batched result as a plain tensor, not as a new recorded op
+        with torch._C.DisableTorchFunction():
+            return node.outs[x.slot][node.row]
 
 
 class _NeedsValues(Exception):

@@ -117,7 +117,7 @@ def _shift(d, rank):
     return d + 1 if d >= 0 else d
 
 
-def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):
+def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):  # noqa: C901
     """Rule for ops with a dimension argument at ``pos`` / keyword ``name``.
 
     ``default``: the op's default dim when not given (None: no default). ``full``: how to spell
@@ -153,9 +153,11 @@ def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):
             kwargs[name] = nd
         return func(*args, **kwargs)
 
+    _DIM_RULES_PENDING.append(rule)
     return rule
 
 
+_DIM_RULES_PENDING: list = []
 _BATCHED_OTHER_OK: set = set()
 
 
@@ -371,6 +373,63 @@ _register([torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk], ru
 
 _NO_RULE: dict = {}
 
+# -- transparency: can the op be called on batched arguments exactly as written? -------------
+# Used for static blocks: a block whose every step is transparent (and that never reads a
+# shape while traced) is called directly on batched inputs instead of replayed step by step.
+
+
+def _dims_negative(d) -> bool:
+    if isinstance(d, int):
+        return d < 0
+    if isinstance(d, (tuple, list)):
+        return all(isinstance(i, int) and i < 0 for i in d)
+    return False
+
+
+def _dim_arg(struct, n_leaves, pos, name="dim", default=None):
+    args, kwargs = _args(struct, [None] * n_leaves)
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if len(args) > pos else default
+
+
+def is_transparent(func, struct, mask, shapes) -> bool:
+    """True when ``func`` called unchanged on batched arguments gives the batched result."""
+    rule = RULES.get(func)
+    nl = len(mask)
+    if rule is None:
+        return False
+    if rule is rule_direct:
+        return True
+    if rule is rule_elementwise:
+        rank = max((len(s) for s in shapes), default=0)
+        return all(len(s) == rank for s, m in zip(shapes, mask) if m)
+    if rule is rule_weight:
+        return bool(mask[0]) and not any(mask[1:])
+    if rule is rule_matmul:
+        if nl != 2 or getattr(func, "__name__", "") == "__rmatmul__":
+            return False
+        (ma, mb), (sa, sb) = mask, shapes
+        return (ma and not mb and len(sb) == 2 and len(sa) >= 1) or (ma and mb and len(sa) >= 2 and len(sb) >= 2)
+    if rule is rule_seq_dim:
+        return all(mask) and _dims_negative(_dim_arg(struct, nl, 1, default=0))
+    if rule is rule_split:
+        return mask[0] and not any(mask[1:]) and _dims_negative(_dim_arg(struct, nl, 2, default=0))
+    if rule in _DIM_RULES or rule is rule_unsqueeze or rule is rule_squeeze:
+        return mask[0] and not any(mask[1:]) and _dims_negative(_dim_arg(struct, nl, 1))
+    if rule is rule_transpose:
+        return mask[0] and not any(mask[1:]) and _dims_negative(
+            (_dim_arg(struct, nl, 1, "dim0"), _dim_arg(struct, nl, 2, "dim1")))
+    if rule is rule_getitem:
+        if nl != 1:
+            return False
+        idx = _args(struct, [None])[0][1]
+        return isinstance(idx, tuple) and len(idx) > 0 and idx[0] is Ellipsis and _is_plain_index(idx)
+    return False
+
+
+_DIM_RULES: set = set()
+
 
 def rule_for(func):
     """The batching rule of ``func``: a registered rule, else vmap, else None (run per instance).
@@ -406,3 +465,4 @@ def register_rule(func, rule=None):
 
 
 call_with = _call
+_DIM_RULES.update(_DIM_RULES_PENDING)

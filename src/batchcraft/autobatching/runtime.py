@@ -220,6 +220,10 @@ class Runtime:
             self.flush()
 
     def _resolve(self, out, i):
+        with torch._C.DisableTorchFunction():
+            return self._resolve_(out, i)
+
+    def _resolve_(self, out, i):
         t = type(out)
         if t is LazyTensor:
             nd = out.node
@@ -229,11 +233,11 @@ class Runtime:
                 raise AutobatchError(f"internal error: output of instance {i} was not computed")
             return nd.outs[out.slot][nd.row]
         if t is list:
-            return [self._resolve(o, i) for o in out]
+            return [self._resolve_(o, i) for o in out]
         if t is dict:
-            return {k: self._resolve(v, i) for k, v in out.items()}
+            return {k: self._resolve_(v, i) for k, v in out.items()}
         if isinstance(out, tuple):
-            items = [self._resolve(o, i) for o in out]
+            items = [self._resolve_(o, i) for o in out]
             if t is tuple:
                 return tuple(items)
             return t(*items) if hasattr(t, "_fields") else t(items)  # namedtuple / structseq

@@ -57,14 +57,16 @@ class ChildSumCell(nn.Module):
     def forward(self, iou_x, f_x, child_h, child_c):
         iou = iou_x
         if child_h:
-            hs = torch.stack(child_h)  # (k, hidden)
-            cs = torch.stack(child_c)
-            iou = iou + self.U_iou(hs.sum(0))
-            f = torch.sigmoid(f_x + self.U_f(hs))  # one forget gate per child, (k, hidden)
+            # last-dimension style (dim=-2, not 0): the block then also runs as written on a
+            # batch of nodes, so batchcraft calls it directly instead of replaying it op by op
+            hs = torch.stack(child_h, dim=-2)  # (k, hidden)
+            cs = torch.stack(child_c, dim=-2)
+            iou = iou + self.U_iou(hs.sum(-2))
+            f = torch.sigmoid(f_x.unsqueeze(-2) + self.U_f(hs))  # one forget gate per child, (k, hidden)
         i, o, u = iou.chunk(3, dim=-1)
         c = torch.sigmoid(i) * torch.tanh(u)
         if child_h:
-            c = c + (f * cs).sum(0)
+            c = c + (f * cs).sum(-2)
         h = torch.sigmoid(o) * torch.tanh(c)
         return h, c
 
