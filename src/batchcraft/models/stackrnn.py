@@ -55,6 +55,7 @@ class ParserState(nn.Module):
         super().__init__()
         self.W = nn.Linear(3 * hidden, hidden)
         self.score = nn.Linear(hidden, len(ACTIONS))
+        nn.init.zeros_(self.score.bias)  # untrained, a random bias alone would pick one arc direction
 
     def forward(self, s, b, a):
         return self.score(torch.relu(self.W(torch.cat([s, b, a]))))
