@@ -1,0 +1,145 @@
+"""The ACRoBat model suite on real UD data: eager vs. batchcraft (depth, agenda) vs. hand-batched (issue 3).
+
+Usage:
+    python benchmarks/suite.py [--models all] [--sentences 64] [--max-words 30]
+                               [--batch-sizes 8,64] [--sizes small,large] [--threads 2] [--write-docs]
+
+For every model x batch size x size: ``compare_eager`` runs, per batch and back to
+back, the eager per-instance loop and ``batchcraft.autobatch`` (once per scheduler),
+reporting the median ms per batch over all batches after one warm-up batch, the
+speed-up over eager from the same run, ``mean_batch`` (instances' operations per
+batched call) and the largest difference from eager. Where a hand-batched PyTorch
+reference exists (TreeLSTM level by level, BiRNN as one packed ``nn.LSTM``) it runs
+over the same batches; its difference is taken against eager on every batch.
+Inference (no autograd). Sentences: the first ``--sentences`` of UD EWT dev with at
+most ``--max-words`` words (kept short so one full run stays under ~10 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from _report import save_json, write_section  # noqa: E402
+from batchcraft.data import load_sentences  # noqa: E402
+from batchcraft.measure import format_table, machine_info  # noqa: E402
+from batchcraft.measure.compare import _max_abs_diff, batches, compare_eager  # noqa: E402
+from batchcraft.models import handbatched, suite  # noqa: E402
+
+MODELS = ["treelstm", "mvrnn", "birnn", "nestedrnn", "drnn", "berxit", "stackrnn"]
+HAND_BATCHED = {"treelstm": handbatched.treelstm_levels, "birnn": handbatched.birnn_padded}
+
+
+def hand_batched(task, batch_size: int) -> dict:
+    """Median ms per batch of the hand-batched reference and its max |diff| from eager."""
+    fn = HAND_BATCHED[task.name]
+    times, diffs = [], []
+    with torch.no_grad():
+        fn(task.model, task.instances[:batch_size])  # warm-up
+        for b in batches(task.instances, batch_size):
+            t0 = time.perf_counter()
+            out = fn(task.model, b)
+            times.append(time.perf_counter() - t0)
+            diffs.append(max(_max_abs_diff(o, task.fn(x)) for o, x in zip(out, b)))
+    return {"hand_ms": statistics.median(times) * 1e3, "hand_max_abs_diff": max(diffs)}
+
+
+def run_one(task, batch_size: int, schedulers: list[str]) -> dict:
+    row = {"model": task.name, "hidden": task.hidden, "batch_size": batch_size}
+    for sched in schedulers:
+        r = compare_eager(task.fn, task.instances, batch_size=batch_size, scheduler=sched)
+        row.setdefault("eager_ms", r["eager_ms"])
+        row[f"{sched}_ms"] = r["batchcraft_ms"]
+        row[f"{sched}_speedup"] = r["speedup"]  # against the eager loop of the same run
+        row[f"{sched}_mean_batch"] = r["mean_batch"]
+        row[f"{sched}_max_abs_diff"] = r["max_abs_diff"]
+        row[f"{sched}_fallbacks"] = r["fallbacks"]
+        row[f"{sched}_syncs_per_batch"] = r["syncs_per_batch"]
+    if task.name in HAND_BATCHED:
+        h = hand_batched(task, batch_size)
+        row.update(h, hand_speedup=row["eager_ms"] / h["hand_ms"])
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="all", help="comma-separated suite models, or 'all'")
+    ap.add_argument("--sentences", type=int, default=64)
+    ap.add_argument("--max-words", type=int, default=30)
+    ap.add_argument("--batch-sizes", default="8,64")
+    ap.add_argument("--sizes", default="small,large")
+    ap.add_argument("--schedulers", default="depth,agenda")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--write-docs", action="store_true", help="update the 'suite' section of docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    names = MODELS if args.models == "all" else args.models.split(",")
+    schedulers = args.schedulers.split(",")
+    pool = [s for s in load_sentences(limit=4 * args.sentences) if len(s) <= args.max_words]
+    sents = pool[: args.sentences]
+    t_start = time.perf_counter()
+    load_before = _load()
+    results = []
+    for name in names:
+        for size in args.sizes.split(","):
+            task = suite.build(name, sents, size=size)
+            for bs in [int(b) for b in args.batch_sizes.split(",")]:
+                r = run_one(task, bs, schedulers)
+                r["size"] = size
+                results.append(r)
+                print(f"{name} {size} batch {bs}: " + ", ".join(
+                    f"{s} {r[f'{s}_speedup']:.2f}x (mean batch {r[f'{s}_mean_batch']:.1f})" for s in schedulers),
+                    file=sys.stderr, flush=True)
+    elapsed = time.perf_counter() - t_start
+    headers = ["model", "size", "hidden", "batch", "eager ms/batch"]
+    for s in schedulers:
+        headers += [f"{s} ms/batch", f"{s} speed-up", f"{s} mean batch", f"{s} max |diff|"]
+    headers += ["hand-batched ms/batch", "hand speed-up", "hand max |diff|"]
+    rows = []
+    for r in results:
+        row = [r["model"], r["size"], r["hidden"], r["batch_size"], r["eager_ms"]]
+        for s in schedulers:
+            row += [r[f"{s}_ms"], r[f"{s}_speedup"], r[f"{s}_mean_batch"], f"{r[f'{s}_max_abs_diff']:.1e}"]
+        if "hand_ms" in r:
+            row += [r["hand_ms"], r["hand_speedup"], f"{r['hand_max_abs_diff']:.1e}"]
+        else:
+            row += ["-", "-", "-"]
+        rows.append(row)
+    m = machine_info()
+    print(format_table(headers, rows))
+    path = save_json("suite", {"machine": m, "args": vars(args), "elapsed_s": elapsed,
+                               "load_before": load_before, "load_after": _load(), "results": results})
+    print(f"results: {path} ({elapsed:.0f} s)", file=sys.stderr)
+    if args.write_docs:
+        cmd = " ".join(["python benchmarks/suite.py"] + (argv if argv is not None else sys.argv[1:]))
+        text = (f"### ACRoBat model suite (issue 3)\n\nCommand: `{cmd}`\n\n"
+                f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, torch {m['torch']}, {args.threads} "
+                f"intra-op threads; load average {load_before} before and {_load()} after the run (the "
+                f"2 cores are shared, so absolute times are noisy; ratios come from one run, back to back). "
+                f"Inference (no autograd) on the first {len(sents)} UD EWT dev sentences of at most "
+                f"{args.max_words} words; median ms per batch over all batches after one warm-up batch; "
+                f"speed-up = eager ms / that column's ms, each against the eager loop of its own run; "
+                f"mean batch = instances' operations per batched call; max |diff| against eager. "
+                f"Hand-batched: TreeLSTM level by level, BiRNN as one packed nn.LSTM, same parameters. "
+                f"Whole run: {elapsed:.0f} s.\n\n{format_table(headers, rows, markdown=True)}\n")
+        write_section("suite", text)
+    return 0
+
+
+def _load() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
