@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, Phase, assume, given, settings, strategies a
 
 from batchcraft import autobatch
 
-from fuzzing import MARGIN, Params, compile_program, count_statements, instance_specs, make_instance, programs
+from fuzzing import CHECK_REQUIRES_GRAD, MARGIN, Params, compile_program, count_statements, instance_specs, make_instance, programs
 
 PROFILE = os.environ.get("BATCHCRAFT_FUZZ_PROFILE", "fast")
 if PROFILE not in ("fast", "long"):
@@ -113,12 +113,14 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
             assert type(a) is torch.Tensor, f"instance {i}: output is {type(a).__name__}"
             assert a.shape == b.shape, f"instance {i}: shape {tuple(a.shape)} vs eager {tuple(b.shape)}"
             assert a.dtype == b.dtype, f"instance {i}: dtype {a.dtype} vs eager {b.dtype}"
+            if CHECK_REQUIRES_GRAD:
+                assert a.requires_grad == b.requires_grad, f"instance {i}: requires_grad differs from eager"
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, equal_nan=True,
                                        msg=lambda m, i=i: f"instance {i}: {m}")
             COUNTS["output_tensors_compared"] += 1
 
     # gradients: w.r.t. shared parameters (incl. module blocks) and instance inputs
-    wrt = [p for p in P.parameters()]
+    wrt = [p for p in P.parameters()] + [P.buf]
     for blk in P.blocks.values():
         if isinstance(blk, torch.nn.Module):
             wrt += list(blk.parameters())
