@@ -67,7 +67,7 @@ class NodePredict(nn.Module):
         h = torch.tanh(self.U_a(h_a) + self.U_f(h_f))
         p_a = torch.sigmoid(self.u_a(h)).squeeze(-1)
         p_f = torch.sigmoid(self.u_f(h)).squeeze(-1)
-        return self.W(h) + self.v_a * p_a + self.v_f * p_f, p_a, p_f
+        return self.W(h) + self.v_a * p_a.unsqueeze(-1) + self.v_f * p_f.unsqueeze(-1), p_a, p_f
 
 
 class DRNN(nn.Module):

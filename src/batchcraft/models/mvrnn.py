@@ -58,8 +58,13 @@ class MVCompose(nn.Module):
                                 + 0.01 * torch.randn(hidden, 2 * hidden))
 
     def forward(self, a, A, b, B):
-        p = torch.tanh(self.W(torch.cat([B @ a, A @ b])))
-        P = self.W_M @ torch.cat([A, B], 0)  # (hidden, 2 hidden) @ (2 hidden, hidden)
+        # written with negative dims and per-instance-first matmuls, so that the same code also
+        # runs unchanged on a batch of compositions (batchcraft then calls it directly)
+        Ba = (B @ a.unsqueeze(-1)).squeeze(-1)
+        Ab = (A @ b.unsqueeze(-1)).squeeze(-1)
+        p = torch.tanh(self.W(torch.cat([Ba, Ab], -1)))
+        # P = W_M [A; B], as ([A; B]^T W_M^T)^T: (hidden, 2 hidden) @ (2 hidden, hidden)
+        P = (torch.cat([A, B], -2).transpose(-1, -2) @ self.W_M.t()).transpose(-1, -2)
         return p, P
 
 

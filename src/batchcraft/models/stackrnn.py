@@ -44,7 +44,7 @@ class TokenInput(nn.Module):
         self.V = nn.Linear(word_dim + tag_dim, hidden)
 
     def forward(self, word_id, upos_id):
-        return torch.relu(self.V(torch.cat([self.word(word_id), self.tag(upos_id)])))
+        return torch.relu(self.V(torch.cat([self.word(word_id), self.tag(upos_id)], -1)))
 
 
 @static_block
@@ -58,7 +58,7 @@ class ParserState(nn.Module):
         nn.init.zeros_(self.score.bias)  # untrained, a random bias alone would pick one arc direction
 
     def forward(self, s, b, a):
-        return self.score(torch.relu(self.W(torch.cat([s, b, a]))))
+        return self.score(torch.relu(self.W(torch.cat([s, b, a], -1))))
 
 
 @static_block
@@ -70,7 +70,7 @@ class Compose(nn.Module):
         self.C = nn.Linear(2 * hidden, hidden)
 
     def forward(self, head, dep):
-        return torch.tanh(self.C(torch.cat([head, dep])))
+        return torch.tanh(self.C(torch.cat([head, dep], -1)))
 
 
 class StackRNNParser(nn.Module):
