@@ -65,6 +65,8 @@ def main(argv=None) -> int:
                 r.pop("plan_obj")
                 r.update(model=name, budget=budget, mode=mode, input_shape=list(x.shape))
                 runs.append(r)
+                with open(args.out + ".partial", "w", encoding="utf-8") as f:  # survive an interrupted run
+                    json.dump({"machine": info, "runs": runs}, f)
     elapsed = time.perf_counter() - t0
     out = {"machine": info, "load_before": load_before, "load_after": os.getloadavg(), "elapsed_s": elapsed,
            "args": vars(args), "runs": runs}
