@@ -65,7 +65,14 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
         (as ordinary tensors, differentiable); ``f.stats`` describes the last call.
     Raises:
         ValueError: unknown option value.
-        InstanceError: ``fn`` raised for an instance (``.instance`` is its index).
+        InstanceError: ``fn`` raised for an instance (``.instance`` is its index); the whole
+            call fails and returns nothing.
+    Differences from eager:
+        The outputs of one call share one autograd graph (that is what batching means): sum
+        the losses and call ``backward()`` once, or pass ``retain_graph=True`` to backward
+        through several outputs separately. A NaN/inf in one instance's input makes the
+        gradients of shared weights NaN for the whole call (0 * NaN in the batched weight
+        gradient), even for other instances' losses; forward values stay per instance.
     Source:
         ACRoBat (Fegade et al., MLSys 2024, arXiv 2305.10611); DyNet auto-batching
         (Neubig et al., NeurIPS 2017, arXiv 1705.07860).

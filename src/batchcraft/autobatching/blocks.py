@@ -186,7 +186,7 @@ class StaticBlock:
     def _fingerprint_now(self):
         if self.module is None:
             return None
-        tensors = tuple((id(t), tuple(t.shape), t.dtype, t.device)
+        tensors = tuple((id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
                         for t in list(self.module.parameters()) + list(self.module.buffers()))
         return tensors + tuple(m.training for m in self.module.modules())
 

@@ -114,7 +114,7 @@ class Recorder:
         self.eager_ops = 0  # ops that could not be recorded lazily and ran on concrete values
         self.blocks_checked: set = set()
         self.mode = _RecordingMode(self)
-        self.step_counts: dict[int, int] = {}
+        self.max_pending = getattr(runtime, "max_pending", None)
 
     # -- the hot path --------------------------------------------------------------------------
     def record(self, func, args, kwargs):
@@ -151,9 +151,13 @@ class Recorder:
                 info = self.infer(func, struct, leaves, device, key)
             except _NeedsValues as nv:
                 return self.run_on_values(func, struct, leaves, nv)
-        node = Node(info, func, struct, leaves, depth + 1, self.instance, phase, rg and grad)
-        self.graph.add(node)
+        node = Node(info, func, struct, leaves, depth + 1, self.instance, phase,
+                    (rg or info.const_grad) and grad)
+        graph = self.graph
+        graph.add(node)
         self.ops_recorded += 1
+        if self.max_pending is not None and graph.n_pending >= self.max_pending:
+            self.runtime.pending_limit()
         if info.single:
             return LazyTensor(node, 0, info.out_descs[0])
         if info.flat_tuple:

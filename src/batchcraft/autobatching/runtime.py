@@ -75,7 +75,11 @@ class Runtime:
             self.scheduler.run(graph, self.executor, self.stats)
         self.exec_time += _perf() - t0
 
-    def wait_for(self, x: LazyTensor, why: str) -> None:
+    def pending_limit(self) -> None:
+        """``max_pending`` nodes wait: run them now (a fiber yields first, so others batch too)."""
+        self.wait_for(None, "bound the pending graph (max_pending)")
+
+    def wait_for(self, x: LazyTensor | None, why: str) -> None:
         """Called by instance code that needs the value of pending ``x``."""
         cur = greenlet.getcurrent()
         if self.main is None or cur is self.main:
@@ -93,7 +97,7 @@ class Runtime:
         finally:
             if stashed:
                 torch._C._pop_torch_function_stack()
-        if x.node.outs is None:  # pragma: no cover - would be a scheduler bug
+        if x is not None and x.node.outs is None:  # pragma: no cover - would be a scheduler bug
             raise AutobatchError(f"internal error: value needed to {why} was not computed")
 
     # -- instances ----------------------------------------------------------------------------
@@ -231,7 +235,9 @@ class Runtime:
                 return nd.value
             if nd.outs is None:  # pragma: no cover
                 raise AutobatchError(f"internal error: output of instance {i} was not computed")
-            return nd.outs[out.slot][nd.row]
+            v = nd.outs[out.slot][nd.row]
+            # the batched result requires grad if any instance's does; this instance's may not
+            return v.detach() if (v.requires_grad and not nd.requires_grad) else v
         if t is list:
             return [self._resolve_(o, i) for o in out]
         if t is dict:
@@ -241,4 +247,10 @@ class Runtime:
             if t is tuple:
                 return tuple(items)
             return t(*items) if hasattr(t, "_fields") else t(items)  # namedtuple / structseq
+        attrs = getattr(out, "__dict__", None)
+        if attrs and any(type(v) is LazyTensor for v in attrs.values()):
+            raise InstanceError(i, f"the output is a {t.__name__} object holding a lazy tensor; "
+                                   f"batchcraft resolves tensors in tuples, lists and dicts only",
+                                hint="return the tensors (e.g. a dict of them) and build the object "
+                                     "after the call")
         return out

@@ -96,7 +96,7 @@ class SigInfo:
         program: the traced program, for static blocks.
     """
 
-    __slots__ = ("sid", "key", "out_struct", "out_descs", "single", "flat_tuple", "program")
+    __slots__ = ("sid", "key", "out_struct", "out_descs", "single", "flat_tuple", "program", "const_grad")
     _next = 0
 
     def __init__(self, key, out_struct, out_descs, program=None):
@@ -110,6 +110,12 @@ class SigInfo:
         self.flat_tuple = (type(out_struct) is tuple and out_struct[0] is tuple
                            and all(s is LEAF for s in out_struct[1]))
         self.program = program
+        # a static block whose body uses tensors that require grad (its parameters)
+        self.const_grad = program is not None and any(
+            r[0] == "const" and getattr(r[1], "requires_grad", False)
+            for st in program.steps for r in st.refs) or (program is not None and any(
+                st.info is not None and st.info.const_grad for st in program.steps
+                if st.info is not None and st.info.program is not None))
 
 
 def rebuild(struct, it):
