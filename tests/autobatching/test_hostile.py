@@ -604,3 +604,56 @@ def test_bug1_boolean_mask_index_on_computed_mask(fibers):
         out = autobatch(fn, fibers=fibers)(xs)
         for o, x in zip(out, xs):
             torch.testing.assert_close(o, fn(x))
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #9")
+def test_bug9_negative_zero_constant_is_its_own_signature():
+    fn = lambda inst: 1 / (inst[0] * inst[1])  # noqa: E731
+    xs = [(torch.ones(2), 0.0), (torch.ones(2), -0.0)]
+    out = autobatch(fn)(xs)
+    torch.testing.assert_close(out, [fn(x) for x in xs])
+
+
+def _shared_across_phases(scheduler):
+    import batchcraft
+
+    memo: dict = {}
+
+    def fn(n_phases):
+        for _ in range(n_phases):
+            batchcraft.phase()
+        if "v" not in memo:  # a cache shared by all instances
+            memo["v"] = torch.tanh(LIN(torch.ones(3)))
+        return memo["v"] + n_phases
+
+    try:
+        out = autobatch(fn, scheduler=scheduler)([1, 0, 2])
+    except AutobatchError as exc:  # a clear error naming the instance is acceptable too
+        assert exc.instance is not None
+        return
+    memo.clear()
+    torch.testing.assert_close(out, [fn(k) for k in (1, 0, 2)])
+
+
+def test_value_shared_across_instances_and_phases_agenda():
+    _shared_across_phases("agenda")
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #10")
+def test_bug10_value_shared_across_instances_and_phases():
+    _shared_across_phases("depth")
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #11")
+def test_bug11_overflowing_scalar_leaf_names_the_instance():
+    with pytest.raises(InstanceError) as ei:
+        autobatch(lambda x: x + torch.tensor(2 ** 70 if x.shape[0] == 2 else 1))([torch.ones(1), torch.ones(2)])
+    assert ei.value.instance == 1
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #12")
+def test_bug12_nan_constant_batches():
+    f = autobatch(lambda x: x * float("nan"))
+    out = f([torch.ones(1)] * 20)
+    assert all(torch.isnan(o).all() for o in out)
+    assert f.stats.batched_calls == 1
