@@ -90,6 +90,7 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
     instances = [make_instance(s, d) for s in specs]
 
     MARGIN.tracking, MARGIN.smallest = True, math.inf
+    P.memo.clear()
     try:
         ref = [fn(inst) for inst in instances]
     finally:
@@ -99,6 +100,7 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
         assume(False)  # a float branch within rounding of its threshold: not a fair comparison
 
     f = autobatch(fn, scheduler=scheduler, fibers=fibers, max_pending=max_pending)
+    P.memo.clear()  # lazy values cached across instances must come from this run
     out = f(instances)
     COUNTS["programs"] += 1
     COUNTS["instances"] += len(instances)
