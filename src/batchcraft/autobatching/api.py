@@ -39,7 +39,8 @@ class AutoBatched:
 
 
 def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
-              max_steps: int | None = None, max_pending: int | None = None) -> AutoBatched:
+              max_steps: int | None = None, max_pending: int | None = None,
+              direct_blocks: bool = True, compile_blocks: bool = False) -> AutoBatched:
     """Return a callable that runs per-instance ``fn`` over many instances in batches.
 
     ``fn`` is ordinary PyTorch code for *one* instance: torch functions, Tensor
@@ -60,6 +61,11 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
             synchronisations than this without finishing (StepLimitError).
         max_pending (int | None): execute pending work early once this many nodes wait,
             bounding the memory of the recorded graph.
+        direct_blocks (bool): call a static block's own code on batched inputs when every
+            operation in it is batch-transparent (default); False always replays op by op.
+        compile_blocks (bool): run such blocks through ``torch.compile(dynamic=True)``, compiled
+            once per signature. Off by default: on the CPU it was slower than the direct call at
+            the suite's sizes (see docs/benchmarks.md, ablation), and compiling takes seconds.
     Returns:
         AutoBatched: ``f(instances) -> list`` with ``f(xs)[i]`` equal to ``fn(xs[i])``
         (as ordinary tensors, differentiable); ``f.stats`` describes the last call.
@@ -89,7 +95,8 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
     return AutoBatched(fn, dict(scheduler=scheduler, fibers=bool(fibers), max_steps=max_steps,
-                                max_pending=max_pending))
+                                max_pending=max_pending, direct_blocks=bool(direct_blocks),
+                                compile_blocks=bool(compile_blocks)))
 
 
 def phase(name: str | None = None) -> None:

@@ -111,8 +111,19 @@ def gather(lazies: list, n: int) -> torch.Tensor:
 class Executor:
     """Runs groups of pending nodes as batched calls and records statistics."""
 
-    def __init__(self, stats):
+    def __init__(self, stats, *, direct_blocks: bool = True, compile_blocks: bool = False):
         self.stats = stats
+        self.direct_blocks = direct_blocks
+        self.compile_blocks = compile_blocks
+
+    def _block_fn(self, block, prog):
+        """The callable run on batched inputs: the block itself, or its torch.compile'd form."""
+        if not self.compile_blocks:
+            return block.fn
+        if getattr(prog, "compiled", None) is None:
+            # compiled once per signature with a dynamic batch dimension, reused across calls
+            prog.compiled = torch.compile(block.fn, dynamic=True)
+        return prog.compiled
 
     def run_group(self, nodes: list) -> None:
         n = len(nodes)
@@ -149,9 +160,9 @@ class Executor:
         kinds = self.stats.groups_by_rule
         if isinstance(func, StaticBlock):
             prog = info.program
-            if prog.direct:
+            if prog.direct and self.direct_blocks:
                 try:
-                    outs = _tensors(_call(func.fn, struct, leaves))
+                    outs = _tensors(_call(self._block_fn(func, prog), struct, leaves))
                     if len(outs) == len(out_descs) and all(
                             t.shape[0] == n and tuple(t.shape[1:]) == d[0] for t, d in zip(outs, out_descs)):
                         kinds["block_direct"] = kinds.get("block_direct", 0) + 1

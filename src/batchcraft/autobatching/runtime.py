@@ -52,14 +52,15 @@ class Runtime:
     """State of one call of an auto-batched function over a sequence of instances."""
 
     def __init__(self, fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
-                 max_steps: int | None = None, max_pending: int | None = None):
+                 max_steps: int | None = None, max_pending: int | None = None,
+                 direct_blocks: bool = True, compile_blocks: bool = False):
         self.fn = fn
         self.scheduler = make_scheduler(scheduler)
         self.use_fibers = fibers
         self.max_steps = max_steps
         self.max_pending = max_pending
         self.stats = RunStats()
-        self.executor = Executor(self.stats)
+        self.executor = Executor(self.stats, direct_blocks=direct_blocks, compile_blocks=compile_blocks)
         self.rec = _rec.Recorder(self)
         self.main = None
         self.exec_time = 0.0
