@@ -52,8 +52,7 @@ def stack_leaves(nodes) -> torch.Tensor:
     if first.pyvalue is not None:
         vals = [nd.pyvalue for nd in nodes]
         if None not in vals:
-            dev = first.value.device if first._value is not None else None
-            return torch.tensor(vals, dtype=first.dtype, device=dev)
+            return torch.tensor(vals, dtype=first.dtype, device=first.device)
     return torch.stack([nd.value for nd in nodes])
 
 

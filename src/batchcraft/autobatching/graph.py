@@ -58,14 +58,15 @@ class LeafNode:
     ``torch.tensor(scalar)`` so that a group of them becomes one ``torch.tensor(list)``.
     """
 
-    __slots__ = ("_value", "pyvalue", "dtype", "outs", "row", "depth", "requires_grad", "instance",
-                 "phase")
+    __slots__ = ("_value", "pyvalue", "dtype", "device", "outs", "row", "depth", "requires_grad",
+                 "instance", "phase")
     name = "leaf"
 
-    def __init__(self, value, pyvalue=None, instance=-1, dtype=None):
+    def __init__(self, value, pyvalue=None, instance=-1, dtype=None, device=None):
         self._value = value
         self.pyvalue = pyvalue
         self.dtype = dtype if value is None else value.dtype
+        self.device = device if value is None else value.device
         self.outs = None
         self.row = -1
         self.depth = 0
@@ -78,7 +79,7 @@ class LeafNode:
         """The tensor (created on first use for ``torch.tensor(python_scalar)`` leaves)."""
         if self._value is None:
             with torch._C.DisableTorchFunction():  # may be read while the recording mode is on
-                self._value = torch.tensor(self.pyvalue, dtype=self.dtype)
+                self._value = torch.tensor(self.pyvalue, dtype=self.dtype, device=self.device)
         return self._value
 
 

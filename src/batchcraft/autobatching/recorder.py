@@ -80,6 +80,7 @@ def infer_outputs(func, struct, leaves, device):
 
 _torch_tensor = torch.tensor
 _PY_SCALARS = (int, float, bool)
+_SCALAR_KW = frozenset({"dtype", "device"})
 
 
 class _RecordingMode(TorchFunctionMode):
@@ -91,10 +92,11 @@ class _RecordingMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         rec = current()
-        if func is _torch_tensor and not kwargs and len(args) == 1 and type(args[0]) in _PY_SCALARS:
+        if (func is _torch_tensor and len(args) == 1 and type(args[0]) in _PY_SCALARS
+                and (not kwargs or kwargs.keys() <= _SCALAR_KW)):
             leaf = getattr(rec, "scalar_leaf", None)  # fast path: no tensor is made until needed
             if leaf is not None:
-                return leaf(args[0])
+                return leaf(args[0], **(kwargs or {}))
         return rec.record(func, args, kwargs or {})
 
 
@@ -194,12 +196,14 @@ class Recorder:
             return rebuild(st, iter([self.leaf(t) if isinstance(t, torch.Tensor) else t for t in leaves]))
         return out
 
-    def scalar_leaf(self, v) -> LazyTensor:
-        """``torch.tensor(v)`` for a Python int/float/bool, as a leaf whose tensor is made lazily."""
-        t = type(v)
-        dtype = torch.int64 if t is int else (torch.bool if t is bool else torch.get_default_dtype())
-        node = LeafNode(None, v, self.instance, dtype)
-        return LazyTensor(node, 0, ((), dtype, _CPU))
+    def scalar_leaf(self, v, dtype=None, device=None) -> LazyTensor:
+        """``torch.tensor(v[, dtype=, device=])`` for a Python scalar: a leaf whose tensor is made lazily."""
+        if dtype is None:
+            t = type(v)
+            dtype = torch.int64 if t is int else (torch.bool if t is bool else torch.get_default_dtype())
+        device = _CPU if device is None else torch.device(device)
+        node = LeafNode(None, v, self.instance, dtype, device)
+        return LazyTensor(node, 0, ((), dtype, device))
 
     def leaf(self, value: torch.Tensor, pyvalue=None) -> LazyTensor:
         node = LeafNode(value, pyvalue, self.instance)

@@ -96,7 +96,9 @@ class TreeLSTM(nn.Module):
     def node(self, sentence, i: int):
         """(h, c) of word ``i``'s subtree (recursive, per instance)."""
         states = [self.node(sentence, c) for c in sentence.children[i]]
-        iou_x, f_x = self.inputs(torch.tensor(sentence.word_ids[i]), torch.tensor(sentence.upos_ids[i]))
+        dev = self.cell.U_f.weight.device
+        iou_x, f_x = self.inputs(torch.tensor(sentence.word_ids[i], device=dev),
+                                 torch.tensor(sentence.upos_ids[i], device=dev))
         return self.cell(iou_x, f_x, [h for h, _ in states], [c for _, c in states])
 
     def forward(self, sentence):
