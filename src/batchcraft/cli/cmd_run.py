@@ -89,6 +89,7 @@ def run(args) -> int:
     if args.profile:
         print(f"auto-batched time split per batch: record {res['record_ms']:.1f} ms, schedule "
               f"{res['schedule_ms']:.1f} ms, gather {res['gather_ms']:.1f} ms, batched calls "
-              f"{res['kernel_ms']:.1f} ms; fallbacks {res['fallbacks']}, mean "
+              f"{res['kernel_ms']:.1f} ms; {res['record_ms'] * 1e3 / max(res['ops_recorded'], 1):.1f} "
+              f"host µs per recorded op; fallbacks {res['fallbacks']}, mean "
               f"{res['mean_batch']:.1f} instances' ops per batched call")
     return 0

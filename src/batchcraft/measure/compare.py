@@ -95,4 +95,5 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
     }
     for k in ("record_s", "schedule_s", "gather_s", "kernel_s"):
         res[k.replace("_s", "_ms")] = totals[k] / nb * 1e3
+    res["record_us_per_op"] = totals["record_s"] * 1e6 / totals["ops_recorded"] if totals["ops_recorded"] else 0.0
     return res
