@@ -657,3 +657,134 @@ def test_bug12_nan_constant_batches():
     out = f([torch.ones(1)] * 20)
     assert all(torch.isnan(o).all() for o in out)
     assert f.stats.batched_calls == 1
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #13")
+def test_bug13_nested_autobatch_over_lazy_values():
+    inner = autobatch(lambda v: torch.tanh(LIN(v)))
+    fn = lambda x: sum(inner([x, x * 2]))  # noqa: E731
+    xs = [torch.randn(3) for _ in range(3)]
+    try:
+        out = autobatch(fn)(xs)
+    except UnsupportedOperationError as exc:  # a clear refusal naming the instance is fine
+        assert exc.instance == 0 and "autobatch" in str(exc)
+        return
+    ref = [torch.tanh(LIN(x)) + torch.tanh(LIN(x * 2)) for x in xs]
+    torch.testing.assert_close(out, ref)
+
+
+def test_nested_autobatch_over_concrete_values():
+    inner = autobatch(lambda v: torch.tanh(LIN(v)))
+
+    def fn(x):
+        ys = inner([torch.ones(3), torch.zeros(3)])
+        return x + ys[0] - ys[1]
+
+    xs = [torch.randn(3) for _ in range(3)]
+    ref = [x + torch.tanh(LIN(torch.ones(3))) - torch.tanh(LIN(torch.zeros(3))) for x in xs]
+    torch.testing.assert_close(autobatch(fn)(xs), ref)
+    assert_clean_runtime()
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #14")
+def test_bug14_requires_grad_hint():
+    with pytest.raises(UnsupportedOperationError) as ei:
+        autobatch(lambda x: x.detach().requires_grad_())([torch.randn(3)])
+    assert ".requires_grad()" not in str(ei.value)
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #15")
+def test_bug15_backward_inside_instance_code():
+    def fn(x):
+        (LIN(x) ** 2).sum().backward()
+        return x
+
+    xs = [torch.randn(3) for _ in range(3)]
+    LIN.zero_grad()
+    try:
+        autobatch(fn)(xs)
+    except UnsupportedOperationError as exc:  # a clear refusal for the first instance is fine
+        assert exc.instance == 0
+        return
+    got = LIN.weight.grad.clone()
+    LIN.zero_grad()
+    for x in xs:
+        fn(x)
+    torch.testing.assert_close(got, LIN.weight.grad)
+    LIN.zero_grad()
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #16")
+def test_bug16_max_steps_stops_an_instance_that_never_syncs():
+    import signal
+
+    def on_alarm(signum, frame):
+        raise TimeoutError("no StepLimitError after 3 s: the instance was never stopped")
+
+    def fn(x):
+        while True:
+            x = x + 1
+
+    from batchcraft.errors import StepLimitError
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(3)
+    try:
+        with pytest.raises(StepLimitError):
+            autobatch(fn, max_steps=1000)([torch.ones(1)])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_max_steps_stops_an_instance_that_loops_on_a_value():
+    from batchcraft.errors import StepLimitError
+
+    def fn(x):
+        while x.sum() > -1:  # never false for instance 0
+            x = x + 1
+        return x
+
+    with pytest.raises(StepLimitError, match="instance 0 exceeded max_steps=50"):
+        autobatch(fn, max_steps=50)([torch.ones(1), -torch.ones(1) * 5])
+    assert_clean_runtime()
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #17")
+def test_bug17_step_limit_error_names_instance_attribute():
+    from batchcraft.errors import StepLimitError
+
+    def fn(x):
+        while x.sum() > -1:
+            x = x + 1
+        return x
+
+    with pytest.raises(StepLimitError) as ei:
+        autobatch(fn, max_steps=50)([torch.ones(1), -torch.ones(1) * 5])
+    assert ei.value.instance == 0
+
+
+def test_common_modules_on_lazy_values_match_eager():
+    lstm = nn.LSTM(3, 4, batch_first=True)
+    mha = nn.MultiheadAttention(3, 1, batch_first=True)
+    conv = nn.Conv1d(3, 4, 3, padding=1)
+    bn = nn.BatchNorm1d(3).eval()
+
+    def fn(x):  # x: (L, 3), L differs per instance
+        out, (h, c) = lstm(x.unsqueeze(0))
+        a, _ = mha(x.unsqueeze(0), x.unsqueeze(0), x.unsqueeze(0))
+        return out.sum(1).squeeze(0) + h.sum() + a.mean() + conv(x.t()).mean(-1) + bn(x).sum()
+
+    params = [p for m in (lstm, mha, conv) for p in m.parameters()]
+    assert_matches_eager(fn, [torch.randn(n, 3) for n in (2, 5, 3, 5)], params)
+
+
+def test_random_draws_differ_per_instance_and_repeat_with_the_seed():
+    # FIELD-FAULTS: DyNet PR #812/#1053 (one dropout mask shared by the whole batch)
+    fn = lambda x: F.dropout(x, 0.5, training=True) + torch.randn(50) * 0  # noqa: E731
+    torch.manual_seed(0)
+    a = autobatch(fn)([torch.ones(50)] * 4)
+    torch.manual_seed(0)
+    b = autobatch(fn)([torch.ones(50)] * 4)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert len({tuple(p.tolist()) for p in a}) == 4
