@@ -117,3 +117,28 @@ def test_error_names_the_node():
 def test_bad_thread_counts(kwargs):
     with pytest.raises(ConfigurationError, match="must be an int >= 1"):
         InterOpExecutor(Wide([1]), **kwargs)
+
+
+def test_in_place_updates_keep_eager_order_with_other_readers():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 256)
+            self.relu = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            h = self.a(x)
+            early = self.b(h)        # reads h before the in-place ReLU
+            self.relu(h)             # eager order: after `early`, before `late`
+            h.mul_(2.0)
+            late = self.c(h)         # reads the updated h
+            return early + late
+
+    torch.manual_seed(0)
+    model = InPlace()
+    x = torch.randn(2048, 256)
+    with torch.no_grad():
+        ref = model(x)
+        with InterOpExecutor(model, inter_op_threads=3, intra_op_threads=1) as run:
+            for _ in range(20):  # a race would show up on some run
+                torch.testing.assert_close(run(x), ref, rtol=0, atol=0)

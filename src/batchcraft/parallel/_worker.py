@@ -65,9 +65,11 @@ def serve(spec: dict, *, torch_preloaded: bool) -> None:
                 if not warm:
                     inputs[batch_size] = work.make_batch(batch_size)
                 x, items = inputs[batch_size], batch_size
+                # First time at this size: at least one call and warmup_s; afterwards no warm-up,
+                # so a configuration with second-long calls costs one call per trial.
                 calls, t0 = 0, time.perf_counter()
                 with torch.inference_mode():
-                    while calls < (1 if warm else 2) or (not warm and time.perf_counter() - t0 < warmup_s):
+                    while not warm and (calls < 1 or time.perf_counter() - t0 < warmup_s):
                         runner(x)
                         calls += 1
                 conn.send(("prepared", calls))

@@ -13,6 +13,7 @@ dependent that becomes ready itself (no hand-off for a chain) and queues the oth
 
 from __future__ import annotations
 
+import operator
 import queue
 import threading
 
@@ -36,6 +37,47 @@ class _Task:
         self.n_deps = 0
 
 
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.imatmul, operator.setitem}
+
+
+def _mutated_input(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose value ``node`` modifies in place (first argument), or None."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, torch.fx.Node):
+        return None
+    if node.op == "call_module":
+        return first if getattr(gm.get_submodule(node.target), "inplace", False) else None
+    if node.op == "call_method":
+        name = node.target
+        return first if name.endswith("_") and not name.startswith("__") else None
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+            return first
+        return first if name.endswith("_") and not name.startswith("_") else None
+    return None
+
+
+def _ordering_edges(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Extra (before, after) edges so an in-place update keeps eager order with the other readers.
+
+    Eager runs readers of a tensor before or after an in-place update of it in program order; a
+    concurrent schedule must too. Only direct readers are ordered (not readers through views).
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    edges = []
+    for node in gm.graph.nodes:
+        target = _mutated_input(gm, node)
+        if target is None:
+            continue
+        for user in target.users:
+            if user is not node:
+                edges.append((user, node) if order[user] < order[node] else (node, user))
+    return edges
+
+
 def _split_tasks(gm: torch.fx.GraphModule) -> tuple[list[_Task], _Task]:
     """Cut the graph into chains; return the tasks (topological order) and the output's task."""
     task_of: dict[torch.fx.Node, _Task] = {}
@@ -54,11 +96,27 @@ def _split_tasks(gm: torch.fx.GraphModule) -> tuple[list[_Task], _Task]:
         task_of[node] = task
         if node.op == "output":
             out_task = task
+    extra: dict[_Task, set[_Task]] = {}
+    for before, after in _ordering_edges(gm):
+        extra.setdefault(task_of[after], set()).add(task_of[before])
     for task in tasks:
-        deps = {task_of[i] for n in task.nodes for i in n.all_input_nodes} - {task}
+        deps = ({task_of[i] for n in task.nodes for i in n.all_input_nodes} | extra.get(task, set())) - {task}
         task.n_deps = len(deps)
         for d in sorted(deps, key=lambda t: t.index):
             d.dependents.append(task)
+    # Every task must become ready (no cycle), or a call would wait forever.
+    pending = {t.index: t.n_deps for t in tasks}
+    ready = [t for t in tasks if t.n_deps == 0]
+    seen = 0
+    while ready:
+        t = ready.pop()
+        seen += 1
+        for d in t.dependents:
+            pending[d.index] -= 1
+            if pending[d.index] == 0:
+                ready.append(d)
+    if seen != len(tasks):
+        raise RuntimeError(f"InterOpExecutor: task graph has a cycle ({len(tasks) - seen} tasks never ready)")
     return tasks, out_task
 
 
