@@ -73,7 +73,7 @@ def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: flo
             "tune_result": tuned.to_dict(), "sweep": [r.to_dict() for r in swept]}
 
 
-def bench_executor(name: str, batch_sizes: list[int], image_size: int) -> list[dict]:
+def bench_executor(name: str, batch_sizes: list[int], image_size: int, repeats: int = 15) -> list[dict]:
     """In-process: eager with all cores vs the inter-op executor (cores split over pools)."""
     cores = len(os.sched_getaffinity(0))
     model = build_model(name)
@@ -84,11 +84,11 @@ def bench_executor(name: str, batch_sizes: list[int], image_size: int) -> list[d
             for b in batch_sizes:
                 x = make_input(model, b, image_size=image_size)
                 torch.set_num_threads(cores)
-                eager = measure(lambda: model(x), repeats=15, warmup=3)
+                eager = measure(lambda: model(x), repeats=repeats, warmup=2)
                 pools = min(cores, 2) if cores >= 2 else 1
                 with InterOpExecutor(model, inter_op_threads=pools, intra_op_threads=max(1, cores // pools)) as run:
                     diff = (run(x) - model(x)).abs().max().item()
-                    ex = measure(lambda: run(x), repeats=15, warmup=3)
+                    ex = measure(lambda: run(x), repeats=repeats, warmup=2)
                 out.append({"model": name, "batch_size": b, "eager_ms": eager.median_ms,
                             "eager_iqr_ms": eager.iqr_ms, "executor_ms": ex.median_ms, "executor_iqr_ms": ex.iqr_ms,
                             "pools": pools, "intra_op_threads": max(1, cores // pools),
@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--model-batch-sizes", default="", metavar="NAME=B1,B2;...",
                    help="batch sizes for particular models, e.g. 'treelstm=1,8'")
     p.add_argument("--executor-models", default="inception_wide,recommender")
+    p.add_argument("--executor-repeats", type=int, default=15)
     p.add_argument("--out", default=None, help="JSON path (default results/parallel-<time>.json)")
     args = p.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     for n in args.executor_models.split(","):
         if n in names:
-            report["executor"] += bench_executor(n, batch_sizes, args.image_size)
+            report["executor"] += bench_executor(n, batch_sizes, args.image_size, args.executor_repeats)
     for n in names:
         print(f"[{time.monotonic() - t0:6.0f} s] {n}", file=sys.stderr)
         report["models"].append(bench_model(n, per_model_batches.get(n, batch_sizes), args.budget_s,

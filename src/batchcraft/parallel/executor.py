@@ -141,6 +141,9 @@ class InterOpExecutor:
     The result equals the eager model's (same operators, same order within each branch); autograd
     works through it, and the caller's grad mode / inference mode are applied in the pool threads.
     Gains need branches whose operators are large enough to hide a thread hand-off (~10-30 us).
+    An in-place update (``relu(inplace=True)``, ``x.add_()``, ``x += y``) is ordered against the
+    other direct readers of its tensor as in eager; updates through views (aliases) are not
+    tracked, so models that mutate a view of a tensor other branches read are not supported.
 
     Args:
         model (nn.Module or torch.fx.GraphModule): must be traceable by torch.fx.
