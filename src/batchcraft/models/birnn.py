@@ -44,8 +44,10 @@ class BiRNNTagger(nn.Module):
         word_dim = hidden if word_dim is None else word_dim
         self.hidden = hidden
         self.embed = static_block(nn.Embedding(vocab_size, word_dim))
-        self.fwd = nn.LSTMCell(word_dim, hidden)
-        self.bwd = nn.LSTMCell(word_dim, hidden)
+        # each cell step is one static block: one recorded node instead of LSTMCell's six
+        # (unsqueeze x3, lstm_cell, squeeze x2) for unbatched inputs
+        self.fwd = static_block(nn.LSTMCell(word_dim, hidden))
+        self.bwd = static_block(nn.LSTMCell(word_dim, hidden))
         self.out = static_block(nn.Linear(2 * hidden, n_tags))
 
     def forward(self, sentence):

@@ -92,10 +92,11 @@ class DRNN(nn.Module):
         self.hidden, self.n_labels = hidden, n_labels
         self.max_nodes, self.max_depth = max_nodes, max_depth
         self.inputs = TokenInput(vocab_size, 18, word_dim, tag_dim)
-        self.encoder = nn.GRUCell(word_dim + tag_dim, hidden)
+        # RNN cells as static blocks: one recorded node per step (see birnn.py)
+        self.encoder = static_block(nn.GRUCell(word_dim + tag_dim, hidden))
         self.label = static_block(nn.Embedding(n_labels + 1, hidden))
-        self.ancestral = nn.GRUCell(hidden, hidden)
-        self.fraternal = nn.GRUCell(hidden, hidden)
+        self.ancestral = static_block(nn.GRUCell(hidden, hidden))
+        self.fraternal = static_block(nn.GRUCell(hidden, hidden))
         self.predict = NodePredict(hidden, n_labels)
 
     def encode(self, sentence):

@@ -38,8 +38,10 @@ class NestedRNN(nn.Module):
         self.char_ids = {ch: i + 1 for i, ch in enumerate(sorted(set(chars)))}
         self.hidden = hidden
         self.char_embed = static_block(nn.Embedding(len(self.char_ids) + 1, char_dim))
-        self.char_rnn = nn.GRUCell(char_dim, hidden)
-        self.word_rnn = nn.LSTMCell(hidden, hidden)
+        # each cell step is one static block: one recorded node instead of the cell's unbatched
+        # input handling (unsqueeze, cell, squeeze) as separate nodes
+        self.char_rnn = static_block(nn.GRUCell(char_dim, hidden))
+        self.word_rnn = static_block(nn.LSTMCell(hidden, hidden))
 
     def word(self, form: str):
         """Final character-GRU state of one word, shape (hidden,)."""

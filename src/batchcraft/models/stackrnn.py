@@ -90,9 +90,10 @@ class StackRNNParser(nn.Module):
         word_dim = hidden if word_dim is None else word_dim
         self.hidden = hidden
         self.inputs = TokenInput(vocab_size, 18, word_dim, tag_dim, hidden)
-        self.buffer_rnn = nn.LSTMCell(hidden, hidden)
-        self.stack_rnn = nn.LSTMCell(hidden, hidden)
-        self.history_rnn = nn.LSTMCell(hidden, hidden)
+        # RNN cells as static blocks: one recorded node per step (see birnn.py)
+        self.buffer_rnn = static_block(nn.LSTMCell(hidden, hidden))
+        self.stack_rnn = static_block(nn.LSTMCell(hidden, hidden))
+        self.history_rnn = static_block(nn.LSTMCell(hidden, hidden))
         self.action = static_block(nn.Embedding(len(ACTIONS), hidden))
         self.state = ParserState(hidden)
         self.compose = Compose(hidden)
