@@ -195,6 +195,8 @@ class StaticBlock:
         if fp != self._fingerprint:
             for key in self._programs:
                 _rec._META_CACHE.pop(key, None)
+            for fkey in [k for k in _rec._FAST_CACHE if k[0] is self]:
+                del _rec._FAST_CACHE[fkey]
             self._programs.clear()
             self._fingerprint = fp
 

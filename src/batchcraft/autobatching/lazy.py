@@ -36,6 +36,17 @@ def _materialize(x, why: str):
     return rec.materialize(x, why)
 
 
+_DESC_IDS: dict = {}
+
+
+def desc_id(desc: tuple) -> int:
+    """Interned small int for a (shape, dtype, device) descriptor: cheap to hash in signatures."""
+    i = _DESC_IDS.get(desc)
+    if i is None:
+        i = _DESC_IDS[desc] = len(_DESC_IDS) + 1
+    return i
+
+
 def _note_shape():
     """Tell a static-block tracer that the block reads shapes (so it cannot be called directly)."""
     rec = _state.current()
@@ -52,12 +63,13 @@ class LazyTensor:
         desc (tuple): ``(shape, dtype, device)`` of the per-instance value.
     """
 
-    __slots__ = ("node", "slot", "desc", "__weakref__")
+    __slots__ = ("node", "slot", "desc", "did", "__weakref__")
 
-    def __init__(self, node, slot: int, desc: tuple):
+    def __init__(self, node, slot: int, desc: tuple, did: int | None = None):
         self.node = node
         self.slot = slot
         self.desc = desc
+        self.did = desc_id(desc) if did is None else did
 
     # -- metadata: known at record time, free to read --------------------------------------
     @property

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from batchcraft.autobatching import lazy as _lazy
 from batchcraft.autobatching.graph import Graph, LeafNode, Node
 from batchcraft.autobatching.lazy import LazyTensor
-from batchcraft.autobatching.signature import LEAF, SigInfo, flatten, flatten_args, rebuild
+from batchcraft.autobatching.signature import _SCALARS, LEAF, SigInfo, flatten, flatten_args, rebuild
 from batchcraft.errors import AutobatchError, UnsupportedOperationError
 
 _tls = threading.local()
@@ -53,6 +53,7 @@ _lazy._state = _State
 # Per-signature output inference: key -> (out_struct, out_descs). Keys hold ids of shared tensors,
 # so the cache is bounded and cleared when it grows (a stale id only costs a re-inference).
 _META_CACHE: dict = {}
+_FAST_CACHE: dict = {}  # (func, interned arg signature, grad mode) -> SigInfo
 _META_CACHE_MAX = 200_000
 _grad_enabled = torch.is_grad_enabled
 _CPU = torch.device("cpu")
@@ -120,51 +121,122 @@ class Recorder:
 
     # -- the hot path --------------------------------------------------------------------------
     def record(self, func, args, kwargs):
+        # Fast path: arguments are lazy values, lists/tuples of them and plain scalars. The
+        # signature is then spelled with interned descriptor ids, and the argument structure
+        # comes from the cache instead of being rebuilt.
+        if not kwargs:
+            sig = []
+            leaves: list = []
+            for a in args:
+                t = type(a)
+                if t is LazyTensor:
+                    leaves.append(a)
+                    sig.append(a.did)
+                elif t is list or t is tuple:
+                    ids = []
+                    for b in a:
+                        if type(b) is not LazyTensor:
+                            break
+                        leaves.append(b)
+                        ids.append(b.did)
+                    else:
+                        sig.append((t, tuple(ids)))
+                        continue
+                    break
+                elif t in _SCALARS:
+                    sig.append((t, a))
+                else:
+                    break
+            else:
+                if leaves:
+                    fkey = (func, tuple(sig), _grad_enabled())
+                    info = _FAST_CACHE.get(fkey)
+                    if info is not None:
+                        return self._add(info, func, info.struct, leaves)
+                    info = self.signature_info(func, args, kwargs)
+                    if info is None:  # ran concretely (no lazy input) or needs values
+                        return self.record_general(func, args, kwargs)
+                    _FAST_CACHE[fkey] = info
+                    return self._add(info, func, info.struct, leaves)
+        return self.record_general(func, args, kwargs)
+
+    def signature_info(self, func, args, kwargs):
+        """The SigInfo of a call with lazy arguments (inferred on a miss), or None."""
         leaves: list = []
         struct = (flatten_args(args, leaves), flatten(kwargs, leaves) if kwargs else None)
-        depth = 0
-        has_lazy = False
-        rg = False
         descs = []
-        phase = self.phase
         device = None
         for x in leaves:
             if type(x) is LazyTensor:
-                has_lazy = True
-                nd = x.node
-                if nd.outs is None and nd.depth > depth and nd.phase == phase:
-                    depth = nd.depth
-                if nd.requires_grad:
-                    rg = True
                 descs.append(x.desc)
                 if device is None:
                     device = x.desc[2]
             else:
                 descs.append(("shared", id(x), x.shape, x.dtype, x.device))
-                if x.requires_grad:
-                    rg = True
+        if device is None:
+            return None
+        key = (func, struct, tuple(descs), _grad_enabled())
+        info = _META_CACHE.get(key)
+        if info is None:
+            try:
+                info = self.infer(func, struct, leaves, device, key)
+            except _NeedsValues:
+                return None
+        return info
+
+    def record_general(self, func, args, kwargs):
+        """Record any call: flatten the arguments, build the full signature, infer outputs."""
+        leaves: list = []
+        struct = (flatten_args(args, leaves), flatten(kwargs, leaves) if kwargs else None)
+        has_lazy = False
+        descs = []
+        device = None
+        for x in leaves:
+            if type(x) is LazyTensor:
+                has_lazy = True
+                descs.append(x.desc)
+                if device is None:
+                    device = x.desc[2]
+            else:
+                descs.append(("shared", id(x), x.shape, x.dtype, x.device))
         if not has_lazy:
             return self.run_concrete(func, args, kwargs)
-        grad = _grad_enabled()
-        key = (func, struct, tuple(descs), grad)
+        key = (func, struct, tuple(descs), _grad_enabled())
         info = _META_CACHE.get(key)
         if info is None:
             try:
                 info = self.infer(func, struct, leaves, device, key)
             except _NeedsValues as nv:
                 return self.run_on_values(func, struct, leaves, nv)
+        return self._add(info, func, struct, leaves)
+
+    def _add(self, info, func, struct, leaves):
+        """Append a node for ``info`` with inputs ``leaves``; return its lazy outputs."""
+        depth = 0
+        rg = False
+        phase = self.phase
+        for x in leaves:
+            if type(x) is LazyTensor:
+                nd = x.node
+                if nd.outs is None and nd.depth > depth and nd.phase == phase:
+                    depth = nd.depth
+                if nd.requires_grad:
+                    rg = True
+            elif x.requires_grad:
+                rg = True
         node = Node(info, func, struct, leaves, depth + 1, self.instance, phase,
-                    (rg or info.const_grad) and grad)
+                    (rg or info.const_grad) and info.key[3])
         graph = self.graph
         graph.add(node)
         self.ops_recorded += 1
         if self.max_pending is not None and graph.n_pending >= self.max_pending:
             self.runtime.pending_limit()
         if info.single:
-            return LazyTensor(node, 0, info.out_descs[0])
+            return LazyTensor(node, 0, info.out_descs[0], info.out_dids[0])
+        outs = [LazyTensor(node, i, d, di) for i, (d, di) in enumerate(zip(info.out_descs, info.out_dids))]
         if info.flat_tuple:
-            return tuple([LazyTensor(node, i, d) for i, d in enumerate(info.out_descs)])
-        return rebuild(info.out_struct, iter([LazyTensor(node, i, d) for i, d in enumerate(info.out_descs)]))
+            return tuple(outs)
+        return rebuild(info.out_struct, iter(outs))
 
     # -- slower paths --------------------------------------------------------------------------
     def infer(self, func, struct, leaves, device, key):
@@ -179,6 +251,7 @@ class Recorder:
             raise _NeedsValues(exc) from None
         if len(_META_CACHE) > _META_CACHE_MAX:
             _META_CACHE.clear()
+            _FAST_CACHE.clear()
         info = _META_CACHE[key] = SigInfo(key, out_struct, out_descs)
         return info
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from batchcraft.autobatching.lazy import LazyTensor
+from batchcraft.autobatching.lazy import LazyTensor, desc_id
 
 LEAF = "\x00leaf"  # marks a tensor position in a structure; the tensor is in the leaf list
 
@@ -96,7 +96,8 @@ class SigInfo:
         program: the traced program, for static blocks.
     """
 
-    __slots__ = ("sid", "key", "out_struct", "out_descs", "single", "flat_tuple", "program", "const_grad")
+    __slots__ = ("sid", "key", "out_struct", "out_descs", "out_dids", "single", "flat_tuple", "program",
+                 "const_grad", "struct")
     _next = 0
 
     def __init__(self, key, out_struct, out_descs, program=None):
@@ -105,6 +106,8 @@ class SigInfo:
         self.key = key
         self.out_struct = out_struct
         self.out_descs = out_descs
+        self.out_dids = tuple(desc_id(d) for d in out_descs)
+        self.struct = key[1] if key is not None else None
         self.single = out_struct is LEAF
         # outputs that are a plain tuple of tensors (e.g. (h, c)) are built without rebuild()
         self.flat_tuple = (type(out_struct) is tuple and out_struct[0] is tuple
