@@ -58,13 +58,12 @@ class MVCompose(nn.Module):
                                 + 0.01 * torch.randn(hidden, 2 * hidden))
 
     def forward(self, a, A, b, B):
-        # written with negative dims and per-instance-first matmuls, so that the same code also
-        # runs unchanged on a batch of compositions (batchcraft then calls it directly)
+        # negative dims and matrix-vector products as (n, n) @ (n, 1): the same code reads right
+        # for one composition and for a batch of them
         Ba = (B @ a.unsqueeze(-1)).squeeze(-1)
         Ab = (A @ b.unsqueeze(-1)).squeeze(-1)
         p = torch.tanh(self.W(torch.cat([Ba, Ab], -1)))
-        # P = W_M [A; B], as ([A; B]^T W_M^T)^T: (hidden, 2 hidden) @ (2 hidden, hidden)
-        P = (torch.cat([A, B], -2).transpose(-1, -2) @ self.W_M.t()).transpose(-1, -2)
+        P = self.W_M @ torch.cat([A, B], -2)  # (hidden, 2 hidden) @ (2 hidden, hidden)
         return p, P
 
 
