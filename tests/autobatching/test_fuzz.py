@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -53,13 +54,20 @@ COUNTS = {"programs": 0, "instances": 0, "statements": 0, "ops_recorded": 0, "ba
 MIN_BRANCH_MARGIN = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _report_counts():
-    yield
+def _write_counts() -> None:
     path = os.environ.get("BATCHCRAFT_FUZZ_STATS")
     if path:
         with open(path, "w") as fh:
-            json.dump(dict(COUNTS, profile=PROFILE), fh, indent=1)
+            json.dump(dict(COUNTS, profile=PROFILE, elapsed_s=round(time.perf_counter() - _T0, 1)), fh, indent=1)
+
+
+_T0 = time.perf_counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_counts():
+    yield
+    _write_counts()
 
 
 def _flat(x):
@@ -103,6 +111,8 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
     P.memo.clear()  # lazy values cached across instances must come from this run
     out = f(instances)
     COUNTS["programs"] += 1
+    if COUNTS["programs"] % 50 == 0:
+        _write_counts()  # a long run cut short by a time limit still reports its counts
     COUNTS["instances"] += len(instances)
     COUNTS["statements"] += count_statements(program[1])
     for k in ("ops_recorded", "batched_calls", "syncs", "eager_ops", "fallbacks"):

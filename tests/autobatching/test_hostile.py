@@ -25,7 +25,7 @@ from batchcraft.autobatching import graph as _graph
 from batchcraft.autobatching import recorder as _rec
 from batchcraft.errors import AutobatchError, InstanceError, UnsupportedOperationError
 
-from conftest import assert_matches_eager
+from equivalence import assert_matches_eager
 
 torch.manual_seed(0)
 LIN = nn.Linear(3, 3)
@@ -788,3 +788,29 @@ def test_random_draws_differ_per_instance_and_repeat_with_the_seed():
     b = autobatch(fn)([torch.ones(50)] * 4)
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     assert len({tuple(p.tolist()) for p in a}) == 4
+
+
+def test_static_block_module_deepcopy_uses_its_own_weights():
+    import copy
+
+    m = static_block(nn.Linear(3, 3))
+    m2 = copy.deepcopy(m)
+    with torch.no_grad():
+        m2.weight.zero_()
+        m2.bias.fill_(1.0)
+    x = torch.randn(3)
+    torch.testing.assert_close(autobatch(lambda v: m2(v))([x])[0], torch.ones(3))
+    torch.testing.assert_close(autobatch(lambda v: m(v))([x])[0], m(x))
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #18")
+def test_bug18_static_block_module_instance_pickles():
+    import io
+
+    m = static_block(nn.Linear(3, 3))
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    m3 = torch.load(buf, weights_only=False)
+    x = torch.randn(3)
+    torch.testing.assert_close(autobatch(lambda v: m3(v))([x])[0], m(x))
