@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchcraft.models.drnn import DRNN
+from batchcraft.models.drnn import DRNN, calibrate_decisions
 
 from _suite_helpers import forward_batched_and_eager, vocab_size
-from conftest import assert_matches_eager
+from equivalence import assert_matches_eager
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +50,16 @@ def test_batch_64_takes_different_paths_and_still_batches(drnn, ud_sentences, sc
     assert len({tuple(o["parents"]) for o in out}) >= 5
     print(f"DRNN batch 64 ({scheduler}): {f.stats.summary()}")
     assert f.stats.mean_batch > 4
+
+
+def test_calibration_centres_the_growth_decisions(ud_sentences):
+    torch.manual_seed(3)
+    m = DRNN(vocab_size(ud_sentences), hidden=16, word_dim=12, tag_dim=6, max_nodes=12, max_depth=4)
+    with torch.no_grad():
+        m.predict.u_a.bias.fill_(-3.0)  # a decoder that (almost) never grows
+        assert all(len(m(s)["parents"]) == 1 for s in ud_sentences[:16])
+        calibrate_decisions(m, ud_sentences[:16])
+        outs = [m(s) for s in ud_sentences[:16]]
+    grow = torch.cat([o["p_a"] > 0.5 for o in outs]).float().mean()
+    assert 0.2 <= grow <= 0.8
+    assert len({len(o["parents"]) for o in outs}) >= 3

@@ -19,7 +19,9 @@ decisions while the pending nodes of all instances run as batched calls.
 The encoding is the final state of a GRU over the sentence's word + UPOS
 embeddings; labels are UPOS tags (the decoder would be trained to regrow the
 sentence's dependency tree). Growth is capped at ``max_nodes`` nodes and
-``max_depth`` levels.
+``max_depth`` levels. Untrained, the decisions hardly depend on the input;
+:func:`calibrate_decisions` (used by :func:`build_task`) centres them so that
+trees vary in size and shape from instance to instance.
 """
 
 from __future__ import annotations
@@ -142,6 +144,26 @@ class DRNN(nn.Module):
                 "p_f": torch.stack(out["p_f"]), "parents": out["parents"]}
 
 
+def calibrate_decisions(model: DRNN, sentences, rounds: int = 3) -> None:
+    """Shift the biases of ``u_a`` and ``u_f`` so that about half of the decisions are "yes".
+
+    An untrained decoder's topology decisions hardly depend on the input (most trees stop at
+    the root). Each round decodes ``sentences`` eagerly, collects the decision logits of all
+    nodes, and subtracts their median from the bias: trees then branch about as often as they
+    stop and vary from instance to instance, as a trained decoder's do. In place.
+    """
+    pred = model.predict
+    for _ in range(rounds):
+        z_a, z_f = [], []
+        with torch.no_grad():
+            for s in sentences:
+                out = model(s)
+                z_a += torch.logit(out["p_a"], eps=1e-6).tolist()
+                z_f += torch.logit(out["p_f"], eps=1e-6).tolist()
+            pred.u_a.bias -= torch.tensor(z_a).median()
+            pred.u_f.bias -= torch.tensor(z_f[1:] or [0.0]).median()  # the root's p_f is unused
+
+
 def build_task(sentences, hidden: int, seed: int = 0):
     """Suite entry: a DRNN of size ``hidden`` decoding a tree from each of ``sentences``."""
     from batchcraft.data import Vocab, encode
@@ -151,5 +173,6 @@ def build_task(sentences, hidden: int, seed: int = 0):
     encode(sentences, vocab)
     torch.manual_seed(seed)
     model = DRNN(len(vocab), hidden=hidden)
+    calibrate_decisions(model, list(sentences)[:32])
     return Task("drnn", model, model, list(sentences), hidden,
                 f"DRNN tree decoder (stops on predicted probabilities), hidden {hidden}, from UD sentences")
