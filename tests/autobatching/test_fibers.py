@@ -10,7 +10,7 @@ import batchcraft
 from batchcraft import autobatch
 from batchcraft.errors import InstanceError, StepLimitError
 
-from conftest import assert_matches_eager
+from equivalence import assert_matches_eager
 
 torch.manual_seed(0)
 CELL = nn.GRUCell(8, 8)

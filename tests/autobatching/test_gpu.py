@@ -8,7 +8,7 @@ import torch
 from batchcraft import autobatch
 from batchcraft.models.treelstm import TreeLSTM
 
-from conftest import random_tree
+from equivalence import random_tree
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]

@@ -10,7 +10,7 @@ from batchcraft import autobatch, static_block
 from batchcraft.errors import InstanceError, UnsupportedOperationError
 from batchcraft.models.treelstm import TreeLSTM
 
-from conftest import assert_matches_eager, make_tree, random_tree
+from equivalence import assert_matches_eager, make_tree, random_tree
 
 
 @pytest.fixture

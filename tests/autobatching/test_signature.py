@@ -8,7 +8,7 @@ from torch import nn
 
 from batchcraft import autobatch
 
-from conftest import assert_matches_eager
+from equivalence import assert_matches_eager
 
 
 def test_scalar_arguments_are_part_of_the_signature():

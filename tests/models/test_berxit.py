@@ -8,7 +8,7 @@ import torch
 from batchcraft.models.berxit import Berxit, calibrate_threshold
 
 from _suite_helpers import forward_batched_and_eager, vocab_size
-from conftest import assert_matches_eager
+from equivalence import assert_matches_eager
 
 
 @pytest.fixture(scope="module")

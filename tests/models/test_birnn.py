@@ -8,7 +8,7 @@ import torch
 from batchcraft.models.birnn import BiRNNTagger
 
 from _suite_helpers import shortest, vocab_size
-from conftest import assert_matches_eager
+from equivalence import assert_matches_eager
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from batchcraft.models.handbatched import birnn_padded, treelstm_levels
 from batchcraft.models.treelstm import TreeLSTM
 
 from _suite_helpers import vocab_size
-from conftest import make_tree, random_tree
+from equivalence import make_tree, random_tree
 
 
 def _assert_same_values_and_gradients(model, hand, ref):

@@ -8,7 +8,7 @@ import torch
 from batchcraft.models.mvrnn import MVRNN
 
 from _suite_helpers import shortest, vocab_size
-from conftest import assert_matches_eager, make_tree, random_tree
+from equivalence import assert_matches_eager, make_tree, random_tree
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 from batchcraft.models.nestedrnn import NestedRNN
 
 from _suite_helpers import shortest
-from conftest import assert_matches_eager
+from equivalence import assert_matches_eager
 
 
 @pytest.fixture

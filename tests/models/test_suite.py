@@ -54,6 +54,6 @@ def test_models_get_builds_each_suite_model():
 
 
 def _one_word():
-    from conftest import make_tree
+    from equivalence import make_tree
 
     return make_tree([-1], vocab_size=10)

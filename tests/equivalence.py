@@ -1,0 +1,82 @@
+"""Test helpers: random trees and the eager-equivalence check (import: from equivalence import ...)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from batchcraft.data import Sentence
+
+
+def make_tree(parents: list[int], vocab_size: int = 50, seed: int = 0) -> Sentence:
+    """A Sentence whose word i has head parents[i] (-1 for the root)."""
+    rng = random.Random(seed)
+    n = len(parents)
+    children = [[] for _ in range(n)]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children[p].append(i)
+    s = Sentence(words=[f"w{i}" for i in range(n)], upos=["NOUN"] * n, heads=list(parents),
+                 deprels=["dep"] * n, children=children, root=parents.index(-1), source="random")
+    s.word_ids = [rng.randrange(vocab_size) for _ in range(n)]
+    s.upos_ids = [rng.randrange(18) for _ in range(n)]
+    return s
+
+
+def random_tree(n: int, seed: int) -> Sentence:
+    rng = random.Random(seed)
+    return make_tree([-1] + [rng.randrange(i) for i in range(1, n)], seed=seed)
+
+
+def _flat(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for k in sorted(x) for t in _flat(x[k])]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _flat(v)]
+    return []
+
+
+def assert_matches_eager(fn, instances, params, *, atol=1e-5, rtol_grad=1e-4, **options):
+    """Forward values and gradients of ``autobatch(fn)`` equal running ``fn`` per instance."""
+    from batchcraft import autobatch
+
+    params = [p for p in params if p.requires_grad]
+    f = autobatch(fn, **options)
+    out = f(instances)
+    ref = [fn(x) for x in instances]
+    assert len(out) == len(ref)
+    for i, (o, r) in enumerate(zip(out, ref)):
+        fo, fr = _flat(o), _flat(r)
+        assert len(fo) == len(fr), f"instance {i}: output structure differs"
+        for a, b in zip(fo, fr):
+            assert a.shape == b.shape, f"instance {i}: shape {a.shape} vs {b.shape}"
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, atol=atol, rtol=1e-5, msg=f"instance {i}")
+    if not params:
+        return f
+    g = torch.Generator().manual_seed(1)
+
+    def loss(outs):
+        total = 0
+        for o in outs:
+            for t in _flat(o):
+                if t.is_floating_point():
+                    w = torch.randn(t.shape, generator=g)
+                    total = total + (t * w).sum()
+        return total
+
+    l_b = loss(out)
+    gb = torch.autograd.grad(l_b, params, allow_unused=True)
+    g.manual_seed(1)
+    l_e = loss(ref)
+    ge = torch.autograd.grad(l_e, params, allow_unused=True)
+    for p, a, b in zip(params, gb, ge):
+        if a is None or b is None:
+            assert a is None and b is None or (a is None and b.abs().max() == 0) or (b is None and a.abs().max() == 0)
+            continue
+        scale = b.abs().max().clamp_min(1e-6)
+        assert ((a - b).abs().max() / scale) <= rtol_grad, f"gradient of {tuple(p.shape)} differs"
+    return f
