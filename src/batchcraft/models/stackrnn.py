@@ -49,7 +49,12 @@ class TokenInput(nn.Module):
 
 @static_block
 class ParserState(nn.Module):
-    """Per instance: stack, buffer, history summaries (hidden,) each -> action scores (3,) (§3.1)."""
+    """Parser state and action choice (§3.1).
+
+    Per instance: stack, buffer, history summaries (hidden,) each, and ``illegal`` (3,) (0 for a
+    legal action, -inf otherwise) -> ``(scores, best)``: scores (3,) before masking, and the
+    best legal action () int64.
+    """
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -57,8 +62,22 @@ class ParserState(nn.Module):
         self.score = nn.Linear(hidden, len(ACTIONS))
         nn.init.zeros_(self.score.bias)  # untrained, a random bias alone would pick one arc direction
 
-    def forward(self, s, b, a):
-        return self.score(torch.relu(self.W(torch.cat([s, b, a], -1))))
+    def forward(self, s, b, a, illegal):
+        scores = self.score(torch.relu(self.W(torch.cat([s, b, a], -1))))
+        return scores, torch.argmax(scores + illegal, -1)
+
+
+@static_block
+class HistoryStep(nn.Module):
+    """Per instance: action id () int64, history LSTM state (h, c) -> next (h, c), (hidden,) each."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.action = nn.Embedding(len(ACTIONS), hidden)
+        self.rnn = nn.LSTMCell(hidden, hidden)
+
+    def forward(self, action, state):
+        return self.rnn(self.action(action), state)
 
 
 @static_block
@@ -93,8 +112,7 @@ class StackRNNParser(nn.Module):
         # RNN cells as static blocks: one recorded node per step (see birnn.py)
         self.buffer_rnn = static_block(nn.LSTMCell(hidden, hidden))
         self.stack_rnn = static_block(nn.LSTMCell(hidden, hidden))
-        self.history_rnn = static_block(nn.LSTMCell(hidden, hidden))
-        self.action = static_block(nn.Embedding(len(ACTIONS), hidden))
+        self.history = HistoryStep(hidden)
         self.state = ParserState(hidden)
         self.compose = Compose(hidden)
 
@@ -118,11 +136,11 @@ class StackRNNParser(nn.Module):
         history = (zero, zero)
         front, heads, actions, scores = 0, [-1] * n, [], []
         while front < n or len(stack) > 2:
-            s = self.state(stack[-1][2][0], buffer[front], history[0])
-            scores.append(s)
             legal = self.legal(len(stack) - 1, n - front)
-            mask = torch.tensor([0.0 if ok else float("-inf") for ok in legal])
-            act = int(torch.argmax(s + mask))  # the fiber waits here
+            illegal = torch.tensor([0.0 if ok else float("-inf") for ok in legal])
+            s, best = self.state(stack[-1][2][0], buffer[front], history[0], illegal)
+            scores.append(s)
+            act = int(best)  # the fiber waits here
             if act == SHIFT:
                 vec, word = tokens[front], front
                 front += 1
@@ -135,7 +153,7 @@ class StackRNNParser(nn.Module):
                     heads[w0] = w1
                     vec, word = self.compose(v1, v0), w1
             stack.append((vec, word, self.stack_rnn(vec, stack[-1][2])))
-            history = self.history_rnn(self.action(torch.tensor(act)), history)
+            history = self.history(torch.tensor(act), history)
             actions.append(act)
         return {"scores": torch.stack(scores), "actions": actions, "heads": heads}
 
