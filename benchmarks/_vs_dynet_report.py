@@ -199,9 +199,10 @@ def markdown(payload: dict, plot_path: Path) -> str:
         "",
         headline(rs) if rs else "",
         "",
-        "Peak resident memory (`ru_maxrss` of each system's own fresh process; DyNet's process imports "
-        "numpy and DyNet only, the others torch and batchcraft; inference runs before training, so the "
-        "training peak includes it):",
+        "Peak resident memory (`VmHWM`, the peak RSS of each system's own fresh process; DyNet's process "
+        f"imports numpy and DyNet only, with {a.get('dynet_mem', 512)} MB initial memory pools grown on "
+        "demand; the others torch and batchcraft; inference runs before training, so the training peak "
+        "includes it):",
         "",
         memory_table(payload, True),
         "",

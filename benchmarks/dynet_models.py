@@ -101,7 +101,9 @@ class DyTreeLSTM:
             u = dy.tanh(dy.pick_range(iou, 2 * H, 3 * H))
             c = dy.cmult(i_g, u)
             if states:
-                fc = [dy.cmult(dy.logistic(dy.affine_transform([f_x, U_f, h])), ck) for h, ck in states]
+                # f_x + U_f h, not affine_transform([f_x, U_f, h]): with autobatch on, DyNet 2.1.2's
+                # backward of that form fails ("broadcasting over columns with mini-batched inputs").
+                fc = [dy.cmult(dy.logistic(f_x + U_f * h), ck) for h, ck in states]
                 c = c + dy.esum(fc)
             return dy.cmult(o_g, dy.tanh(c)), c
 
@@ -233,8 +235,67 @@ class DyMVRNN:
         return value
 
 
+class DyNestedRNN:
+    """NestedRNN, the formulation of ``batchcraft.models.nestedrnn.NestedRNN``: per word, a GRU
+    (``nn.GRUCell`` equations, gates r, z, n) over its character embeddings from a zero state; an
+    LSTM (``nn.LSTMCell``) over the words' final GRU states; output: the last LSTM h (hidden,).
+
+    Instances are dicts with ``char_ids`` (per word, the character ids of the torch model).
+    """
+
+    def __init__(self, dy, params):
+        self.dy = dy
+        self.pc = pc = dy.ParameterCollection()
+        self.E = pc.lookup_parameters_from_numpy(params["char_embed.weight"])
+        self.gru = [pc.parameters_from_numpy(params[f"char_rnn.{n}"])
+                    for n in ("weight_ih", "bias_ih", "weight_hh", "bias_hh")]
+        self.lstm = [pc.parameters_from_numpy(params["word_rnn.weight_ih"]),
+                     pc.parameters_from_numpy(params["word_rnn.weight_hh"]),
+                     pc.parameters_from_numpy(params["word_rnn.bias_ih"] + params["word_rnn.bias_hh"])]
+        self.hidden = params["word_rnn.weight_hh"].shape[1]
+        self.named = {"char_rnn.weight_hh": self.gru[2], "word_rnn.weight_hh": self.lstm[1]}
+
+    def word(self, chars, gru):
+        dy, H = self.dy, self.hidden
+        W_ih, b_ih, W_hh, b_hh = gru
+        h = dy.zeros(H)
+        for ch in chars:
+            gi = dy.affine_transform([b_ih, W_ih, dy.lookup(self.E, ch)])
+            gh = dy.affine_transform([b_hh, W_hh, h])
+            r = dy.logistic(dy.pick_range(gi, 0, H) + dy.pick_range(gh, 0, H))
+            z = dy.logistic(dy.pick_range(gi, H, 2 * H) + dy.pick_range(gh, H, 2 * H))
+            n = dy.tanh(dy.pick_range(gi, 2 * H, 3 * H) + dy.cmult(r, dy.pick_range(gh, 2 * H, 3 * H)))
+            h = dy.cmult(1.0 - z, n) + dy.cmult(z, h)
+        return h
+
+    def sentence(self, inst, gru, lstm):
+        dy, H = self.dy, self.hidden
+        W_ih, W_hh, b = lstm
+        h = c = dy.zeros(H)
+        for chars in inst["char_ids"]:
+            g = dy.affine_transform([b, W_ih, self.word(chars, gru), W_hh, h])
+            i = dy.logistic(dy.pick_range(g, 0, H))
+            f = dy.logistic(dy.pick_range(g, H, 2 * H))
+            u = dy.tanh(dy.pick_range(g, 2 * H, 3 * H))
+            o = dy.logistic(dy.pick_range(g, 3 * H, 4 * H))
+            c = dy.cmult(f, c) + dy.cmult(i, u)
+            h = dy.cmult(o, dy.tanh(c))
+        return h
+
+    def outputs(self, batch):
+        dy = self.dy
+        dy.renew_cg()
+        gru = [dy.parameter(p) for p in self.gru]
+        lstm = [dy.parameter(p) for p in self.lstm]
+        return [self.sentence(inst, gru, lstm) for inst in batch]
+
+    @staticmethod
+    def to_array(value):
+        return value
+
+
 #: model name -> DyNet class; the torch side names the same models in batchcraft.models.suite
-MODELS = {"treelstm": DyTreeLSTM, "birnn": DyBiRNN, "mvrnn": DyMVRNN}
+MODELS = {"treelstm": DyTreeLSTM, "birnn": DyBiRNN, "mvrnn": DyMVRNN, "nestedrnn": DyNestedRNN}
 
 
 def run_inference(model, batch) -> list:

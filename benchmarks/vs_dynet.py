@@ -87,11 +87,14 @@ def systems_for(model: str, want: list[str]) -> tuple[list[str], list[str]]:
     return out, notes
 
 
-def to_dynet_instance(model: str, inst) -> dict:
+def to_dynet_instance(model: str, inst, task) -> dict:
     """The plain-data form of one instance that benchmarks/dynet_models.py reads."""
     if model in ("treelstm", "mvrnn", "birnn"):
         return {"children": inst.children, "root": inst.root, "word_ids": inst.word_ids,
                 "upos_ids": inst.upos_ids}
+    if model == "nestedrnn":
+        ids = task.model.char_ids
+        return {"char_ids": [[ids.get(ch, 0) for ch in w] for w in inst.words]}
     raise KeyError(f"vs_dynet: no DyNet instance conversion for {model!r}")
 
 
@@ -102,7 +105,7 @@ def prepare(model: str, hidden: int, n_sentences: int, work: Path) -> dict:
     np.savez(params, **{k: v.detach().numpy() for k, v in task.model.state_dict().items()})
     inst = work / f"{model}-instances.json"
     if not inst.exists() and model in _dynet_model_names():
-        inst.write_text(json.dumps([to_dynet_instance(model, x) for x in task.instances]))
+        inst.write_text(json.dumps([to_dynet_instance(model, x, task) for x in task.instances]))
     return {"task": task, "params_npz": str(params), "dynet_instances_json": str(inst)}
 
 
@@ -112,9 +115,9 @@ def _dynet_model_names():
     return set(dynet_models.MODELS)
 
 
-def run_worker(spec: dict, work: Path, timeout_s: float) -> dict:
-    """Run one system in a fresh process; its JSON result, or ``{"error": ...}``."""
-    name = f"{spec['system']}-{spec['model']}-h{spec['hidden']}-b{spec['batch_size']}"
+def run_worker(spec: dict, work: Path, timeout_s: float) -> list[dict]:
+    """Run one system in a fresh process; its results per batch size, or ``[{"error": ...}]``."""
+    name = f"{spec['system']}-{spec['model']}-h{spec['hidden']}"
     sp, op = work / f"{name}.spec.json", work / f"{name}.out.json"
     sp.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
@@ -122,10 +125,10 @@ def run_worker(spec: dict, work: Path, timeout_s: float) -> dict:
         p = subprocess.run([sys.executable, str(HERE / "vs_dynet_worker.py"), str(sp), str(op)],
                            capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
-        return {**_key(spec), "error": f"timed out after {timeout_s:.0f} s"}
+        return [{**_key(spec), "error": f"timed out after {timeout_s:.0f} s"}]
     if p.returncode != 0 or not op.exists():
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        return {**_key(spec), "error": f"exit {p.returncode}: {' | '.join(tail)}"}
+        return [{**_key(spec), "error": f"exit {p.returncode}: {' | '.join(tail)}"}]
     return json.loads(op.read_text())
 
 
@@ -137,7 +140,7 @@ def _hidden_sizes(model: str, args) -> list[int]:
 
 
 def _key(spec):
-    return {k: spec[k] for k in ("system", "model", "hidden", "batch_size")}
+    return {**{k: spec[k] for k in ("system", "model", "hidden")}, "batch_size": max(spec["batch_sizes"])}
 
 
 def cross_check(results: list[dict], work: Path) -> None:
@@ -166,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (DyNet CPU uses 1)")
     ap.add_argument("--systems", default="dynet,eager,handbatched,batchcraft")
     ap.add_argument("--modes", default="inference,train")
+    ap.add_argument("--dynet-mem", type=int, default=64,
+                    help="DyNet's initial memory pools, MB; they grow on demand (DyNet's default, 512, is "
+                         "allocated and touched at start, hiding what a model needs). Default 64")
     ap.add_argument("--worker-timeout", type=float, default=300.0, help="seconds per worker process")
     ap.add_argument("--plot", default=str(HERE.parent / "docs" / "bench_vs_dynet.png"))
     ap.add_argument("--json", action="store_true", help="stdout: one JSON object; tables to stderr")
@@ -195,18 +201,19 @@ def main(argv=None) -> int:
                 prep = prepare(model, hidden, args.sentences, work)
                 for bs in bsizes:
                     flops[(model, hidden, bs)] = _flops.per_batch(model, prep["task"], bs)
-                    for system in systems:
-                        spec = {"system": system, "model": model, "hidden": hidden, "batch_size": bs,
-                                "sentences": args.sentences, "warmup": args.warmup, "repeats": args.repeats,
-                                "modes": modes, "threads": args.threads, "dump_dir": str(work),
-                                "grad_param": _flops.GRAD_PARAM[model], "params_npz": prep["params_npz"],
-                                "dynet_instances_json": prep["dynet_instances_json"]}
-                        t0 = time.time()
-                        r = run_worker(spec, work, args.worker_timeout)
+                for system in systems:
+                    spec = {"system": system, "model": model, "hidden": hidden, "batch_sizes": bsizes,
+                            "sentences": args.sentences, "warmup": args.warmup, "repeats": args.repeats,
+                            "modes": modes, "threads": args.threads, "dump_dir": str(work),
+                            "grad_param": _flops.GRAD_PARAM[model], "params_npz": prep["params_npz"],
+                            "dynet_instances_json": prep["dynet_instances_json"], "dynet_mem_mb": args.dynet_mem}
+                    for r in run_worker(spec, work, args.worker_timeout):
                         results.append(r)
                         msg = r.get("error") or " ".join(f"{m} {r[m + '_ms']:.1f} ms" for m in modes)
-                        print(f"[{time.time() - t_start:5.0f}s] {model} h{hidden} b{bs} {system}: {msg}", file=log)
+                        print(f"[{time.time() - t_start:5.0f}s] {model} h{hidden} b{r['batch_size']} "
+                              f"{system}: {msg}", file=log)
         cross_check(results, work)
+    notes = list(dict.fromkeys(notes))
     payload = {"machine": machine_info(), "load_avg_before": load_before, "load_avg_after": load_avg(),
                "command": "python benchmarks/vs_dynet.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "args": vars(args), "gemm": gemm, "notes": notes, "results": results,

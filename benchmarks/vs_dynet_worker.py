@@ -1,16 +1,17 @@
-"""One system, one model size, one batch size, in a fresh process (worker of vs_dynet.py).
+"""One system, one model size, all batch sizes, in a fresh process (worker of vs_dynet.py).
 
 Usage (from vs_dynet.py, not by hand):
     python benchmarks/vs_dynet_worker.py SPEC.json OUT.json
 
 SPEC holds: ``system`` (``dynet-<0..3>``, ``eager``, ``handbatched``, ``batchcraft-<scheduler>``),
-``model``, ``hidden``, ``batch_size``, ``sentences``, ``params_npz``, ``dynet_instances_json``,
+``model``, ``hidden``, ``batch_sizes``, ``sentences``, ``params_npz``, ``dynet_instances_json``,
 ``warmup``, ``repeats``, ``modes``, ``threads``, ``dump_dir``, ``grad_param``.
 
-Per mode (inference, then train): one check batch whose outputs (inference) or one parameter's
-gradient after one step from zero (train) are saved as .npy for the cross-check, ``warmup``
-passes, then ``repeats`` timed passes over all batches; ms per batch = pass time / batches.
-Peak resident memory is ``ru_maxrss`` read after set-up, after inference and after training;
+Per batch size (largest first) and mode (inference, then train): one check batch whose outputs
+(inference) or one parameter's gradient after one step from zero (train, largest batch size only)
+are saved as .npy for the cross-check, ``warmup`` passes, then ``repeats`` timed passes over all
+batches; ms per batch = pass time / batches. Peak resident memory is ``VmHWM`` (peak RSS of this process image) read after
+set-up, after inference and after training of the largest batch size, before anything else ran;
 a fresh process per system keeps the systems' peaks apart. DyNet workers import numpy and
 DyNet only (no torch), so their memory is DyNet's own.
 """
@@ -28,8 +29,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process image so far, bytes.
+
+    ``VmHWM`` of /proc/self/status, not ``ru_maxrss``: Linux keeps ``ru_maxrss`` across
+    ``execve``, so a worker started from the (torch-importing) parent would inherit the
+    parent's resident size at fork time.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB on most Unixes
 
 
 def batches_of(items: list, size: int) -> list[list]:
@@ -55,7 +68,7 @@ def _dynet_system(spec):
 
     import dynet_models as dm
 
-    dy = dm.import_dynet(int(spec["system"].split("-", 1)[1]))
+    dy = dm.import_dynet(int(spec["system"].split("-", 1)[1]), mem_mb=spec.get("dynet_mem_mb"))
     params = dict(np.load(spec["params_npz"]))
     model = dm.MODELS[spec["model"]](dy, params)
     instances = json.loads(Path(spec["dynet_instances_json"]).read_text())
@@ -70,7 +83,7 @@ def _dynet_system(spec):
         dm.run_train_step(model, b)  # fresh process: the first backward, so gradients start at zero
         return model.named[spec["grad_param"]].grad_as_array()
 
-    return instances, infer, train, grad_of_one_step, {"dynet_threads": 1}
+    return instances, infer, train, grad_of_one_step, {"dynet_threads": 1, "dynet_mem_mb": spec.get("dynet_mem_mb")}
 
 
 def _torch_system(spec):
@@ -124,26 +137,35 @@ def main(spec_path: str, out_path: str) -> int:
     system = spec["system"]
     setup = _dynet_system if system.startswith("dynet-") else _torch_system
     instances, infer, train, grad_of_one_step, extra = setup(spec)
-    bs = batches_of(list(instances), spec["batch_size"])
-    res = {"system": system, "model": spec["model"], "hidden": spec["hidden"],
-           "batch_size": spec["batch_size"], "batches": len(bs), "rss_setup_bytes": peak_rss_bytes(), **extra}
+    rss_setup = peak_rss_bytes()
     dump = Path(spec["dump_dir"])
-    tag = f"{system}-{spec['model']}-h{spec['hidden']}-b{spec['batch_size']}"
-    for mode in spec["modes"]:
-        if mode == "inference":
-            outs = infer(bs[0])
-            flat = np.concatenate([np.asarray(o, dtype=np.float32).reshape(-1) for o in outs])
-            np.save(dump / f"{tag}-out.npy", flat)
-            times = time_passes(infer, bs, spec["warmup"], spec["repeats"])
-        elif mode == "train":
-            np.save(dump / f"{tag}-grad.npy", np.asarray(grad_of_one_step(bs[0]), dtype=np.float32))
-            times = time_passes(train, bs, spec["warmup"], spec["repeats"])
-        else:
-            raise SystemExit(f"vs_dynet_worker: unknown mode {mode!r}")
-        res[f"{mode}_ms"] = statistics.median(times)
-        res[f"{mode}_ms_all"] = times
-        res[f"rss_peak_{mode}_bytes"] = peak_rss_bytes()
-    Path(out_path).write_text(json.dumps(res))
+    out = []
+    # Largest batch size first: its memory peaks are read before any other work has run.
+    for i, size in enumerate(sorted(spec["batch_sizes"], reverse=True)):
+        bs = batches_of(list(instances), size)
+        res = {"system": system, "model": spec["model"], "hidden": spec["hidden"], "batch_size": size,
+               "batches": len(bs), **extra}
+        if i == 0:
+            res["rss_setup_bytes"] = rss_setup
+        tag = f"{system}-{spec['model']}-h{spec['hidden']}-b{size}"
+        for mode in spec["modes"]:
+            if mode == "inference":
+                outs = infer(bs[0])
+                np.save(dump / f"{tag}-out.npy",
+                        np.concatenate([np.asarray(o, dtype=np.float32).reshape(-1) for o in outs]))
+                times = time_passes(infer, bs, spec["warmup"], spec["repeats"])
+            elif mode == "train":
+                if i == 0:  # gradients of one step from zero: DyNet accumulates until an update
+                    np.save(dump / f"{tag}-grad.npy", np.asarray(grad_of_one_step(bs[0]), dtype=np.float32))
+                times = time_passes(train, bs, spec["warmup"], spec["repeats"])
+            else:
+                raise SystemExit(f"vs_dynet_worker: unknown mode {mode!r}")
+            res[f"{mode}_ms"] = statistics.median(times)
+            res[f"{mode}_ms_all"] = times
+            if i == 0:
+                res[f"rss_peak_{mode}_bytes"] = peak_rss_bytes()
+        out.append(res)
+    Path(out_path).write_text(json.dumps(out))
     return 0
 
 
