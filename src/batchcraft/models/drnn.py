@@ -160,8 +160,18 @@ def calibrate_decisions(model: DRNN, sentences, rounds: int = 3) -> None:
                 out = model(s)
                 z_a += torch.logit(out["p_a"], eps=1e-6).tolist()
                 z_f += torch.logit(out["p_f"], eps=1e-6).tolist()
-            pred.u_a.bias -= torch.tensor(z_a).median()
-            pred.u_f.bias -= torch.tensor(z_f[1:] or [0.0]).median()  # the root's p_f is unused
+            pred.u_a.bias -= _gap_median(z_a)
+            pred.u_f.bias -= _gap_median(z_f[1:])  # the root's p_f is unused
+
+
+def _gap_median(values: list[float]) -> float:
+    """Midpoint between the two middle values: after the shift no decision sits exactly at 0.5,
+    where float32 rounding differences (batched vs. one-at-a-time kernels) could flip it."""
+    if not values:
+        return 0.0
+    z = sorted(values)
+    k = len(z) // 2
+    return (z[k - 1] + z[k]) / 2 if k else z[0] - 1.0
 
 
 def build_task(sentences, hidden: int, seed: int = 0):
