@@ -62,6 +62,8 @@ def run_one(task, batch_size: int, schedulers: list[str]) -> dict:
         row[f"{sched}_max_abs_diff"] = r["max_abs_diff"]
         row[f"{sched}_fallbacks"] = r["fallbacks"]
         row[f"{sched}_syncs_per_batch"] = r["syncs_per_batch"]
+        for part in ("record_ms", "schedule_ms", "gather_ms", "kernel_ms"):  # time split, per batch
+            row[f"{sched}_{part}"] = r[part]
     if task.name in HAND_BATCHED:
         h = hand_batched(task, batch_size)
         row.update(h, hand_speedup=row["eager_ms"] / h["hand_ms"])

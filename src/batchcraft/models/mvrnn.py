@@ -29,7 +29,7 @@ from batchcraft.autobatching import static_block
 
 @static_block
 class WordLeaf(nn.Module):
-    """Per instance: ``word_id`` () int64 -> ``(a, A)``, shapes (hidden,) and (hidden, hidden)."""
+    """Per instance: ``word_id`` () int64 -> ``(a, A^T)``, shapes (hidden,) and (hidden, hidden)."""
 
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
@@ -48,7 +48,11 @@ class WordLeaf(nn.Module):
 class MVCompose(nn.Module):
     """Compose (a, A) on the left with (b, B) on the right (Socher et al. eqs. 2-3).
 
-    Per instance: ``a``, ``b`` (hidden,), ``A``, ``B`` (hidden, hidden) -> ``(p, P)`` of the same shapes.
+    Matrices travel transposed: per instance ``a``, ``b`` (hidden,), ``At`` = A^T, ``Bt`` = B^T
+    (hidden, hidden) -> ``(p, P^T)`` of the same shapes. With W_M = [W_1 W_2],
+    ``P^T = A^T W_1^T + B^T W_2^T`` and ``(B a)^T = a^T B^T``: every product has the per-instance
+    operand on the left, so a batch of compositions folds into plain matrix multiplies with no
+    transposed copies, and the same code reads right for one composition and for a batch.
     """
 
     def __init__(self, hidden: int):
@@ -57,14 +61,13 @@ class MVCompose(nn.Module):
         self.W_M = nn.Parameter(torch.cat([torch.eye(hidden), torch.eye(hidden)], 1) / 2
                                 + 0.01 * torch.randn(hidden, 2 * hidden))
 
-    def forward(self, a, A, b, B):
-        # negative dims and matrix-vector products as (n, n) @ (n, 1): the same code reads right
-        # for one composition and for a batch of them
-        Ba = (B @ a.unsqueeze(-1)).squeeze(-1)
-        Ab = (A @ b.unsqueeze(-1)).squeeze(-1)
+    def forward(self, a, At, b, Bt):
+        h = self.W_M.shape[0]
+        Ba = (a.unsqueeze(-2) @ Bt).squeeze(-2)  # (1, hidden) @ (hidden, hidden)
+        Ab = (b.unsqueeze(-2) @ At).squeeze(-2)
         p = torch.tanh(self.W(torch.cat([Ba, Ab], -1)))
-        P = self.W_M @ torch.cat([A, B], -2)  # (hidden, 2 hidden) @ (2 hidden, hidden)
-        return p, P
+        Pt = At @ self.W_M[:, :h].t() + Bt @ self.W_M[:, h:].t()
+        return p, Pt
 
 
 class MVRNN(nn.Module):
@@ -85,7 +88,7 @@ class MVRNN(nn.Module):
         self.compose = MVCompose(hidden)
 
     def node(self, sentence, i: int):
-        """(p, P) of word ``i``'s subtree: the head absorbs its dependents in word order."""
+        """(p, P^T) of word ``i``'s subtree: the head absorbs its dependents in word order."""
         v, M = self.leaf(torch.tensor(sentence.word_ids[i]))
         for c in sentence.children[i]:
             cv, cM = self.node(sentence, c)
