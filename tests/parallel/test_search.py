@@ -58,3 +58,38 @@ def test_latency_objective_prefers_configurations_within_the_limit():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ConfigurationError, match=match):
         tune(**kwargs)
+
+
+class _FakeGroups:
+    """Deterministic stand-in for worker groups: items/s per configuration label."""
+
+    def __init__(self, speeds):
+        self.speeds, self.calls = speeds, []
+
+    def measure(self, cfg, duration_s, warmup_s=0.3):
+        self.calls.append(cfg.label)
+        thr = self.speeds[cfg.label]
+        return TrialResult({**cfg.to_dict()}, cfg.batch_size, thr, 1e3 / thr, 1e3 / thr, 1e3 / thr, 3, duration_s)
+
+
+def test_halving_picks_the_fastest_and_spares_hopeless_candidates():
+    import time
+
+    from tqdm import tqdm
+
+    from batchcraft.parallel import ParallelConfig
+    from batchcraft.parallel.search import _Clock, _halving
+
+    speeds = {"a": 100.0, "b": 90.0, "c": 10.0, "d": 80.0, "base": 50.0}
+    cands = [ParallelConfig(1, 1, i + 1, 8, label=k) for i, k in enumerate("abcd")]
+    base = [ParallelConfig(2, 1, 1, 8, label="base")]
+    groups, trials, rounds = _FakeGroups(speeds), [], []
+    clock = _Clock(time.monotonic() + 60, eta=2, repeats=3, n_final_baselines=1)
+    winner, res, base_res, _ = _halving(cands + base, base, clock, groups, "throughput", None, trials, rounds,
+                                        tqdm(disable=True), compare_baselines=True)
+    assert winner.label == "a" and res.throughput_items_per_s == 100.0
+    assert base_res["base"].throughput_items_per_s == 50.0
+    first_round = [t["config"]["label"] for t in trials if t["round"] == 0]
+    assert first_round.count("c") == 1 and first_round.count("a") == 3  # c is 10x slower: pruned
+    # halving: 5 -> 3 -> 2 -> 1 survivors, then a final round with the baseline
+    assert [len({r["config"]["label"] for r in rounds if r["round"] == k}) for k in range(4)] == [5, 3, 2, 2]

@@ -272,6 +272,18 @@ def _ratio(best: TrialResult, base: TrialResult, objective: str) -> float:
     return base.latency_p50_ms / best.latency_p50_ms  # > 1: the choice is faster per call
 
 
+PRUNE_FACTOR = 4.0  # see _halving: candidates this many times worse skip a round's other repeats
+
+
+def _throughput_like(result: TrialResult, objective: str, limit) -> float:
+    """A positive "higher is better" number for pruning: items/s, or 1 / latency."""
+    if objective == "throughput" or (limit is not None and result.latency_p90_ms <= limit):
+        return result.throughput_items_per_s
+    if limit is not None:
+        return 0.0
+    return 1.0 / max(result.latency_p50_ms, 1e-9)
+
+
 def _median_result(results: list[TrialResult], objective: str, limit) -> TrialResult:
     ranked = sorted(results, key=lambda r: score(r, objective, limit))
     return ranked[len(ranked) // 2]
@@ -318,17 +330,25 @@ def _halving(cands, baselines, clock, groups, objective, limit, trials, rounds, 
 
     def measure_round(configs, d, rnd, role):
         runs = {id(c): [] for c in configs}
+        active = list(configs)
         for rep in range(repeats):
-            for c in configs:
+            if rep and role == "search":
+                # A search candidate already PRUNE_FACTOR x worse than the round's best after a
+                # repeat cannot win the round: spare it the other repeats (their calls can be
+                # seconds long on an oversubscribed machine).
+                best = max(_throughput_like(runs[id(c)][-1], objective, limit) for c in active)
+                active = [c for c in active
+                          if _throughput_like(runs[id(c)][-1], objective, limit) * PRUNE_FACTOR >= best]
+            for c in active:
                 t0 = time.monotonic()
                 res = groups.measure(c, d / repeats)
                 clock.record(time.monotonic() - t0, d / repeats)
                 runs[id(c)].append(res)
                 trials.append({"round": rnd, "role": role, "repeat": rep, "duration_s": d / repeats,
                                **res.to_dict()})
-            bar.update(len(configs))
+            bar.update(len(active))
         medians = [(c, _median_result(runs[id(c)], objective, limit)) for c in configs]
-        rounds.extend({"round": rnd, "role": role, "repeats": repeats, **r.to_dict()} for _, r in medians)
+        rounds.extend({"round": rnd, "role": role, "repeats": len(runs[id(c)]), **r.to_dict()} for c, r in medians)
         return medians
 
     alive, rnd = list(cands), 0
