@@ -8,7 +8,7 @@ import torch
 from batchcraft.models.berxit import Berxit, calibrate_threshold
 
 from _suite_helpers import forward_batched_and_eager, vocab_size
-from equivalence import assert_matches_eager
+from equivalence import assert_matches_eager, random_tree
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +61,8 @@ def test_batch_64_exits_match_eager_and_still_batch(berxit, ud_sentences, schedu
         torch.testing.assert_close(o[0], r[0], atol=1e-5, rtol=1e-5)
     print(f"Berxit batch 64 ({scheduler}): {f.stats.summary()}")
     assert f.stats.mean_batch > 4
+
+
+def test_matches_eager_on_random_sentences_including_one_word(berxit):
+    sents = [random_tree(n, seed=n) for n in (1, 2, 15, 16, 31)]  # around the padding boundaries
+    assert_matches_eager(berxit, sents, list(berxit.parameters()))

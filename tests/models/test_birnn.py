@@ -8,7 +8,7 @@ import torch
 from batchcraft.models.birnn import BiRNNTagger
 
 from _suite_helpers import shortest, vocab_size
-from equivalence import assert_matches_eager
+from equivalence import assert_matches_eager, random_tree
 
 
 @pytest.fixture
@@ -29,3 +29,8 @@ def test_matches_eager_on_real_sentences(tagger, ud_sentences, batch, scheduler)
 def test_one_logit_row_per_word(tagger, ud_sentences):
     s = ud_sentences[3]
     assert tagger(s).shape == (len(s), 18)
+
+
+def test_matches_eager_on_random_sentences_including_one_word(tagger):
+    sents = [random_tree(n, seed=n) for n in (1, 2, 5, 9, 17)]
+    assert_matches_eager(tagger, sents, list(tagger.parameters()))

@@ -8,7 +8,7 @@ import torch
 from batchcraft.models.drnn import DRNN, calibrate_decisions
 
 from _suite_helpers import forward_batched_and_eager, vocab_size
-from equivalence import assert_matches_eager
+from equivalence import assert_matches_eager, random_tree
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +65,8 @@ def test_calibration_centres_the_growth_decisions(ud_sentences):
     grow = torch.cat([o["p_a"] > 0.5 for o in outs]).float().mean()
     assert 0.2 <= grow <= 0.8
     assert len({len(o["parents"]) for o in outs}) >= 3
+
+
+def test_matches_eager_on_random_sentences_including_one_word(drnn):
+    sents = [random_tree(n, seed=n) for n in (1, 2, 5, 9, 17)]
+    assert_matches_eager(drnn, sents, list(drnn.parameters()))

@@ -8,7 +8,7 @@ import torch
 from batchcraft.models.nestedrnn import NestedRNN
 
 from _suite_helpers import shortest
-from equivalence import assert_matches_eager
+from equivalence import assert_matches_eager, random_tree
 
 
 @pytest.fixture
@@ -32,3 +32,8 @@ def test_unknown_characters_map_to_id_zero(nested, ud_sentences):
     h = nested.word("\u2603")  # a character never seen: the unknown row, not an error
     torch.testing.assert_close(h, nested.char_rnn(nested.char_embed.weight[0], torch.zeros(12)))
     assert nested(s).shape == (12,)
+
+
+def test_matches_eager_on_random_sentences_including_one_word(nested):
+    sents = [random_tree(n, seed=n) for n in (1, 2, 5, 9)]  # words "w0", "w1", ...: 2-3 characters
+    assert_matches_eager(nested, sents, list(nested.parameters()))

@@ -10,7 +10,7 @@ import torch
 from batchcraft.models.stackrnn import LEFT_ARC, RIGHT_ARC, SHIFT, StackRNNParser
 
 from _suite_helpers import forward_batched_and_eager, shortest, vocab_size
-from equivalence import assert_matches_eager
+from equivalence import assert_matches_eager, random_tree
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +79,9 @@ def test_instances_in_scrambled_order_get_their_own_parses(parser, ud_sentences)
     for o, r, rv in zip(out, ref, out_rev[::-1]):
         assert o["actions"] == r["actions"] == rv["actions"]
         torch.testing.assert_close(o["scores"], rv["scores"], atol=1e-6, rtol=1e-6)
+
+
+def test_matches_eager_on_random_sentences_including_one_word(parser):
+    sents = [random_tree(n, seed=n) for n in (1, 2, 5, 9)]
+    f = assert_matches_eager(parser, sents, list(parser.parameters()))
+    assert len(f([sents[0]])[0]["actions"]) == 1  # one word: a single SHIFT
