@@ -606,7 +606,6 @@ def test_bug1_boolean_mask_index_on_computed_mask(fibers):
             torch.testing.assert_close(o, fn(x))
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #9")
 def test_bug9_negative_zero_constant_is_its_own_signature():
     fn = lambda inst: 1 / (inst[0] * inst[1])  # noqa: E731
     xs = [(torch.ones(2), 0.0), (torch.ones(2), -0.0)]
@@ -639,19 +638,16 @@ def test_value_shared_across_instances_and_phases_agenda():
     _shared_across_phases("agenda")
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #10")
 def test_bug10_value_shared_across_instances_and_phases():
     _shared_across_phases("depth")
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #11")
 def test_bug11_overflowing_scalar_leaf_names_the_instance():
     with pytest.raises(InstanceError) as ei:
         autobatch(lambda x: x + torch.tensor(2 ** 70 if x.shape[0] == 2 else 1))([torch.ones(1), torch.ones(2)])
     assert ei.value.instance == 1
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #12")
 def test_bug12_nan_constant_batches():
     f = autobatch(lambda x: x * float("nan"))
     out = f([torch.ones(1)] * 20)
@@ -659,7 +655,6 @@ def test_bug12_nan_constant_batches():
     assert f.stats.batched_calls == 1
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #13")
 def test_bug13_nested_autobatch_over_lazy_values():
     inner = autobatch(lambda v: torch.tanh(LIN(v)))
     fn = lambda x: sum(inner([x, x * 2]))  # noqa: E731
@@ -686,14 +681,12 @@ def test_nested_autobatch_over_concrete_values():
     assert_clean_runtime()
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #14")
 def test_bug14_requires_grad_hint():
     with pytest.raises(UnsupportedOperationError) as ei:
         autobatch(lambda x: x.detach().requires_grad_())([torch.randn(3)])
     assert ".requires_grad()" not in str(ei.value)
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #15")
 def test_bug15_backward_inside_instance_code():
     def fn(x):
         (LIN(x) ** 2).sum().backward()
@@ -714,7 +707,6 @@ def test_bug15_backward_inside_instance_code():
     LIN.zero_grad()
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #16")
 def test_bug16_max_steps_stops_an_instance_that_never_syncs():
     import signal
 
@@ -750,7 +742,6 @@ def test_max_steps_stops_an_instance_that_loops_on_a_value():
     assert_clean_runtime()
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #17")
 def test_bug17_step_limit_error_names_instance_attribute():
     from batchcraft.errors import StepLimitError
 
@@ -803,7 +794,6 @@ def test_static_block_module_deepcopy_uses_its_own_weights():
     torch.testing.assert_close(autobatch(lambda v: m(v))([x])[0], m(x))
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #18")
 def test_bug18_static_block_module_instance_pickles():
     import io
 

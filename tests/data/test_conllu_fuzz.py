@@ -227,14 +227,12 @@ def test_embedded_file_truncated_at_every_line_of_a_sentence():
     assert "ok" in codes and "data-format" in codes
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #7")
 def test_bug7_unicode_digit_id_is_a_data_format_error():
     data = "1\tA\ta\tX\tX\t_\t0\troot\t_\t_\n\u00b2\tB\tb\tX\tX\t_\t1\tdep\t_\t_\n\n".encode()
     with pytest.raises(DataFormatError, match=r":2: bad word ID"):
         list(read_conllu(_write(data)))
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #8")
 def test_bug8_line_numbers_count_only_newlines():
     data = "# a\x0c# b\n1\tA\ta\tX\tX\t_\tX\troot\t_\t_\n\n".encode()
     with pytest.raises(DataFormatError) as ei:

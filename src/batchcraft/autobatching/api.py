@@ -27,6 +27,11 @@ class AutoBatched:
     def __call__(self, instances: Sequence) -> list:
         if isinstance(instances, (str, bytes)) or not hasattr(instances, "__len__"):
             instances = list(instances)
+        if _rec.current() is not None:
+            # called from inside instance code of another autobatch call: run inline, so the
+            # outer call records (and batches) this work with everything else
+            self.stats = None
+            return [self.fn(x) for x in instances]
         rt = Runtime(self.fn, **self.options)
         try:
             return rt.run(instances)

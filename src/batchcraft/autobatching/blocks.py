@@ -311,10 +311,23 @@ def static_block(obj):
     raise TypeError(f"static_block: expected a function or an nn.Module, got {type(obj).__name__}")
 
 
+def _restore_block_module(cls, state):
+    """Unpickle a module made a static block by ``static_block(instance)``."""
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return static_block(obj)
+
+
 @functools.lru_cache(maxsize=None)
 def _block_class(cls):
     def __call__(self, *args, **kwargs):
         return self.__dict__["_batchcraft_block"](*args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__, "_batchcraft_static": True})
+    def __reduce_ex__(self, protocol):
+        # pickle (torch.save, deepcopy, spawn) as the original class, made a block again on load
+        state = {k: v for k, v in self.__dict__.items() if k != "_batchcraft_block"}
+        return (_restore_block_module, (cls, state))
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__reduce_ex__": __reduce_ex__,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                       "_batchcraft_static": True})

@@ -177,6 +177,12 @@ class LazyTensor:
         # Tensor methods not spelled out below: forward to the recorder.
         if name.startswith("__"):
             raise AttributeError(name)
+        if name == "requires_grad_":
+            raise UnsupportedOperationError(
+                ".requires_grad_() on a lazy value is not supported inside batchcraft.autobatch",
+                hint="make the tensor require grad before the call and pass it in the instance "
+                     "(or capture it from outside); results are differentiable as usual",
+            )
         if name.endswith("_") and not name.endswith("__") and hasattr(torch.Tensor, name):
             raise UnsupportedOperationError(
                 f"in-place method .{name}() on a lazy value is not supported inside batchcraft.autobatch",

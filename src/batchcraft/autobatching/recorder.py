@@ -82,6 +82,7 @@ def infer_outputs(func, struct, leaves, device):
 _torch_tensor = torch.tensor
 _PY_SCALARS = (int, float, bool)
 _SCALAR_KW = frozenset({"dtype", "device"})
+_I64 = 2 ** 63
 
 
 class _RecordingMode(TorchFunctionMode):
@@ -94,7 +95,8 @@ class _RecordingMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         rec = current()
         if (func is _torch_tensor and len(args) == 1 and type(args[0]) in _PY_SCALARS
-                and (not kwargs or kwargs.keys() <= _SCALAR_KW)):
+                and (not kwargs or kwargs.keys() <= _SCALAR_KW)
+                and (type(args[0]) is not int or -_I64 <= args[0] < _I64)):  # else: fails now, here
             leaf = getattr(rec, "scalar_leaf", None)  # fast path: no tensor is made until needed
             if leaf is not None:
                 return leaf(args[0], **(kwargs or {}))
@@ -118,6 +120,8 @@ class Recorder:
         self.blocks_checked: set = set()
         self.mode = _RecordingMode(self)
         self.max_pending = getattr(runtime, "max_pending", None)
+        self.max_steps = getattr(runtime, "max_steps", None)
+        self.inst_steps = 0  # operations + synchronisations of the running instance
 
     # -- the hot path --------------------------------------------------------------------------
     def record(self, func, args, kwargs):
@@ -143,6 +147,8 @@ class Recorder:
                         sig.append((t, tuple(ids)))
                         continue
                     break
+                elif t is float:
+                    sig.append((float, a.hex()))
                 elif t in _SCALARS:
                     sig.append((t, a))
                 else:
@@ -160,8 +166,16 @@ class Recorder:
                     return self._add(info, func, info.struct, leaves)
         return self.record_general(func, args, kwargs)
 
+    def step_limit(self):
+        from batchcraft.errors import StepLimitError
+
+        raise StepLimitError(f"instance {self.instance} exceeded max_steps={self.max_steps} "
+                             f"(operations + synchronisations) without finishing",
+                             hint="raise max_steps, or check the instance's loop condition")
+
     def signature_info(self, func, args, kwargs):
         """The SigInfo of a call with lazy arguments (inferred on a miss), or None."""
+        _refuse(func)
         leaves: list = []
         struct = (flatten_args(args, leaves), flatten(kwargs, leaves) if kwargs else None)
         descs = []
@@ -186,6 +200,7 @@ class Recorder:
 
     def record_general(self, func, args, kwargs):
         """Record any call: flatten the arguments, build the full signature, infer outputs."""
+        _refuse(func)
         leaves: list = []
         struct = (flatten_args(args, leaves), flatten(kwargs, leaves) if kwargs else None)
         has_lazy = False
@@ -218,12 +233,20 @@ class Recorder:
         for x in leaves:
             if type(x) is LazyTensor:
                 nd = x.node
-                if nd.outs is None and nd.depth > depth and nd.phase == phase:
-                    depth = nd.depth
+                if nd.outs is None:
+                    ph = nd.phase
+                    if ph > phase:  # an input from a later phase (values shared across instances)
+                        phase, depth = ph, nd.depth
+                    elif ph == phase and nd.depth > depth:
+                        depth = nd.depth
                 if nd.requires_grad:
                     rg = True
             elif x.requires_grad:
                 rg = True
+        if self.max_steps is not None:
+            self.inst_steps += 1
+            if self.inst_steps > self.max_steps:
+                self.step_limit()
         node = Node(info, func, struct, leaves, depth + 1, self.instance, phase,
                     (rg or info.const_grad) and info.key[3])
         graph = self.graph
@@ -315,6 +338,18 @@ class Recorder:
         # the batched result as a plain tensor, not as a new recorded op
         with torch._C.DisableTorchFunction():
             return node.outs[x.slot][node.row]
+
+
+_NO_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+
+
+def _refuse(func):
+    if func in _NO_BACKWARD:
+        raise UnsupportedOperationError(
+            f"{getattr(func, '__qualname__', func)} inside instance code is not supported: the "
+            f"instances' work has not run yet and runs batched, in one autograd graph",
+            hint="return the loss from the per-instance function and call backward() on the "
+                 "(summed) results after the autobatch call")
 
 
 class _NeedsValues(Exception):

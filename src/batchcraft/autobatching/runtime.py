@@ -29,7 +29,7 @@ from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.schedule import make_scheduler
 from batchcraft.autobatching.signature import flatten, rebuild
 from batchcraft.autobatching.stats import RunStats
-from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError, StepLimitError
+from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
 
@@ -82,6 +82,11 @@ class Runtime:
 
     def wait_for(self, x: LazyTensor | None, why: str) -> None:
         """Called by instance code that needs the value of pending ``x``."""
+        rec = self.rec
+        if rec.max_steps is not None:
+            rec.inst_steps += 1
+            if rec.inst_steps > rec.max_steps:
+                rec.step_limit()
         cur = greenlet.getcurrent()
         if self.main is None or cur is self.main:
             # no fibers: run everything pending now (correct; batching across later work is lost)
@@ -156,7 +161,7 @@ class Runtime:
         outputs = []
         rec = self.rec
         for i, inst in enumerate(instances):
-            rec.instance, rec.phase = i, 0
+            rec.instance, rec.phase, rec.inst_steps = i, 0, 0
             try:
                 outputs.append(self._body(i, inst))
             except BatchcraftError as exc:
@@ -181,8 +186,7 @@ class Runtime:
             while ready:
                 waiting = []
                 for i in ready:
-                    rec.instance, rec.phase = i, phases[i]
-                    before = rec.ops_recorded
+                    rec.instance, rec.phase, rec.inst_steps = i, phases[i], steps[i]
                     try:
                         if started[i]:
                             res = fibers[i].switch()
@@ -194,17 +198,11 @@ class Runtime:
                         raise
                     except Exception as exc:
                         raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
-                    phases[i] = rec.phase
+                    phases[i], steps[i] = rec.phase, rec.inst_steps
                     if fibers[i].dead:
                         outputs[i] = res
                     else:
                         waiting.append(i)
-                        steps[i] += 1 + rec.ops_recorded - before
-                        if self.max_steps is not None and steps[i] > self.max_steps:
-                            raise StepLimitError(
-                                f"instance {i} exceeded max_steps={self.max_steps} "
-                                f"(operations + synchronisations) without finishing",
-                                hint="raise max_steps, or check the instance's loop condition")
                     self._check_pending()
                 if waiting:
                     self.stats.syncs += 1

@@ -55,6 +55,8 @@ def flatten(obj, leaves: list):
         return LEAF
     if t is tuple or t is list:
         return (t, tuple([flatten(o, leaves) for o in obj]))
+    if t is float:  # by bit pattern: -0.0 differs from 0.0, and nan equals nan (bugs #9, #12)
+        return (float, obj.hex())
     if t in _SCALARS:
         return (t, obj)
     if t is slice:
@@ -79,7 +81,7 @@ def flatten_args(args: tuple, leaves: list):
         if t is LazyTensor:
             leaves.append(a)
             items.append(LEAF)
-        elif t in _SCALARS:
+        elif t in _SCALARS and t is not float:
             items.append((t, a))
         else:
             items.append(flatten(a, leaves))
@@ -136,6 +138,8 @@ def rebuild(struct, it):
         return {k: rebuild(s, it) for k, s in zip(struct[1], struct[2])}
     if tag is Opaque:
         return struct[1].obj
+    if tag is float:
+        return float.fromhex(struct[1])
     if isinstance(tag, type) and issubclass(tag, tuple):
         items = [rebuild(s, it) for s in struct[1]]
         return tag(*items) if hasattr(tag, "_fields") else tag(items)  # namedtuple / structseq

@@ -78,7 +78,10 @@ def _blocks(path: Path) -> Iterator[tuple[int, list[str]]]:
         line = raw[: exc.start].count(b"\n") + 1
         raise DataFormatError(path, line, f"invalid UTF-8 byte 0x{raw[exc.start]:02x}") from None
     block, start = [], 0
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # CoNLL-U lines end at "\n" only (str.splitlines would also break at \x0c, U+2028, ...)
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if line.endswith("\r"):
+            line = line[:-1]
         if line.strip() == "":
             if block:
                 yield start, block
@@ -91,6 +94,11 @@ def _blocks(path: Path) -> Iterator[tuple[int, list[str]]]:
         yield start, block
 
 
+def _is_ascii_int(s: str) -> bool:
+    """Digits 0-9 only (str.isdigit also accepts '²' and other Unicode digits)."""
+    return s.isascii() and s.isdigit()
+
+
 def _check_token_line(path: Path, lineno: int, line: str) -> str | None:
     """Validate one token line; return its ID kind ('word', 'range', 'empty')."""
     cols = line.split("\t")
@@ -98,19 +106,20 @@ def _check_token_line(path: Path, lineno: int, line: str) -> str | None:
         raise DataFormatError(path, lineno, f"expected 10 tab-separated columns, found {len(cols)}",
                               hint="CoNLL-U token lines have ID FORM LEMMA UPOS XPOS FEATS HEAD DEPREL DEPS MISC")
     tid, head = cols[0], cols[6]
+    isnum = _is_ascii_int
     if "-" in tid:
         a, _, b = tid.partition("-")
-        if not (a.isdigit() and b.isdigit()):
+        if not (isnum(a) and isnum(b)):
             raise DataFormatError(path, lineno, f"bad multiword-token range ID {tid!r}")
         return "range"
     if "." in tid:
         a, _, b = tid.partition(".")
-        if not (a.isdigit() and b.isdigit()):
+        if not (isnum(a) and isnum(b)):
             raise DataFormatError(path, lineno, f"bad empty-node ID {tid!r}")
         return "empty"
-    if not tid.isdigit():
+    if not isnum(tid):
         raise DataFormatError(path, lineno, f"bad word ID {tid!r} (expected an integer)")
-    if not head.isdigit():
+    if not isnum(head):
         raise DataFormatError(path, lineno, f"bad HEAD {head!r} for word {tid} (expected an integer)")
     return "word"
 
