@@ -37,6 +37,26 @@ MODELS = ["treelstm", "mvrnn", "birnn", "nestedrnn", "drnn", "berxit", "stackrnn
 HAND_BATCHED = {"treelstm": handbatched.treelstm_levels, "birnn": handbatched.birnn_padded}
 
 
+NOTES = """Reading the numbers (mechanisms; the figures are in the table):
+
+- Auto-batching on a CPU saves per-operation overhead (Python, dispatch, small kernels); it cannot
+  save arithmetic. Models whose per-instance operations are already large gain little:
+  MV-RNN composes two (hidden x hidden) matrices per node (P^T = A^T W_1^T + B^T W_2^T), so it is
+  compute-bound one node at a time, and batching adds the gather of every operand matrix
+  (hidden^2 floats per node) on top: expect <= 1x, worst at hidden 128. Berxit's layers are
+  (L x d) matrix products; its batches are also split by padded length (16, 32, 48, ...) and by
+  exit layer, hence the smaller mean batch.
+- The tensor-dependent models (DRNN, Berxit, StackRNN) synchronise once per decision: every fiber
+  waits, the pending work of all instances runs batched, the fibers resume. Their mean batch stays
+  well above 4 at batch 64 because the instances reach their decisions in lock step.
+- The hand-batched references skip recording and scheduling altogether and BiRNN's runs in one
+  fused ``nn.LSTM`` call; they bound what batching by hand buys on this machine, for models whose
+  structure is known before running (neither can take tensor-dependent decisions).
+- Times on this shared 2-core machine are noisy (see the load average above); ratios are from
+  the same run, back to back, batch by batch.
+"""
+
+
 def hand_batched(task, batch_size: int) -> dict:
     """Median ms per batch of the hand-batched reference and its max |diff| from eager."""
     fn = HAND_BATCHED[task.name]
@@ -130,7 +150,7 @@ def main(argv=None) -> int:
                 f"speed-up = eager ms / that column's ms, each against the eager loop of its own run; "
                 f"mean batch = instances' operations per batched call; max |diff| against eager. "
                 f"Hand-batched: TreeLSTM level by level, BiRNN as one packed nn.LSTM, same parameters. "
-                f"Whole run: {elapsed:.0f} s.\n\n{format_table(headers, rows, markdown=True)}\n")
+                f"Whole run: {elapsed:.0f} s.\n\n{format_table(headers, rows, markdown=True)}\n\n{NOTES}")
         write_section("suite", text)
     return 0
 
