@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     print(f"results: {path} ({elapsed:.0f} s)", file=sys.stderr)
     if args.write_docs:
         cmd = " ".join(["python benchmarks/suite.py"] + (argv if argv is not None else sys.argv[1:]))
-        text = (f"### ACRoBat model suite (issue 3)\n\nCommand: `{cmd}`\n\n"
+        text = (f"## Auto-batching: the ACRoBat model suite (issue 3)\n\nCommand: `{cmd}`\n\n"
                 f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, torch {m['torch']}, {args.threads} "
                 f"intra-op threads; load average {load_before} before and {_load()} after the run (the "
                 f"2 cores are shared, so absolute times are noisy; ratios come from one run, back to back). "
