@@ -192,7 +192,7 @@ def markdown(payload: dict, plot_path: Path) -> str:
         "`batchcraft.models.handbatched` (TreeLSTM level by level).",
         "",
         f"FLOP bound = FLOPs per batch (counted per node, benchmarks/_flops.py; training = 3x forward) / "
-        f"{g['rate_flop_per_s'] / 1e9:.0f} GFLOP/s, the best fp32 `torch.mm` rate measured at the start of "
+        f"{g['rate_flop_per_s'] / 1e9:.0f} GFLOP/s, the best fp32 `torch.mm` rate measured at the start and the end of "
         f"the run ({g['best_shape']}; all shapes, GFLOP/s: {rates}). '% FLOP bound' = bound / time.",
         "",
         main_table(rs, True),
@@ -200,9 +200,11 @@ def markdown(payload: dict, plot_path: Path) -> str:
         headline(rs) if rs else "",
         "",
         "Peak resident memory (`VmHWM`, the peak RSS of each system's own fresh process; DyNet's process "
-        f"imports numpy and DyNet only, with {a.get('dynet_mem', 512)} MB initial memory pools grown on "
-        "demand; the others torch and batchcraft; inference runs before training, so the training peak "
-        "includes it):",
+        f"imports numpy and DyNet only; without auto-batching it starts with {a.get('dynet_mem')} MB pools "
+        "grown on demand, with auto-batching DyNet cannot grow them, so they are allocated up front "
+        f"({a.get('dynet_autobatch_mem')} MB, doubled while a run fails for memory; the `dynet_mem_mb` "
+        "of each run is in the JSON) and its peak is mostly that allocation. The others import torch and "
+        "batchcraft. Inference runs before training, so the training peak includes it):",
         "",
         memory_table(payload, True),
         "",

@@ -186,19 +186,17 @@ class DyMVRNN:
     is ``(a, A)``; a head absorbs its dependents in word order with ``p = tanh(W [B a; A b] + b_W)``,
     ``P = W_M [A; B]`` (Socher et al. 2012, eqs. 2-3).
 
-    Word matrices are stored row-major in torch; DyNet reshapes column-major, so they are
-    transposed on export here. Instances are dicts with ``children``, ``root``, ``word_ids``.
+    The torch model keeps each word matrix transposed (its embedding row viewed row-major is
+    A^T); DyNet reshapes column-major, so the same row reshaped here is A itself. Instances are
+    dicts with ``children``, ``root``, ``word_ids``.
     """
 
     def __init__(self, dy, params):
         self.dy = dy
         self.pc = pc = dy.ParameterCollection()
-        mats = params["leaf.matrix.weight"]
-        V, HH = mats.shape
-        H = int(round(HH ** 0.5))
-        col_major = mats.reshape(V, H, H).transpose(0, 2, 1).reshape(V, HH)
+        H = params["leaf.vector.weight"].shape[1]
         self.E_vec = pc.lookup_parameters_from_numpy(params["leaf.vector.weight"])
-        self.E_mat = pc.lookup_parameters_from_numpy(col_major.copy())
+        self.E_mat = pc.lookup_parameters_from_numpy(params["leaf.matrix.weight"])
         self.W = pc.parameters_from_numpy(params["compose.W.weight"])
         self.b = pc.parameters_from_numpy(params["compose.W.bias"])
         self.W_M = pc.parameters_from_numpy(params["compose.W_M"])
