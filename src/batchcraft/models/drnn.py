@@ -149,7 +149,7 @@ def calibrate_decisions(model: DRNN, sentences, rounds: int = 3) -> None:
 
     An untrained decoder's topology decisions hardly depend on the input (most trees stop at
     the root). Each round decodes ``sentences`` eagerly, collects the decision logits of all
-    nodes, and subtracts their median from the bias: trees then branch about as often as they
+    nodes, and subtracts their median (the midpoint of the two middle logits) from the bias: trees then branch about as often as they
     stop and vary from instance to instance, as a trained decoder's do. In place.
     """
     pred = model.predict
@@ -159,9 +159,9 @@ def calibrate_decisions(model: DRNN, sentences, rounds: int = 3) -> None:
             for s in sentences:
                 out = model(s)
                 z_a += torch.logit(out["p_a"], eps=1e-6).tolist()
-                z_f += torch.logit(out["p_f"], eps=1e-6).tolist()
+                z_f += torch.logit(out["p_f"][1:], eps=1e-6).tolist()  # a root's p_f is unused
             pred.u_a.bias -= _gap_median(z_a)
-            pred.u_f.bias -= _gap_median(z_f[1:])  # the root's p_f is unused
+            pred.u_f.bias -= _gap_median(z_f)
 
 
 def _gap_median(values: list[float]) -> float:
