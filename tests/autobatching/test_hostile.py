@@ -804,3 +804,15 @@ def test_bug18_static_block_module_instance_pickles():
     m3 = torch.load(buf, weights_only=False)
     x = torch.randn(3)
     torch.testing.assert_close(autobatch(lambda v: m3(v))([x])[0], m(x))
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #19")
+def test_bug19_requires_grad_does_not_leak_through_value_dependent_ops():
+    def fn(inst):
+        x, k = inst
+        h = torch.tanh(x)
+        return h + h[k % 1], h[h > 0].sum()  # a tensor index and a boolean mask: run on values
+
+    xs = [(torch.ones(1, requires_grad=True), torch.tensor(0)), (torch.ones(1), torch.tensor(0))]
+    out = autobatch(fn)(xs)
+    assert [[t.requires_grad for t in o] for o in out] == [[True, True], [False, False]]
