@@ -24,6 +24,7 @@ import time
 import torch
 
 from batchcraft import models
+from batchcraft.errors import WorkspaceError
 from batchcraft.measure import format_table, machine_info
 from batchcraft.microbatching.budget import format_bytes, parse_budget
 from batchcraft.microbatching.compare import compare, example_input_for
@@ -60,8 +61,12 @@ def main(argv=None) -> int:
         for budget in budgets:
             for mode in args.modes.split(","):
                 print(f"[{time.perf_counter() - t0:6.0f} s] {name} {budget} {mode}", file=sys.stderr)
-                r = compare(model, x, budget, policy=args.policy, training=mode == "training",
-                            repeats=args.repeats, cache=args.cache)
+                try:
+                    r = compare(model, x, budget, policy=args.policy, training=mode == "training",
+                                repeats=args.repeats, cache=args.cache)
+                except WorkspaceError as exc:  # no plan fits: a result, reported as such
+                    runs.append(dict(model=name, budget=budget, mode=mode, infeasible=exc.message))
+                    continue
                 r.pop("plan_obj")
                 r.update(model=name, budget=budget, mode=mode, input_shape=list(x.shape))
                 runs.append(r)
@@ -102,6 +107,10 @@ def render(out: dict) -> str:
              f"{out['load_before'][0]:.2f} / {out['load_after'][0]:.2f}. Total {out['elapsed_s'] / 60:.1f} min.", ""]
     rows = []
     for r in out["runs"]:
+        if "infeasible" in r:
+            rows.append([r["model"], "fwd" if r["mode"] == "inference" else "fwd+bwd", r["budget"]] + ["-"] * 8
+                        + [f"no plan fits: {r['infeasible']}"])
+            continue
         t = r["times_ms"]
         default_ws = max((pp["default_workspace_bytes"] or 0) for layer in r["plan"]["layers"]
                          for pp in layer["passes"].values())
@@ -116,7 +125,7 @@ def render(out: dict) -> str:
     lines.append("")
     lines.append("Per layer-pass (forward + backward plans; times are the planner's measurements, ms):")
     for r in out["runs"]:
-        if r["mode"] != "training":
+        if r["mode"] != "training" or "infeasible" in r:
             continue
         lines.append(f"\n<details><summary>{r['model']} {r['budget']}: predicted {r['plan']['predicted_ms']:.1f} ms, "
                      f"default {r['plan']['default_predicted_ms']:.1f} ms, undivided "

@@ -51,3 +51,14 @@ def test_race_times_whole_divisions():
     m = Measurer(MeasurementCache(":memory:"))
     times = m.race(GEOM, "backward_filter", 8, [[("default", 8)], [("im2col", 4), ("im2col", 4)]], rounds=2)
     assert len(times) == 2 and all(0 < t < 10_000 for t in times)
+
+
+def test_accumulating_backward_filter_needs_no_temporary_dw():
+    # μ-cuDNN accumulates dW with beta = 1; unfold_matmul does the same (addmm_ into dW)
+    geom = ConvGeometry(128, 128, (3, 3), (1, 1), (1, 1), (1, 1), 1, 2, 2)
+    weight_bytes = 128 * 128 * 9 * 4
+    m = Measurer(MeasurementCache(":memory:"), repeats=1)
+    acc = m.measure(geom, "backward_filter", "unfold_matmul", 2, divided=True)
+    tmp = m.measure(geom, "backward_filter", "default", 2, divided=True)
+    assert acc.workspace_bytes < weight_bytes / 4
+    assert tmp.workspace_bytes >= weight_bytes

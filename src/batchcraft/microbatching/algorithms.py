@@ -292,6 +292,16 @@ class UnfoldMatmulAlgorithm(ConvAlgorithm):
         dw = torch.einsum("nol,nkl->ok", dy.reshape(dy.shape[0], geom.out_channels, -1), cols)
         return dw.reshape(geom.weight_shape())
 
+    def backward_filter_accumulate(self, dy, x, geom, dest):
+        """dest += dW of these samples, in place: one GEMM per sample into dest (beta = 1), so a
+        micro-batch needs its columns but no temporary dW (μ-cuDNN's accumulation)."""
+        cols = F.unfold(x, **self._args(geom))
+        acc = dest.view(geom.out_channels, -1)
+        dy2 = dy.reshape(dy.shape[0], geom.out_channels, -1)
+        for i in range(dy.shape[0]):
+            acc.addmm_(dy2[i], cols[i].t())
+        return dest
+
 
 class FFTAlgorithm(ConvAlgorithm):
     """Convolution theorem with real FFTs over the zero-padded input (stride 1, dilation 1).

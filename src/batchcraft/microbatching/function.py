@@ -34,7 +34,10 @@ def execute_step(pass_: str, algorithm: str, a: torch.Tensor, b: torch.Tensor, g
     ``dest`` is the result's slice (forward, backward_data) or the dW accumulator
     (backward_filter), which receives ``+=``.
     """
-    r = get_algorithm(algorithm).run(pass_, a, b, geom)
+    algo = get_algorithm(algorithm)
+    if dest is not None and pass_ == "backward_filter" and hasattr(algo, "backward_filter_accumulate"):
+        return algo.backward_filter_accumulate(a, b, geom, dest)  # no temporary dW
+    r = algo.run(pass_, a, b, geom)
     if dest is None:
         return r
     if pass_ == "backward_filter":
@@ -59,7 +62,11 @@ def execute_pass(pass_: str, steps: Sequence[tuple[str, int]], a: torch.Tensor, 
         end = min(n, start + size)
         sa, sb = _slice_args(pass_, a, b, start, end)
         if out is None:  # first dW partial becomes the accumulator
-            out = execute_step(pass_, algorithm, sa, sb, geom, None)
+            if hasattr(get_algorithm(algorithm), "backward_filter_accumulate"):
+                out = torch.zeros(geom.weight_shape(), dtype=a.dtype, device=a.device)
+                execute_step(pass_, algorithm, sa, sb, geom, out)
+            else:
+                out = execute_step(pass_, algorithm, sa, sb, geom, None)
         else:
             execute_step(pass_, algorithm, sa, sb, geom, out if pass_ == "backward_filter" else out[start:end])
         start, i = end, i + 1
