@@ -243,8 +243,8 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
                 best_cfg, best_res, base_res, d = _halving(
                     cands, baselines, clock, groups, objective, latency_limit_ms, trials, rounds, bar,
                     compare_baselines=compare_baselines)
-                if clock.shortest_s < 0.05:
-                    notes.append(f"batch {b}: the budget left trials of {clock.shortest_s:.3f} s (noisy); "
+                if clock.shortest_s <= 0.05:
+                    notes.append(f"batch {b}: the budget left trials of {clock.shortest_s:.3f} s, the minimum (noisy); "
                                  f"give a larger --budget")
                 ratios = {}
                 for label, r in base_res.items():
@@ -311,7 +311,8 @@ class _Clock:
         units = sum(n * self.eta ** k for k, n in enumerate(levels)) + self.n_base * self.eta ** last
         n_trials = (sum(levels) + self.n_base) * self.repeats
         left = self.deadline - time.monotonic() - self.overhead_s * n_trials
-        d = max(0.02 * self.repeats, min(planned_s, left / units))
+        # below ~50 ms per repeat, thread wake-up after idle biases against multi-thread configurations
+        d = max(0.05 * self.repeats, min(planned_s, left / units))
         self.shortest_s = min(self.shortest_s, d / self.repeats)
         return d
 
