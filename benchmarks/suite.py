@@ -18,6 +18,7 @@ most ``--max-words`` words (kept short so one full run stays under ~10 minutes o
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -43,7 +44,7 @@ NOTES = """Reading the numbers (mechanisms; the figures are in the table):
   save arithmetic. Models whose per-instance operations are already large gain little:
   MV-RNN composes two (hidden x hidden) matrices per node (P^T = A^T W_1^T + B^T W_2^T), so it is
   compute-bound one node at a time, and batching adds the gather of every operand matrix
-  (hidden^2 floats per node) on top: expect <= 1x, worst at hidden 128. Berxit's layers are
+  (hidden^2 floats per node) on top: a small gain at hidden 64, a loss at hidden 128. Berxit's layers are
   (L x d) matrix products; its batches are also split by padded length (16, 32, 48, ...) and by
   exit layer, hence the smaller mean batch.
 - The tensor-dependent models (DRNN, Berxit, StackRNN) synchronise once per decision: every fiber
@@ -100,7 +101,24 @@ def main(argv=None) -> int:
     ap.add_argument("--schedulers", default="depth,agenda")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--write-docs", action="store_true", help="update the 'suite' section of docs/benchmarks.md")
+    ap.add_argument("--from-json", default=None, metavar="PATH",
+                    help="do not run: render the table (and docs) from a results/suite-*.json file")
     args = ap.parse_args(argv)
+    if args.from_json:
+        payload = json.loads(Path(args.from_json).read_text())
+    else:
+        payload = run_suite(args)
+        path = save_json("suite", payload)
+        print(f"results: {path} ({payload['elapsed_s']:.0f} s)", file=sys.stderr)
+    headers, rows = table(payload)
+    print(format_table(headers, rows))
+    if args.write_docs:
+        write_section("suite", docs_text(payload, headers, rows))
+    return 0
+
+
+def run_suite(args) -> dict:
+    """Run every model x size x batch size; return the JSON payload (machine, args, results)."""
     torch.set_num_threads(args.threads)
     names = MODELS if args.models == "all" else args.models.split(",")
     schedulers = args.schedulers.split(",")
@@ -119,13 +137,20 @@ def main(argv=None) -> int:
                 print(f"{name} {size} batch {bs}: " + ", ".join(
                     f"{s} {r[f'{s}_speedup']:.2f}x (mean batch {r[f'{s}_mean_batch']:.1f})" for s in schedulers),
                     file=sys.stderr, flush=True)
-    elapsed = time.perf_counter() - t_start
+    return {"machine": machine_info(), "args": vars(args), "sentences": len(sents),
+            "elapsed_s": time.perf_counter() - t_start, "load_before": load_before, "load_after": _load(),
+            "results": results}
+
+
+def table(payload: dict) -> tuple[list, list]:
+    """Headers and rows of the comparison table (no '|' in headers: they go into markdown)."""
+    schedulers = payload["args"]["schedulers"].split(",")
     headers = ["model", "size", "hidden", "batch", "eager ms/batch"]
     for s in schedulers:
-        headers += [f"{s} ms/batch", f"{s} speed-up", f"{s} mean batch", f"{s} max |diff|"]
-    headers += ["hand-batched ms/batch", "hand speed-up", "hand max |diff|"]
+        headers += [f"{s} ms/batch", f"{s} speed-up", f"{s} mean batch", f"{s} max abs diff"]
+    headers += ["hand-batched ms/batch", "hand speed-up", "hand max abs diff"]
     rows = []
-    for r in results:
+    for r in payload["results"]:
         row = [r["model"], r["size"], r["hidden"], r["batch_size"], r["eager_ms"]]
         for s in schedulers:
             row += [r[f"{s}_ms"], r[f"{s}_speedup"], r[f"{s}_mean_batch"], f"{r[f'{s}_max_abs_diff']:.1e}"]
@@ -134,25 +159,29 @@ def main(argv=None) -> int:
         else:
             row += ["-", "-", "-"]
         rows.append(row)
-    m = machine_info()
-    print(format_table(headers, rows))
-    path = save_json("suite", {"machine": m, "args": vars(args), "elapsed_s": elapsed,
-                               "load_before": load_before, "load_after": _load(), "results": results})
-    print(f"results: {path} ({elapsed:.0f} s)", file=sys.stderr)
-    if args.write_docs:
-        cmd = " ".join(["python benchmarks/suite.py"] + (argv if argv is not None else sys.argv[1:]))
-        text = (f"## Auto-batching: the ACRoBat model suite (issue 3)\n\nCommand: `{cmd}`\n\n"
-                f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, torch {m['torch']}, {args.threads} "
-                f"intra-op threads; load average {load_before} before and {_load()} after the run (the "
-                f"2 cores are shared, so absolute times are noisy; ratios come from one run, back to back). "
-                f"Inference (no autograd) on the first {len(sents)} UD EWT dev sentences of at most "
-                f"{args.max_words} words; median ms per batch over all batches after one warm-up batch; "
-                f"speed-up = eager ms / that column's ms, each against the eager loop of its own run; "
-                f"mean batch = instances' operations per batched call; max |diff| against eager. "
-                f"Hand-batched: TreeLSTM level by level, BiRNN as one packed nn.LSTM, same parameters. "
-                f"Whole run: {elapsed:.0f} s.\n\n{format_table(headers, rows, markdown=True)}\n\n{NOTES}")
-        write_section("suite", text)
-    return 0
+    return headers, rows
+
+
+def docs_text(payload: dict, headers: list, rows: list) -> str:
+    a, m = payload["args"], payload["machine"]
+    cmd = (f"python benchmarks/suite.py --sentences {a['sentences']} --max-words {a['max_words']} "
+           f"--batch-sizes {a['batch_sizes']} --sizes {a['sizes']} --schedulers {a['schedulers']} "
+           f"--threads {a['threads']} --write-docs")
+    threads = f"{a['threads']} intra-op thread" + ("s" if a["threads"] != 1 else "")
+    return (f"## Auto-batching: the ACRoBat model suite (issue 3)\n\nCommand: `{cmd}` "
+            f"(`--from-json results/suite-*.json` re-renders a saved run)\n\n"
+            f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, torch {m['torch']}, {threads}; load average "
+            f"{payload['load_before']} before and {payload['load_after']} after the run: the 2 cores were shared "
+            f"with other engineers' runs, so absolute times are noisy; ratios come from one run, back to back, "
+            f"batch by batch. One intra-op thread because on the oversubscribed machine two threads made "
+            f"OpenMP regions wait for a descheduled thread (single batched calls took 5-10x longer). "
+            f"Inference (no autograd) on the first {payload.get('sentences', a['sentences'])} UD EWT dev sentences of at most "
+            f"{a['max_words']} words; median ms per batch over all batches after one warm-up batch; "
+            f"speed-up = eager ms / that column's ms, each against the eager loop of its own run; "
+            f"mean batch = instances' operations per batched call (ops recorded / batched calls); "
+            f"max abs diff = largest difference from eager. Hand-batched: TreeLSTM level by level, BiRNN "
+            f"as one packed nn.LSTM, same parameters. Whole run: {payload['elapsed_s']:.0f} s.\n\n"
+            f"{format_table(headers, rows, markdown=True)}\n\n{NOTES}")
 
 
 def _load() -> str:
