@@ -67,3 +67,9 @@ def test_birnn_padded_shares_the_tagger_parameters(tagger, ud_sentences):
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, tagger(ud_sentences[0]))
     assert [n for n, _ in tagger.named_parameters()] == names  # the reference adds no parameters
+
+
+def test_birnn_padded_follows_replaced_parameters(tagger, ud_sentences):
+    birnn_padded(tagger, ud_sentences[:2])
+    tagger.fwd.weight_ih = torch.nn.Parameter(torch.randn_like(tagger.fwd.weight_ih))
+    torch.testing.assert_close(birnn_padded(tagger, ud_sentences[:2])[0], tagger(ud_sentences[0]))

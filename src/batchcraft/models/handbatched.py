@@ -24,7 +24,8 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 def _shared_lstm(model) -> nn.LSTM:
     """A bidirectional ``nn.LSTM`` whose parameters *are* the tagger's two LSTM cells'."""
     lstm = getattr(model, "_handbatched_lstm", None)
-    if lstm is None:
+    cells = [getattr(c, n) for c in (model.fwd, model.bwd) for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+    if lstm is None or any(a is not b for a, b in zip(lstm._flat_weights, cells)):  # new or replaced params
         lstm = nn.LSTM(model.fwd.input_size, model.hidden, batch_first=True, bidirectional=True)
         for suffix, cell in (("", model.fwd), ("_reverse", model.bwd)):
             for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
