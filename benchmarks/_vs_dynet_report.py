@@ -179,8 +179,11 @@ def markdown(payload: dict, plot_path: Path) -> str:
         f"{payload['wall_s'] / 60:.1f} min.",
         "",
         f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, torch {m['torch']} with {a['threads']} "
-        f"intra-op threads; DyNet 2.1.2 (CPU, Eigen, one thread). CPU shared with other engineers: "
-        f"load average (1/5/15 min) {payload['load_avg_before']} before, {payload['load_avg_after']} after.",
+        "intra-op thread(s) for every timed PyTorch system, DyNet 2.1.2 (CPU backend, Eigen, one thread): "
+        "the same thread count on both sides. (On this shared 2-core machine, 2 torch threads under load "
+        "made eager per-instance TreeLSTM 20-35x slower than 1 thread: every small op's parallel region "
+        "waits for a descheduled thread.) CPU shared with other engineers: load average (1/5/15 min) "
+        f"{payload['load_avg_before']} before, {payload['load_avg_after']} after.",
         "",
         f"Inputs: the first {a['sentences']} UD English EWT dev sentences, in file order, cut into batches; "
         f"ms per batch = median of {a['repeats']} timed passes over all batches after {a['warmup']} warm-up "
@@ -191,9 +194,11 @@ def markdown(payload: dict, plot_path: Path) -> str:
         "`batchcraft.autobatch(model, scheduler=...)`, fastest of depth/agenda. Hand-batched = "
         "`batchcraft.models.handbatched` (TreeLSTM level by level).",
         "",
-        f"FLOP bound = FLOPs per batch (counted per node, benchmarks/_flops.py; training = 3x forward) / "
-        f"{g['rate_flop_per_s'] / 1e9:.0f} GFLOP/s, the best fp32 `torch.mm` rate measured at the start and the end of "
-        f"the run ({g['best_shape']}; all shapes, GFLOP/s: {rates}). '% FLOP bound' = bound / time.",
+        f"FLOP bound = FLOPs per batch (counted per node, benchmarks/_flops.py, checked against "
+        f"`torch.utils.flop_counter`; training = 3x forward) / {g['rate_flop_per_s'] / 1e9:.0f} GFLOP/s, "
+        f"the best fp32 `torch.mm` rate with {g['threads']} threads (all usable CPUs: the machine's "
+        f"limit) measured at the start and the end of the run ({g['best_shape']}; all shapes, GFLOP/s: "
+        f"{rates}). '% FLOP bound' = bound / time.",
         "",
         main_table(rs, True),
         "",

@@ -32,7 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("--sentences", type=int, default=None, help="UD sentences per pass (default 128)")
     p.add_argument("--repeats", type=int, default=None, help="timed passes, median reported (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed passes first (default 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default 1, as DyNet)")
     p.add_argument("--systems", default=None, help="subset of dynet,eager,handbatched,batchcraft")
     p.add_argument("--modes", default=None, help="inference,train (default both)")
     p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md and the plot")
