@@ -57,7 +57,7 @@ def no_hang(seconds: int = _TIMEOUT_S):
 
 # Bugs still open in /work/notes/autobatch-bugs.md; inputs that hit them are left out of the
 # fuzzing (each has its own xfail regression test). Remove a number once the bug is fixed.
-OPEN_BUGS = {7, 8}
+OPEN_BUGS: set = set()  # #7 and #8 fixed (ASCII digits only; lines split at \n)
 _SPLITLINES_EXTRA = re.compile("[\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
