@@ -37,7 +37,6 @@ VOCAB = 11
 # The fuzzer leaves them out while the bug is open; each bug has its own xfail regression test.
 # Remove a number here once the lead marks the bug fixed.
 OPEN_BUGS = {
-    19: (("index", "k_index"), ("seq", "masked_rows"), ("misc", "int_ops")),  # rows for eager ops keep requires_grad
 }
 CHECK_REQUIRES_GRAD = 2 not in OPEN_BUGS  # bug #2 (fixed): requires_grad is compared
 _BLOCKED = {s for stmts in OPEN_BUGS.values() for s in stmts}

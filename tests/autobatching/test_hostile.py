@@ -806,7 +806,6 @@ def test_bug18_static_block_module_instance_pickles():
     torch.testing.assert_close(autobatch(lambda v: m3(v))([x])[0], m(x))
 
 
-@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #19")
 def test_bug19_requires_grad_does_not_leak_through_value_dependent_ops():
     def fn(inst):
         x, k = inst

@@ -337,7 +337,9 @@ class Recorder:
         # the recording mode may be active here (a call through a LazyTensor method): index
         # the batched result as a plain tensor, not as a new recorded op
         with torch._C.DisableTorchFunction():
-            return node.outs[x.slot][node.row]
+            v = node.outs[x.slot][node.row]
+            # the batched result requires grad if any instance's does; this one's may not (#19)
+            return v.detach() if (v.requires_grad and not node.requires_grad) else v
 
 
 _NO_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}

@@ -117,7 +117,7 @@ def _shift(d, rank):
     return d + 1 if d >= 0 else d
 
 
-def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):  # noqa: C901
+def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):
     """Rule for ops with a dimension argument at ``pos`` / keyword ``name``.
 
     ``default``: the op's default dim when not given (None: no default). ``full``: how to spell
@@ -153,11 +153,11 @@ def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):  # noqa
             kwargs[name] = nd
         return func(*args, **kwargs)
 
-    _DIM_RULES_PENDING.append(rule)
+    _DIM_RULES.add(rule)
     return rule
 
 
-_DIM_RULES_PENDING: list = []
+_DIM_RULES: set = set()  # rules made by make_dim_rule (see is_transparent)
 _BATCHED_OTHER_OK: set = set()
 
 
@@ -428,9 +428,6 @@ def is_transparent(func, struct, mask, shapes) -> bool:
     return False
 
 
-_DIM_RULES: set = set()
-
-
 def rule_for(func):
     """The batching rule of ``func``: a registered rule, else vmap, else None (run per instance).
 
@@ -465,4 +462,3 @@ def register_rule(func, rule=None):
 
 
 call_with = _call
-_DIM_RULES.update(_DIM_RULES_PENDING)
