@@ -12,7 +12,8 @@ Profiles (environment ``BATCHCRAFT_FUZZ_PROFILE``):
 
 * ``fast`` (default, part of ``make test``): a fixed, derandomized set of examples, well under
   a minute on 2 cores.
-* ``long`` (``make fuzz``): at least 5,000 random programs. ``BATCHCRAFT_FUZZ_STATS=path.json``
+* ``long`` (``make fuzz``): at least 5,000 random programs (4,200 + 900 with D = 1 + 300 with
+  8 to 24 instances). ``BATCHCRAFT_FUZZ_STATS=path.json``
   writes the counts (programs, instances, operations recorded, batched calls, syncs) there.
 
 Triage knobs: ``BATCHCRAFT_FUZZ_EXAMPLES=N`` sets the examples of the main test;
@@ -42,6 +43,7 @@ LONG = PROFILE == "long"
 # examples per test; the long profile's total is >= 5,000 programs
 N_MAIN = int(os.environ.get("BATCHCRAFT_FUZZ_EXAMPLES", 4200 if LONG else 180))
 N_SMALL_D = 900 if LONG else 40
+N_LARGE = 300 if LONG else 12
 _common = dict(deadline=None, database=None, derandomize=not LONG, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.filter_too_much])
@@ -181,6 +183,13 @@ def test_random_programs_match_eager(program, specs, opts):
        specs=st.lists(instance_specs, min_size=1, max_size=4), opts=options)
 def test_random_programs_hidden_size_one(program, specs, opts):
     # D == 1: every squeeze/reduction/shape rule meets size-1 dimensions
+    check_program(program, specs, **opts)
+
+
+@settings(max_examples=N_LARGE, **_common)
+@given(program=programs(), specs=st.lists(instance_specs, min_size=8, max_size=24), opts=options)
+def test_random_programs_large_batches(program, specs, opts):
+    # hypothesis favours short lists; here every batch has 8 to 24 instances
     check_program(program, specs, **opts)
 
 
