@@ -237,10 +237,17 @@ class StaticBlock:
                                      f"({type(x).__name__})")
         direct = not tracer.shape_dependent and all(_step_transparent(st) for st in tracer.steps) \
             and all(r[0] != "const" for r in out_refs)
+        if isinstance(self.module, _RNN_CELLS) and all(
+                len(x.desc[0]) == 1 for x in leaves if type(x) is LazyTensor):
+            # these cells read input.dim() but accept a batch of 1-D inputs as written
+            direct = all(r[0] != "const" for r in out_refs)
         prog = Program(tracer.steps, out_struct, out_refs, out_descs, direct)
         self._programs[key] = prog
         info = _rec._META_CACHE[key] = SigInfo(key, out_struct, tuple(out_descs), prog)
         return info
+
+
+_RNN_CELLS = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 
 
 def _step_transparent(step) -> bool:
