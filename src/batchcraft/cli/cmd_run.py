@@ -20,7 +20,7 @@ def add_arguments(p) -> None:
     p.add_argument("--list", action="store_true", help="list the models and exit")
     p.add_argument("--batch-size", type=int, default=64, help="instances per batch (default 64)")
     p.add_argument("--size", choices=["small", "large"], default="small",
-                   help="model size: small = hidden 256, large = 512 (default small)")
+                   help="model size: small = hidden 256, large = 512 (MV-RNN: 64 / 128); default small")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (overrides --size)")
     p.add_argument("--data", default=None, help="a .conllu file (default: embedded UD EWT dev)")
     p.add_argument("--limit", type=int, default=512, help="sentences to use (default 512)")
