@@ -815,3 +815,15 @@ def test_bug19_requires_grad_does_not_leak_through_value_dependent_ops():
     xs = [(torch.ones(1, requires_grad=True), torch.tensor(0)), (torch.ones(1), torch.tensor(0))]
     out = autobatch(fn)(xs)
     assert [[t.requires_grad for t in o] for o in out] == [[True, True], [False, False]]
+
+
+@pytest.mark.xfail(strict=True, reason="autobatch-bugs.md #20")
+def test_bug20_kept_output_does_not_retain_the_batch():
+    lin = nn.Linear(8, 32)
+    f = autobatch(lambda x: torch.tanh(lin(x)))
+    with torch.no_grad():
+        out = f([torch.randn(8) for _ in range(200)])
+    kept = out[0].detach()
+    del out
+    # eager keeps 32 floats; a view of the batched result keeps 200 x 32
+    assert kept.untyped_storage().nbytes() <= 4 * kept.numel() * 2
