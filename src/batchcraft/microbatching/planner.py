@@ -22,7 +22,7 @@ from batchcraft.microbatching.cache import MeasurementCache
 from batchcraft.microbatching.function import PlannedConv2d
 from batchcraft.microbatching.measure import Measurer
 from batchcraft.microbatching.optimize_wd import optimize_wd, pareto_front
-from batchcraft.microbatching.optimize_wr import Config, candidate_sizes, optimize_wr
+from batchcraft.microbatching.optimize_wr import Config, PassChoice, candidate_sizes, optimize_wr
 from batchcraft.microbatching.plan import LayerPlan, PassPlan, Plan
 
 __all__ = ["find_convolutions", "plan_model", "microbatch"]
@@ -83,27 +83,36 @@ def _smallest_feasible(table: dict[int, list[Config]], batch_size: int) -> int:
     raise WorkspaceError("no algorithm can run this layer at all")  # pragma: no cover - default always can
 
 
-def _confirm_against_undivided(choices, undivided, layer_passes, measurer, batch, progress) -> None:
-    """WR only: race each divided or non-default choice against the undivided best, keep the faster.
+def _confirm_against_undivided(choices, undivided, defaults, layer_passes, measurer, batch, limit,
+                               progress) -> None:
+    """WR only: race each choice against the undivided best and PyTorch's default (when the
+    default fits the limit) on the whole batch; keep the fastest.
 
     Per-configuration timings are sums of separate measurements; on a loaded machine one noisy
-    sample can make a division look faster than it is. Racing the two whole divisions, in
-    interleaved rounds, guards the promise that a plan is never slower than undivided.
+    sample can make a division (or another algorithm) look faster than it is. Racing the whole
+    divisions in interleaved rounds guards the promises that a plan is never slower than the
+    undivided one, nor than the default where the budget admits it.
     """
     from tqdm import tqdm
 
     todo = {}
     for name, _, g, p in layer_passes:
-        c, u = choices[(name, p)], undivided.get((name, p))
-        if u is not None and c.steps != u.steps:
-            todo.setdefault((g, p, c.steps, u.steps), []).append(name)
-    for (g, p, c_steps, u_steps), names in tqdm(todo.items(), desc="microbatch: confirming", file=sys.stderr,
-                                                disable=not progress, leave=False):
-        steps = [[(s.algorithm, s.micro_batch) for s in st] for st in (c_steps, u_steps)]
-        t_choice, t_undivided = measurer.race(g, p, batch, steps)
-        if t_undivided <= t_choice:
-            for name in names:
-                choices[(name, p)] = undivided[(name, p)]
+        options = [choices[(name, p)]]
+        if undivided.get((name, p)) is not None:
+            options.append(undivided[(name, p)])
+        d_ms, d_ws = defaults[(g, p)]
+        if d_ms is not None and d_ws <= limit:
+            options.append(PassChoice((Config("default", batch, d_ms, d_ws),)))
+        options = list({o.steps: o for o in options}.values())  # distinct divisions, order kept
+        if len(options) > 1:
+            todo.setdefault((g, p, tuple(o.steps for o in options)), ([], options))[0].append(name)
+    for (g, p, _), (names, options) in tqdm(todo.items(), desc="microbatch: confirming", file=sys.stderr,
+                                            disable=not progress, leave=False):
+        steps = [[(s.algorithm, s.micro_batch) for s in o.steps] for o in options]
+        times = measurer.race(g, p, batch, steps)
+        best = options[min(range(len(options)), key=lambda i: (times[i], i))]
+        for name in names:
+            choices[(name, p)] = best
 
 
 def plan_model(model: nn.Module, example_input: torch.Tensor, *, workspace_limit="64MiB", policy: str = "wr",
@@ -216,7 +225,7 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, workspace_limit
         undivided = (None if any(not f for f in fronts_u.values()) else optimize_wd(fronts_u, limit)) or {}
 
     if policy == "wr" and confirm:
-        _confirm_against_undivided(choices, undivided, layer_passes, measurer, batch, progress)
+        _confirm_against_undivided(choices, undivided, defaults, layer_passes, measurer, batch, limit, progress)
 
     plan = Plan(policy, limit, batch, batch_sizes, skipped=skipped, measured=measurer.measured)
     by_name: dict[str, LayerPlan] = {}
@@ -259,8 +268,9 @@ def microbatch(model: nn.Module, example_input: torch.Tensor, workspace_limit="6
         algorithms (sequence of str | None): restrict to these algorithm names. Default: all.
         repeats (int): timed calls per configuration. Default: 3.
         progress (bool): tqdm progress bar on stderr while measuring. Default: True.
-        confirm (bool): WR only: race every divided choice against the undivided best on the
-            whole batch (interleaved rounds) and keep the faster. Default: True.
+        confirm (bool): WR only: race each layer-pass's choice against the undivided best and
+            PyTorch's default (if it fits) on the whole batch, interleaved; keep the fastest.
+            Default: True.
     Returns:
         nn.Module: ``model``, with ``model.plan`` (a :class:`Plan`).
     Raises:
