@@ -70,6 +70,7 @@ def test_launch_python_script_pins_threads_and_passes_arguments(tmp_path):
 
 
 @needs_two
+@pytest.mark.slow
 def test_launch_any_command_is_pinned_before_exec(tmp_path):
     out = tmp_path / "seen"
     cmd = ["sh", "-c", f'grep Cpus_allowed_list /proc/self/status > {out}$BATCHCRAFT_INSTANCE; '
@@ -82,6 +83,7 @@ def test_launch_any_command_is_pinned_before_exec(tmp_path):
 
 
 @needs_two
+@pytest.mark.slow
 def test_failing_instance_stops_the_others(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys, time\n"
@@ -93,6 +95,7 @@ def test_failing_instance_stops_the_others(tmp_path):
 
 
 @needs_two
+@pytest.mark.slow
 def test_ctrl_c_stops_every_instance(tmp_path):
     script = tmp_path / "sleep.py"
     script.write_text("import os, sys, time\n"
