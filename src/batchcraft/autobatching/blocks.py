@@ -171,12 +171,13 @@ class StaticBlock:
 
     def __call__(self, *args, **kwargs):
         rec = _rec.current()
-        if rec is not None and _has_lazy(args, kwargs):
-            if self not in rec.blocks_checked:
-                self._check_fingerprint()
-                rec.blocks_checked.add(self)
-            return rec.record(self, args, kwargs)
-        return self.fn(*args, **kwargs)
+        if rec is None:
+            return self.fn(*args, **kwargs)
+        if self not in rec.blocks_checked:
+            self._check_fingerprint()
+            rec.blocks_checked.add(self)
+        # without lazy arguments the recorder runs the block now and makes its outputs leaves
+        return rec.record(self, args, kwargs)
 
     def __get__(self, obj, objtype=None):  # decorating a method
         if obj is None:
@@ -258,19 +259,6 @@ def _step_transparent(step) -> bool:
     from batchcraft.autobatching.rules import is_transparent
 
     return is_transparent(step.func, step.struct, step.mask_static, step.shapes)
-
-
-def _has_lazy(args, kwargs) -> bool:
-    for a in args:
-        t = type(a)
-        if t is LazyTensor:
-            return True
-        if (t is list or t is tuple) and any(type(b) is LazyTensor for b in a):
-            return True
-    for a in kwargs.values():
-        if type(a) is LazyTensor:
-            return True
-    return False
 
 
 class _BlockModuleMixin:

@@ -89,17 +89,13 @@ class Graph:
     def __init__(self):
         self.buckets: dict = defaultdict(list)  # (phase, depth, signature id) -> [Node]
         self.n_pending = 0
-        self.max_depth = 0
 
     def add(self, node: Node) -> None:
         self.buckets[(node.phase, node.depth, node.info.sid)].append(node)
         self.n_pending += 1
-        if node.depth > self.max_depth:
-            self.max_depth = node.depth
 
     def take(self) -> dict:
         """Remove and return all pending buckets."""
         b, self.buckets = self.buckets, defaultdict(list)
         self.n_pending = 0
-        self.max_depth = 0
         return b

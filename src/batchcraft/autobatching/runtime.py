@@ -71,6 +71,8 @@ class Runtime:
         graph = self.rec.graph
         if not graph.n_pending:
             return
+        if graph.n_pending > self.stats.peak_pending:
+            self.stats.peak_pending = graph.n_pending
         t0 = _perf()
         with torch._C.DisableTorchFunction():
             self.scheduler.run(graph, self.executor, self.stats)

@@ -16,6 +16,7 @@ class RunStats:
         fallbacks (int): nodes run one instance at a time because no batching rule applied.
         eager_ops (int): operations run on concrete values at record time (value-dependent shapes).
         syncs (int): times pending work was executed because instance code needed a value.
+        peak_pending (int): most nodes waiting at once (the recorded graph's size bound).
         groups_by_rule (dict[str, int]): batched calls per rule kind (direct rules, vmap, block).
         record_s, schedule_s, gather_s, kernel_s (float): seconds spent recording instance code,
             ordering groups, gathering per-instance arguments, and in batched calls.
@@ -27,6 +28,7 @@ class RunStats:
     fallbacks: int = 0
     eager_ops: int = 0
     syncs: int = 0
+    peak_pending: int = 0
     groups_by_rule: dict = field(default_factory=dict)
     record_s: float = 0.0
     schedule_s: float = 0.0

@@ -93,13 +93,12 @@ class TreeLSTM(nn.Module):
         self.inputs = NodeInput(vocab_size, n_tags, word_dim, tag_dim, hidden)
         self.cell = ChildSumCell(hidden)
 
-    def node(self, sentence, i: int):
+    def node(self, sentence, i: int, device=None):
         """(h, c) of word ``i``'s subtree (recursive, per instance)."""
-        states = [self.node(sentence, c) for c in sentence.children[i]]
-        dev = self.cell.U_f.weight.device
-        iou_x, f_x = self.inputs(torch.tensor(sentence.word_ids[i], device=dev),
-                                 torch.tensor(sentence.upos_ids[i], device=dev))
+        states = [self.node(sentence, c, device) for c in sentence.children[i]]
+        iou_x, f_x = self.inputs(torch.tensor(sentence.word_ids[i], device=device),
+                                 torch.tensor(sentence.upos_ids[i], device=device))
         return self.cell(iou_x, f_x, [h for h, _ in states], [c for _, c in states])
 
     def forward(self, sentence):
-        return self.node(sentence, sentence.root)[0]
+        return self.node(sentence, sentence.root, self.cell.U_f.weight.device)[0]
