@@ -84,6 +84,8 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
         through several outputs separately. A NaN/inf in one instance's input makes the
         gradients of shared weights NaN for the whole call (0 * NaN in the batched weight
         gradient), even for other instances' losses; forward values stay per instance.
+        Outputs are views (rows) of the batched results, as ``torch.unbind`` gives: keeping one
+        output keeps its whole batch's result tensor alive, so ``.clone()`` what you keep long.
     Source:
         ACRoBat (Fegade et al., MLSys 2024, arXiv 2305.10611); DyNet auto-batching
         (Neubig et al., NeurIPS 2017, arXiv 1705.07860).
