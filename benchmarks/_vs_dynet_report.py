@@ -156,7 +156,8 @@ def plot(payload: dict, path: str) -> None:
             ys = [(r[base] / r[key]) if r[key] and r[base] else 0 for r in mr]
             ax.bar([i + j * w for i in range(len(mr))], ys, w, label=label)
         ax.set_xticks([i + 0.4 - w / 2 for i in range(len(mr))])
-        ax.set_xticklabels([f"{r['model']}\nh{r['hidden']} b{r['batch_size']}" for r in mr], fontsize=8)
+        ax.set_xticklabels([f"{r['model']} h{r['hidden']} b{r['batch_size']}" for r in mr], fontsize=7,
+                           rotation=45, ha="right")
         ax.set_yscale("log")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_title(f"{mode}: speed relative to {'DyNet best auto-batching' if base == 'dynet_best_ms' else 'eager'}")

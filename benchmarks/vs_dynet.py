@@ -195,6 +195,7 @@ def main(argv=None) -> int:
                          "while a run fails for memory, so the peak shows roughly what a model needs. Default 128")
     ap.add_argument("--worker-timeout", type=float, default=600.0, help="seconds per worker process")
     ap.add_argument("--plot", default=str(HERE.parent / "docs" / "bench_vs_dynet.png"))
+    ap.add_argument("--docs-marker", default="vs_dynet", help="section marker in docs/benchmarks.md")
     ap.add_argument("--json", action="store_true", help="stdout: one JSON object; tables to stderr")
     ap.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md and the plot")
     args = ap.parse_args(argv)
@@ -250,8 +251,8 @@ def main(argv=None) -> int:
     save_json("vs_dynet", payload)
     if args.write_docs:
         report.plot(payload, args.plot)
-        write_section("vs_dynet", report.markdown(payload, Path(args.plot)))
-        print(f"wrote docs/benchmarks.md section vs_dynet and {args.plot}", file=log)
+        write_section(args.docs_marker, report.markdown(payload, Path(args.plot)))
+        print(f"wrote docs/benchmarks.md section {args.docs_marker} and {args.plot}", file=log)
     if args.json:
         print(json.dumps(payload))
     return 0
