@@ -77,7 +77,9 @@ def main(argv=None):
             first = avg if first is None else first
             print(f"step {step + 1:4d}  loss/word {avg:.3f}  ({time.perf_counter() - t0:.1f} s)")
             window = []
-    print(f"loss per word fell from {first:.3f} to {avg:.3f}")
+    if window:
+        avg = sum(window) / len(window)
+    print(f"loss per word: first logged {first:.3f}, last {avg:.3f}")
     return first, avg
 
 

@@ -24,10 +24,10 @@ def __getattr__(name: str):
         from batchcraft.microbatching import microbatch
 
         return microbatch
-    if name == "parallel":
+    if name in ("parallel", "models", "data", "measure", "microbatching", "autobatching"):
         import importlib
 
-        return importlib.import_module("batchcraft.parallel")
+        return importlib.import_module(f"batchcraft.{name}")
     raise AttributeError(f"module 'batchcraft' has no attribute {name!r}")
 
 
@@ -38,6 +38,8 @@ __all__ = [
     "RunStats",
     "microbatch",
     "parallel",
+    "models",
+    "data",
     "BatchcraftError",
     "__version__",
 ]

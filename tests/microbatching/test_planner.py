@@ -130,7 +130,12 @@ def test_cache_makes_second_planning_free(tmp_path):
     first = _plan(_net(), x, cache=tmp_path / "c.sqlite", confirm=False).plan
     second = _plan(_net(), x, cache=tmp_path / "c.sqlite", confirm=False).plan
     assert first.measured > 0 and second.measured == 0
-    assert second.to_dict()["layers"] == first.to_dict()["layers"]
+
+    def choices(plan):  # the decisions; timings of an unchanged choice may be re-read differently
+        return [(layer["name"], p, [(st["algorithm"], st["micro_batch"]) for st in v["steps"]])
+                for layer in plan.to_dict()["layers"] for p, v in sorted(layer["passes"].items())]
+
+    assert choices(second) == choices(first)
 
 
 def test_inference_plan_refuses_backward(tmp_path):

@@ -106,12 +106,28 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
                                 compile_blocks=bool(compile_blocks)))
 
 
-def phase(name: str | None = None) -> None:
+class _PhaseMark:
+    """Returned by :func:`phase` so that ``with phase("decoder"):`` reads naturally too."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def phase(name: str | None = None) -> _PhaseMark:
     """Mark a program-phase boundary in instance code (e.g. between encoder and classifier).
 
     Work recorded after the call is scheduled after all instances' work of earlier phases,
     each phase on its own (ACRoBat §4.4, program phases). Outside ``autobatch`` it does nothing.
+    ``phase("x")`` and ``with phase("x"):`` are the same: the boundary is where it is called
+    (leaving the ``with`` block does not end the phase).
     """
     rec = _rec.current()
     if rec is not None and hasattr(rec, "phase"):
         rec.phase += 1
+    return _PhaseMark(name)

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "split (micro-batching), spread (parallelism tuning).",
     )
     parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
     for mod in _commands():
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP))
         mod.add_arguments(p)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if getattr(args, "json", False):
             print(json.dumps({"error": exc.to_dict()}))
-        print(f"batchcraft {args.command}: error [{exc.code}]: {exc}", file=sys.stderr)
+        print(f"batchcraft {args.subcommand}: error [{exc.code}]: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, metavar="FILE", help="JSON from `batchcraft tune` or ParallelConfig.save")
     p.add_argument("--instances", type=int, default=None, help="override the number of instances")
     p.add_argument("--grace-s", type=float, default=5.0, help="seconds instances get to stop (default: 5)")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow more threads than usable cores (implied for a baseline setting that "
+                        "`batchcraft tune` measured and chose, e.g. tensorflow-recommended)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
 
@@ -30,4 +33,6 @@ def run(args) -> int:
     argv = list(args.command)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    return launch(cfg, argv, grace_s=args.grace_s)
+    # the tuner measures baselines as specified, oversubscribed or not (search.py); run them so too
+    oversubscribe = args.oversubscribe or cfg.label not in ("", "grid", "tuned")
+    return launch(cfg, argv, grace_s=args.grace_s, oversubscribe=oversubscribe)
