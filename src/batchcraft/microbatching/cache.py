@@ -88,7 +88,7 @@ class MeasurementCache:
         self.timeout_s = timeout_s
         self.recovered_from: Path | None = None
         try:
-            self._conn = self._open()
+            self._conn = self._open_retrying()
         except sqlite3.DatabaseError as exc:
             if self.path == ":memory:":
                 raise MeasurementCacheError(f"in-memory measurement cache failed: {exc}") from exc
@@ -99,6 +99,22 @@ class MeasurementCache:
                 raise MeasurementCacheError(
                     f"measurement cache {self.path}: cannot open even after moving the old file aside: {exc2}",
                     hint="pass cache=':memory:' or another path") from exc2
+
+    def _open_retrying(self) -> sqlite3.Connection:
+        """``_open``, retried while another process holds the file (locked is not corrupt)."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.02
+        while True:
+            try:
+                return self._open()
+            except sqlite3.OperationalError as exc:
+                # "database is locked": e.g. two processes switching a new file to WAL at once.
+                # OperationalError subclasses DatabaseError: never treat it as corruption.
+                if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() > deadline:
+                    raise MeasurementCacheError(f"measurement cache {self.path}: {exc}",
+                                                hint="pass cache=':memory:' or another path") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     def _open(self) -> sqlite3.Connection:
         if self.path != ":memory:":
