@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from batchcraft.data._files import read_utf8
 from batchcraft.errors import DataFormatError
 
 
@@ -69,15 +70,7 @@ def read_bracketed(path: str | Path) -> Iterator[BracketedTree]:
             any tree, or a node with both a word and children (message ``file:line: ...``).
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DataFormatError(path, None, f"cannot read file: {exc.strerror}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise DataFormatError(path, line, f"invalid UTF-8 byte 0x{raw[exc.start]:02x}") from None
+    text = read_utf8(path)
     stack: list[BracketedTree] = []
     expect_label = False
     for tok, line in _tokens(path, text):

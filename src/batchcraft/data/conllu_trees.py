@@ -18,6 +18,7 @@ from typing import Iterator
 
 import conllu
 
+from batchcraft.data._files import read_utf8
 from batchcraft.errors import DataFormatError, TreeStructureError
 
 
@@ -68,15 +69,7 @@ def default_path() -> Path:
 
 def _blocks(path: Path) -> Iterator[tuple[int, list[str]]]:
     """Yield (first line number, lines) for each blank-line-separated sentence block."""
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DataFormatError(path, None, f"cannot read file: {exc.strerror}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise DataFormatError(path, line, f"invalid UTF-8 byte 0x{raw[exc.start]:02x}") from None
+    text = read_utf8(path)
     block, start = [], 0
     # CoNLL-U lines end at "\n" only (str.splitlines would also break at \x0c, U+2028, ...)
     for lineno, line in enumerate(text.split("\n"), start=1):
