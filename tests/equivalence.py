@@ -29,13 +29,14 @@ def random_tree(n: int, seed: int) -> Sentence:
     return make_tree([-1] + [rng.randrange(i) for i in range(1, n)], seed=seed)
 
 
-def _flat(x):
+def flat_tensors(x):
+    """The tensors of a nested output (dicts in key order), flattened."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, dict):
-        return [t for k in sorted(x) for t in _flat(x[k])]
+        return [t for k in sorted(x) for t in flat_tensors(x[k])]
     if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _flat(v)]
+        return [t for v in x for t in flat_tensors(v)]
     return []
 
 
@@ -49,7 +50,7 @@ def assert_matches_eager(fn, instances, params, *, atol=1e-5, rtol_grad=1e-4, **
     ref = [fn(x) for x in instances]
     assert len(out) == len(ref)
     for i, (o, r) in enumerate(zip(out, ref)):
-        fo, fr = _flat(o), _flat(r)
+        fo, fr = flat_tensors(o), flat_tensors(r)
         assert len(fo) == len(fr), f"instance {i}: output structure differs"
         for a, b in zip(fo, fr):
             assert a.shape == b.shape, f"instance {i}: shape {a.shape} vs {b.shape}"
@@ -62,7 +63,7 @@ def assert_matches_eager(fn, instances, params, *, atol=1e-5, rtol_grad=1e-4, **
     def loss(outs):
         total = 0
         for o in outs:
-            for t in _flat(o):
+            for t in flat_tensors(o):
                 if t.is_floating_point():
                     w = torch.randn(t.shape, generator=g)
                     total = total + (t * w).sum()

@@ -32,6 +32,7 @@ import torch
 from hypothesis import HealthCheck, Phase, assume, given, settings, strategies as st
 
 from batchcraft import autobatch
+from equivalence import flat_tensors
 
 from fuzzing import CHECK_REQUIRES_GRAD, MARGIN, Params, compile_program, count_statements, instance_specs, make_instance, programs
 
@@ -70,16 +71,6 @@ _T0 = time.perf_counter()
 def _report_counts():
     yield
     _write_counts()
-
-
-def _flat(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for k in sorted(x) for t in _flat(x[k])]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _flat(v)]
-    return []
 
 
 def _non_tensors(x):
@@ -123,7 +114,7 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
     assert isinstance(out, list) and len(out) == len(ref)
     for i, (o, r) in enumerate(zip(out, ref)):
         assert _non_tensors(o) == _non_tensors(r), f"instance {i}: output structure differs"
-        for a, b in zip(_flat(o), _flat(r)):
+        for a, b in zip(flat_tensors(o), flat_tensors(r)):
             assert type(a) is torch.Tensor, f"instance {i}: output is {type(a).__name__}"
             assert a.shape == b.shape, f"instance {i}: shape {tuple(a.shape)} vs eager {tuple(b.shape)}"
             assert a.dtype == b.dtype, f"instance {i}: dtype {a.dtype} vs eager {b.dtype}"
@@ -140,12 +131,12 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
             wrt += list(blk.parameters())
     wrt += [inst["x"] for inst in instances if inst["x"].requires_grad]
     g = torch.Generator().manual_seed(seed + 1)
-    weights = [[torch.randn(t.shape, generator=g) for t in _flat(r)] for r in ref]
+    weights = [[torch.randn(t.shape, generator=g) for t in flat_tensors(r)] for r in ref]
 
     def loss(outs):
         total = torch.zeros(())
         for o, ws in zip(outs, weights):
-            for t, w in zip(_flat(o), ws):
+            for t, w in zip(flat_tensors(o), ws):
                 if t.is_floating_point() and t.requires_grad:
                     total = total + (t * w).sum()
         return total
