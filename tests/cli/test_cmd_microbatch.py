@@ -28,6 +28,16 @@ def test_json_output_is_one_object(capsys):
     assert set(result["times_ms"]) >= {"default", "planned"}
     assert result["peak_workspace_bytes"]["planned"] <= result["workspace_limit_bytes"] == 2 ** 20
     assert result["plan"]["layers"][0]["name"] == "conv"
+    v = result["verification"]  # the end-to-end race run while planning
+    assert v == result["plan"]["verification"] and v["kept"] == result["kept"]
+    assert v["kept"] in v["times_ms"] and v["mode"] == "training"
+    assert set(v["times_ms"]) | set(v["excluded"]) == {"default", "undivided", "planned"}
+
+
+def test_no_verify(capsys):
+    assert main(ARGS + ["--json", "--inference", "--no-verify"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verification"] is None and result["kept"] is None
 
 
 def test_table_output_and_plot(capsys, tmp_path):
@@ -36,6 +46,7 @@ def test_table_output_and_plot(capsys, tmp_path):
     assert main(ARGS + ["--inference", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "division" in out and "vs_default" in out and "peak workspace" in out
+    assert "end-to-end verification while planning (inference" in out and "(kept)" in out
     assert png.stat().st_size > 1000
 
 

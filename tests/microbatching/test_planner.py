@@ -126,9 +126,9 @@ def test_bad_example_input():
 
 def test_cache_makes_second_planning_free(tmp_path):
     x = torch.randn(4, 3, 12, 12)
-    # confirm=False: the confirming race is timed afresh each time, so choices could differ
-    first = _plan(_net(), x, cache=tmp_path / "c.sqlite", confirm=False).plan
-    second = _plan(_net(), x, cache=tmp_path / "c.sqlite", confirm=False).plan
+    # confirm/verify=False: the races are timed afresh each time, so choices could differ
+    first = _plan(_net(), x, cache=tmp_path / "c.sqlite", confirm=False, verify=False).plan
+    second = _plan(_net(), x, cache=tmp_path / "c.sqlite", confirm=False, verify=False).plan
     assert first.measured > 0 and second.measured == 0
 
     def choices(plan):  # the decisions; timings of an unchanged choice may be re-read differently
@@ -161,8 +161,8 @@ def test_plan_table_and_json(tmp_path):
 def test_confirmation_keeps_a_raced_option(tmp_path):
     x = torch.randn(8, 3, 12, 12)
     cache = tmp_path / "c.sqlite"
-    raw = _plan(_net(), x, cache=cache, confirm=False).plan
-    confirmed = _plan(_net(), x, cache=cache).plan
+    raw = _plan(_net(), x, cache=cache, confirm=False, verify=False).plan
+    confirmed = _plan(_net(), x, cache=cache, verify=False).plan
     for (name, p, pp_raw), (_, _, pp) in zip(raw.pass_plans(), confirmed.pass_plans()):
         # the kept division is the DP's choice, the undivided best or the default, undivided
         assert pp.choice.steps == pp_raw.choice.steps or pp.choice.micro_batches == (8,), (name, p)
@@ -172,6 +172,6 @@ def test_confirmation_keeps_a_raced_option(tmp_path):
 def test_undivided_never_divides(tmp_path):
     plan = _plan(_net(), torch.randn(8, 3, 12, 12), batch_sizes="undivided", cache=tmp_path / "c.sqlite").plan
     assert all(pp.choice.micro_batches == (8,) for _, _, pp in plan.pass_plans())
-    plan = _plan(_net(), torch.randn(8, 3, 12, 12), cache=tmp_path / "c.sqlite", confirm=False).plan
+    plan = _plan(_net(), torch.randn(8, 3, 12, 12), cache=tmp_path / "c.sqlite", confirm=False, verify=False).plan
     # unconfirmed, the DP's prediction is at least as fast as the undivided best (same measurements)
     assert all(pp.time_ms <= pp.undivided_ms + 1e-9 for _, _, pp in plan.pass_plans())

@@ -10,9 +10,10 @@ HELP = "micro-batch a model's convolutions under a workspace budget (μ-cuDNN) a
 DESCRIPTION = (
     "Measure every convolution algorithm at every candidate micro-batch size (cached in SQLite), "
     "choose per layer the fastest division that fits the workspace budget (policy wr: dynamic "
-    "programming per layer; wd: integer programming over the network), then time the planned model "
-    "against PyTorch's default and against the best undivided plan under the same budget, and "
-    "report the measured peak workspace.")
+    "programming per layer; wd: integer programming over the network), verify it end to end (the whole "
+    "model with the plan, the best undivided plan and, if it fits the budget, PyTorch's default; the "
+    "fastest is kept), then time the result again against PyTorch's default and the best undivided "
+    "plan under the same budget, and report the measured peak workspace.")
 
 
 def add_arguments(p) -> None:
@@ -27,6 +28,8 @@ def add_arguments(p) -> None:
                    help="input height = width for image models (default: 224; DeepBench layers use their own)")
     p.add_argument("--inference", action="store_true", help="plan and time the forward pass only (eval mode)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (default: 5)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="keep the optimiser's plan without the end-to-end race against the undivided plan and the default")
     p.add_argument("--cache", default=None, metavar="FILE",
                    help="measurement cache file (default: the user's cache directory; $BATCHCRAFT_CACHE_DIR)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
@@ -78,7 +81,7 @@ def run(args) -> int:
     x = example_input_for(model, args.batch_size, args.image_size)
     result = compare(model, x, args.workspace, policy=args.policy, batch_sizes=args.batch_sizes,
                      training=not args.inference, repeats=args.repeats, cache=args.cache,
-                     progress=not args.json)
+                     progress=not args.json, verify=not args.no_verify)
     plan = result.pop("plan_obj")
     result.update(model=args.model, workspace=args.workspace, input_shape=list(x.shape), machine=machine_info())
     if args.plot:
@@ -93,6 +96,12 @@ def run(args) -> int:
     print(plan.table())
     if plan.skipped:
         print("\nnot planned: " + "; ".join(f"{k}: {v}" for k, v in plan.skipped.items()))
+    if plan.verification is not None:
+        v = plan.verification
+        print(f"\nend-to-end verification while planning ({v.mode}, median of {v.repeats} interleaved rounds): "
+              f"kept '{v.kept}'" + (" (the table above shows it; optimizer_steps in --json hold the optimiser's)"
+                                    if v.kept != "planned" else ""))
+        print(plan.verification_table())
     t, iqr = result["times_ms"], result["iqr_ms"]
     rows = [[k, t[k], iqr[k], t[k] / t["planned"], format_bytes(result["peak_workspace_bytes"][k])
              if k in result["peak_workspace_bytes"] else "unbounded (PyTorch)"] for k in t]

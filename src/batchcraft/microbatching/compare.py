@@ -2,8 +2,11 @@
 
 Used by ``batchcraft microbatch`` and ``benchmarks/microbatch.py``. Three variants of one model
 share the same weights' values: ``default`` (the model as it is: PyTorch picks the algorithm,
-no budget), ``undivided`` (our planner restricted to ``batch_sizes="undivided"``: the fastest
-algorithm per layer that fits the same budget, no division) and ``planned`` (micro-batched).
+no budget), ``undivided`` (the plan's best undivided alternative: the fastest algorithm per
+layer-pass that fits the same budget, no division, from the same measurements) and ``planned``
+(what ``microbatch`` returns: after its end-to-end verification this is the fastest of its own
+plan, the undivided one and the default where the budget admits it, see ``plan.verification``).
+The timed rounds here are a second, independent measurement of that choice.
 They are timed in interleaved rounds (one call of each per round, so bursts of load on a shared
 machine hit all three alike); the median per variant is reported. Peak workspace is measured on
 a separate, untimed run under :class:`~batchcraft.microbatching.function.WorkspaceAudit`.
@@ -18,9 +21,8 @@ import time
 import torch
 from torch import nn
 
-from batchcraft.errors import WorkspaceError
 from batchcraft.microbatching.function import WorkspaceAudit
-from batchcraft.microbatching.planner import microbatch
+from batchcraft.microbatching.planner import install_plan, microbatch
 
 __all__ = ["compare", "example_input_for"]
 
@@ -54,7 +56,7 @@ def _step(model: nn.Module, x: torch.Tensor, training: bool):
 
 def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, policy: str = "wr",
             batch_sizes: str = "powerOfTwo", training: bool = True, repeats: int = 5, cache=None,
-            algorithms=None, progress: bool = True, audit: bool = True) -> dict:
+            algorithms=None, progress: bool = True, audit: bool = True, verify: bool = True) -> dict:
     """Plan ``model`` under ``workspace_limit`` and time it against the two baselines.
 
     Args:
@@ -63,20 +65,29 @@ def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, p
         training (bool): forward + backward of ``sum(output)`` (train mode) if True, else
             forward only (eval mode, no_grad). Default: True.
         repeats (int): interleaved timed rounds. Default: 5.
+        verify (bool): passed to :func:`microbatch` (end-to-end verification while planning). Default: True.
     Returns:
         dict: ``plan`` (Plan.to_dict()), ``plan_obj``, ``times_ms`` {variant: median},
         ``iqr_ms``, ``speedup_vs_default``, ``speedup_vs_undivided``, ``peak_workspace_bytes``
         {variant: max over layer-passes, measured}, ``max_abs_diff`` (eval forward, planned vs
-        default), ``undivided_error`` (why no undivided plan exists, or None).
+        default), ``undivided_error`` (why no undivided plan exists, or None), ``kept`` (the
+        variant the plan's verification kept, or None) and ``verification`` (its dict).
     """
     passes = "training" if training else "inference"
-    opts = dict(policy=policy, passes=passes, cache=cache, algorithms=algorithms, progress=progress)
-    planned = microbatch(copy.deepcopy(model), example_input, workspace_limit, batch_sizes=batch_sizes, **opts)
+    planned = microbatch(copy.deepcopy(model), example_input, workspace_limit, batch_sizes=batch_sizes,
+                         policy=policy, passes=passes, cache=cache, algorithms=algorithms, progress=progress,
+                         verify=verify)
+    plan = planned.plan
     undivided, undivided_error = None, None
-    try:
-        undivided = microbatch(copy.deepcopy(model), example_input, workspace_limit, batch_sizes="undivided", **opts)
-    except WorkspaceError as exc:
-        undivided_error = exc.message
+    missing = [(name, p) for name, p, pp in plan.pass_plans() if pp.undivided_choice is None]
+    if missing:
+        undivided_error = (f"no undivided algorithm fits workspace_limit={workspace_limit} for layer "
+                           f"{missing[0][0]} ({missing[0][1]})" + (f" and {len(missing) - 1} more layer-passes"
+                                                                    if len(missing) > 1 else ""))
+    else:
+        copied = copy.deepcopy(model)
+        convs = [(layer.name, copied.get_submodule(layer.name)) for layer in plan.layers]
+        undivided, _ = install_plan(copied, plan, convs, which="undivided")
     variants = {"default": model, "undivided": undivided, "planned": planned}
     variants = {k: v for k, v in variants.items() if v is not None}
     modes = {k: {m: m.training for m in v.modules()} for k, v in variants.items()}
@@ -113,7 +124,6 @@ def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, p
     med = {k: statistics.median(t) for k, t in times.items()}
     iqr = {k: (statistics.quantiles(t, n=4)[2] - statistics.quantiles(t, n=4)[0]) if len(t) >= 4 else max(t) - min(t)
            for k, t in times.items()}
-    plan = planned.plan
     return {
         "policy": policy, "batch_sizes": batch_sizes, "training": training,
         "workspace_limit_bytes": plan.workspace_limit_bytes, "batch_size": plan.batch_size,
@@ -124,5 +134,7 @@ def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, p
         "default_admitted": _default_admitted(plan),
         "max_abs_diff": max_abs_diff, "output_scale": ref_scale,
         "undivided_error": undivided_error,
+        "kept": None if plan.verification is None else plan.verification.kept,
+        "verification": None if plan.verification is None else plan.verification.to_dict(),
         "plan": plan.to_dict(), "plan_obj": plan,
     }

@@ -4,6 +4,8 @@ Times are the *predicted* times (sums of measured per-micro-batch times, ms); wo
 the measured peaks of the configurations chosen (bytes). ``default_ms`` is PyTorch's own
 algorithm on the undivided batch and ``undivided_ms`` the fastest undivided algorithm within the
 same budget, both from the same measurements, so per-layer speed-ups compare like with like.
+``verification`` holds the *measured* whole-model times of the variants raced after planning
+(see :mod:`batchcraft.microbatching.verify`) and which one the plan now runs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from batchcraft.measure.table import format_table
 from batchcraft.microbatching.algorithms import ConvGeometry
 from batchcraft.microbatching.budget import format_bytes
 from batchcraft.microbatching.optimize_wr import PassChoice
+from batchcraft.microbatching.verify import Verification
 
 __all__ = ["PassPlan", "LayerPlan", "Plan"]
 
@@ -28,12 +31,17 @@ class PassPlan:
         default_ms (float | None): PyTorch's default algorithm, undivided (None if not measured).
         default_workspace_bytes (int | None): its measured workspace.
         undivided_ms (float | None): fastest undivided algorithm within the budget (None: none fits).
+        undivided_choice (PassChoice | None): that undivided plan's step (WD: the network ILP's).
+        optimizer_choice (PassChoice | None): the optimiser's choice when end-to-end verification
+            kept another variant (then ``choice`` is the kept one); None otherwise.
     """
 
     choice: PassChoice
     default_ms: float | None = None
     default_workspace_bytes: int | None = None
     undivided_ms: float | None = None
+    undivided_choice: PassChoice | None = None
+    optimizer_choice: PassChoice | None = None
 
     @property
     def time_ms(self) -> float:
@@ -63,6 +71,8 @@ class PassPlan:
             "time_ms": self.time_ms, "workspace_bytes": self.workspace_bytes,
             "default_ms": self.default_ms, "default_workspace_bytes": self.default_workspace_bytes,
             "undivided_ms": self.undivided_ms,
+            "optimizer_steps": None if self.optimizer_choice is None else [
+                {"algorithm": c.algorithm, "micro_batch": c.micro_batch} for c in self.optimizer_choice.steps],
         }
 
 
@@ -92,6 +102,8 @@ class Plan:
         skipped (dict[str, str]): layer name -> why it runs unplanned (e.g. non-zero padding mode).
         measured (int): configurations measured now (the rest came from the cache).
         planning_s (float): wall time of planning, seconds.
+        verification (Verification | None): measured whole-model times of the raced variants and
+            the one kept; None when ``microbatch(..., verify=False)`` or from ``plan_model``.
     """
 
     policy: str
@@ -102,6 +114,7 @@ class Plan:
     skipped: dict[str, str] = field(default_factory=dict)
     measured: int = 0
     planning_s: float = 0.0
+    verification: Verification | None = None
 
     def pass_plans(self):
         """(layer name, pass, PassPlan) for every planned layer-pass, in model order."""
@@ -144,7 +157,23 @@ class Plan:
             "max_workspace_bytes": self.max_workspace_bytes, "total_workspace_bytes": self.total_workspace_bytes,
             "measured_configurations": self.measured, "planning_s": self.planning_s,
             "layers": [layer.to_dict() for layer in self.layers], "skipped": dict(self.skipped),
+            "verification": None if self.verification is None else self.verification.to_dict(),
         }
+
+    def verification_table(self, *, markdown: bool = False) -> str:
+        """Whole-model medians of the variants raced after planning, the kept one marked ("" if none)."""
+        v = self.verification
+        if v is None:
+            return ""
+        rows = []
+        for name in ("default", "undivided", "planned"):
+            if name in v.times_ms:
+                note = f"same plan as {v.identical[name]}" if name in v.identical else ""
+                rows.append([name + (" (kept)" if name == v.kept else ""), v.times_ms[name], v.iqr_ms[name],
+                             f"{v.times_ms[name] / v.times_ms[v.kept]:.3f}", note])
+            elif name in v.excluded:
+                rows.append([name, "-", "-", "-", v.excluded[name]])
+        return format_table(["variant", "median_ms", "iqr_ms", "time / kept", "note"], rows, markdown=markdown)
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)

@@ -3,7 +3,9 @@
 Phases: (1) find the convolutions and their input shapes with one batch-1 run of the example in
 eval mode (BatchNorm statistics untouched); (2) measure each distinct (geometry, pass) at every
 candidate micro-batch size and algorithm, through the cache; (3) optimise per layer-pass (WR) or
-across the network (WD); (4) replace each ``Conv2d`` by a :class:`PlannedConv2d`.
+across the network (WD); (4) replace each ``Conv2d`` by a :class:`PlannedConv2d`; (5) verify
+end to end (:mod:`batchcraft.microbatching.verify`): time the whole model with the plan, the best
+undivided plan and (if it fits the budget) PyTorch's default, and keep the fastest.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from batchcraft.microbatching.measure import Measurer
 from batchcraft.microbatching.optimize_wd import optimize_wd, pareto_front
 from batchcraft.microbatching.optimize_wr import Config, PassChoice, candidate_sizes, optimize_wr
 from batchcraft.microbatching.plan import LayerPlan, PassPlan, Plan
+from batchcraft.microbatching import verify as _verify
 
-__all__ = ["find_convolutions", "plan_model", "microbatch"]
+__all__ = ["find_convolutions", "plan_model", "microbatch", "install_plan"]
 
 _PASS_SETS = {"inference": ("forward",), "training": PASSES}
 
@@ -236,15 +239,56 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, workspace_limit
             plan.layers.append(layer)
         default_ms, default_ws = defaults[(g, p)]
         und = undivided.get((name, p))
-        layer.passes[p] = PassPlan(choices[(name, p)], default_ms, default_ws, None if und is None else und.time_ms)
+        layer.passes[p] = PassPlan(choices[(name, p)], default_ms, default_ws, None if und is None else und.time_ms,
+                                   und)
     plan.planning_s = time.perf_counter() - t_start
     return plan, [(name, conv) for name, conv, _, _ in convs]
+
+
+def _variants(plan: Plan) -> tuple[dict, dict]:
+    """{variant: {layer: {pass: steps}}} of the admissible variants, and {variant: why excluded}."""
+    passes = list(plan.pass_plans())
+    variants = {"planned": {}, "undivided": {}, "default": {}}
+    excluded = {}
+    for name, p, pp in passes:
+        variants["planned"].setdefault(name, {})[p] = pp.steps()
+        if pp.undivided_choice is not None:
+            variants["undivided"].setdefault(name, {})[p] = [(c.algorithm, c.micro_batch)
+                                                             for c in pp.undivided_choice.steps]
+        variants["default"].setdefault(name, {})[p] = [("default", plan.batch_size)]
+    missing = [(name, p) for name, p, pp in passes if pp.undivided_choice is None]
+    if missing:
+        excluded["undivided"] = (f"no undivided plan fits the budget (e.g. layer {missing[0][0]}, "
+                                 f"{missing[0][1]})")
+    ws = [pp.default_workspace_bytes for _, _, pp in passes]
+    if any(w is None for w in ws):
+        excluded["default"] = "PyTorch's default was not measured for every layer-pass"
+    else:
+        need = sum(ws) if plan.policy == "wd" else max(ws, default=0)
+        if need > plan.workspace_limit_bytes:
+            excluded["default"] = (f"PyTorch's default needs {format_bytes(need)} "
+                                   f"({'sum' if plan.policy == 'wd' else 'largest layer-pass'}), over the budget")
+    return {k: v for k, v in variants.items() if k not in excluded}, excluded
+
+
+def _keep(plan: Plan, verification) -> None:
+    """Make the plan's choices those of the kept variant (the optimiser's stays in optimizer_choice)."""
+    from batchcraft.microbatching.optimize_wr import Config, PassChoice
+
+    plan.verification = verification
+    if verification.kept == "planned":
+        return
+    for _, _, pp in plan.pass_plans():
+        kept = pp.undivided_choice if verification.kept == "undivided" else PassChoice(
+            (Config("default", plan.batch_size, pp.default_ms, pp.default_workspace_bytes),))
+        if kept.steps != pp.choice.steps:
+            pp.optimizer_choice, pp.choice = pp.choice, kept
 
 
 def microbatch(model: nn.Module, example_input: torch.Tensor, workspace_limit="64MiB", policy: str = "wr",
                batch_sizes: str = "powerOfTwo", *, passes="training", cache=None,
                algorithms: Sequence[str] | None = None, repeats: int = 3, progress: bool = True,
-               confirm: bool = True) -> nn.Module:
+               confirm: bool = True, verify: bool = True, verify_repeats: int = 5) -> nn.Module:
     """Replace every ``Conv2d`` of ``model`` by a micro-batched one planned under a workspace budget.
 
     Each convolution's mini-batch is divided into micro-batches so that faster algorithms fit the
@@ -271,6 +315,13 @@ def microbatch(model: nn.Module, example_input: torch.Tensor, workspace_limit="6
         confirm (bool): WR only: race each layer-pass's choice against the undivided best and
             PyTorch's default (if it fits) on the whole batch, interleaved; keep the fastest.
             Default: True.
+        verify (bool): after planning, time the whole model (the passes planned: forward, or
+            forward + backward) with the plan, with the best undivided plan under the same
+            budget and, when its measured workspace fits the budget, with PyTorch's default;
+            interleaved rounds, median; keep the fastest (a simpler one within 1%). The result
+            is ``plan.verification``. Runs in eval mode with ``torch.autograd.grad``: buffers,
+            ``.grad`` and train/eval flags are untouched. Default: True.
+        verify_repeats (int): timed rounds of the verification (>= 1). Default: 5.
     Returns:
         nn.Module: ``model``, with ``model.plan`` (a :class:`Plan`).
     Raises:
@@ -287,14 +338,36 @@ def microbatch(model: nn.Module, example_input: torch.Tensor, workspace_limit="6
     plan, convs = plan_model(model, example_input, workspace_limit=workspace_limit, policy=policy,
                              batch_sizes=batch_sizes, passes=passes, cache=cache, algorithms=algorithms,
                              repeats=repeats, progress=progress, confirm=confirm)
+    model, modules = install_plan(model, plan, convs)
+    if verify and modules:
+        variants, excluded = _variants(plan)
+        training = any(p != "forward" for _, p, _ in plan.pass_plans())
+        t0 = time.perf_counter()
+        verification = _verify.verify_plan(model, example_input, modules, variants, training=training,
+                                           repeats=verify_repeats, timer=_verify.wall_clock_ms,
+                                           excluded=excluded, progress=progress)
+        _keep(plan, verification)
+        plan.planning_s += time.perf_counter() - t0
+    model.plan = plan
+    return model
+
+
+def install_plan(model: nn.Module, plan: Plan, convs, which: str = "kept"):
+    """Replace each planned ``Conv2d`` of ``model`` by a :class:`PlannedConv2d`; returns (model, {name: module}).
+
+    ``which``: ``"kept"`` runs ``plan``'s choices, ``"undivided"`` the best undivided plan's
+    (every layer-pass must have one). ``convs``: [(name, Conv2d)] as returned by :func:`plan_model`.
+    """
     layers = {layer.name: layer for layer in plan.layers}
+    modules = {}
     for name, conv in convs:
         layer = layers[name]
-        planned = PlannedConv2d(conv, name, layer.geometry, {p: pp.steps() for p, pp in layer.passes.items()})
+        steps = {p: (pp.steps() if which == "kept" else [(c.algorithm, c.micro_batch) for c in pp.undivided_choice.steps])
+                 for p, pp in layer.passes.items()}
+        planned = modules[name] = PlannedConv2d(conv, name, layer.geometry, steps)
         if name == "":
             model = planned
         else:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, planned)
-    model.plan = plan
-    return model
+    return model, modules

@@ -1,0 +1,193 @@
+"""End-to-end verification of a plan: time the whole model with each admissible variant, keep the fastest.
+
+The optimisers add per-layer times measured in isolation; a whole model does not always run at
+that sum (caches warmed by the previous layer or not, allocator reuse, a noisy sample that made
+one division look faster than it is). So after planning, :func:`verify_plan` runs the *whole*
+model with
+
+* ``planned``: the optimiser's choice (after the per-layer confirmation race, WR),
+* ``undivided``: the best plan without division under the same budget and policy, and
+* ``default``: PyTorch's own algorithm everywhere, only when its measured workspace fits the
+  budget (WR: every layer-pass; WD: their sum),
+
+in interleaved rounds (one call of each per round, the starting variant rotating), and keeps
+the variant with the lowest median. A simpler variant (order ``default``, ``undivided``,
+``planned``) whose median is within ``tolerance`` of the fastest is preferred: a difference that
+small is below what two medians of the same model reproduce, and the simpler plan runs fewer
+unusual kernels. Every variant timed is within the budget, so the kept one is too.
+
+The model runs in eval mode (BatchNorm uses and keeps its running statistics, dropout is off,
+so no random numbers are drawn) and, for training plans, gradients come from
+``torch.autograd.grad`` on the parameters: ``.grad`` fields, buffers and the caller's
+train/eval flags are left as they were. The passes run are the ones the plan targets: forward
+only for an inference plan, forward + backward (data and filter) for a training plan.
+
+Source: μ-cuDNN (Oyama et al., arXiv 1804.04806) §IV compares against the undivided and the
+framework's default choice; this makes that comparison part of planning.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["VARIANTS", "Verification", "verify_plan", "wall_clock_ms"]
+
+VARIANTS = ("default", "undivided", "planned")  # simplest first: the order ties are broken in
+TOLERANCE = 0.01  # relative: a simpler variant within 1% of the fastest is kept instead
+
+Steps = Mapping[str, Mapping[str, list[tuple[str, int]]]]  # layer -> pass -> [(algorithm, micro_batch)]
+
+
+@dataclass
+class Verification:
+    """Whole-model times of the variants raced after planning, and which one was kept.
+
+    Attributes:
+        kept (str): ``"planned"``, ``"undivided"`` or ``"default"``.
+        times_ms (dict[str, float]): median whole-model time per variant timed, ms.
+        iqr_ms (dict[str, float]): interquartile range per variant, ms.
+        repeats (int): timed rounds.
+        mode (str): ``"inference"`` (forward) or ``"training"`` (forward + backward).
+        identical (dict[str, str]): variant -> the variant it equals step for step (timed once).
+        excluded (dict[str, str]): variant -> why it was not timed (e.g. the default exceeds the budget).
+        tolerance (float): see module docstring.
+    """
+
+    kept: str
+    times_ms: dict[str, float]
+    iqr_ms: dict[str, float]
+    repeats: int
+    mode: str
+    identical: dict[str, str] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    tolerance: float = TOLERANCE
+
+    def speedup(self, baseline: str) -> float | None:
+        """Measured time of ``baseline`` / time of the kept variant (None if not timed)."""
+        t = self.times_ms.get(baseline)
+        return None if t is None else t / self.times_ms[self.kept]
+
+    def to_dict(self) -> dict:
+        return {"kept": self.kept, "times_ms": dict(self.times_ms), "iqr_ms": dict(self.iqr_ms),
+                "repeats": self.repeats, "mode": self.mode, "identical": dict(self.identical),
+                "excluded": dict(self.excluded), "tolerance": self.tolerance,
+                "speedup_vs_default": self.speedup("default"), "speedup_vs_undivided": self.speedup("undivided")}
+
+
+def wall_clock_ms(variant: str, fn: Callable[[], object]) -> float:
+    """Default timer: wall-clock of one call of ``fn``, ms (``variant`` is for custom timers)."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _floating_sum(out) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out.sum() if out.is_floating_point() and out.requires_grad else None
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    parts = [s for s in (_floating_sum(v) for v in items) if s is not None]
+    return sum(parts) if parts else None
+
+
+def _runner(model: nn.Module, x: torch.Tensor, training: bool) -> Callable[[], None]:
+    if not training:
+        def forward():
+            with torch.no_grad():
+                model(x)
+        return forward
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:  # nothing to learn: differentiate with respect to the input instead
+        x = x.detach().requires_grad_()
+        params = [x]
+
+    def forward_backward():
+        with torch.enable_grad():
+            loss = _floating_sum(model(x))
+            if loss is not None:
+                torch.autograd.grad(loss, params, allow_unused=True)
+    return forward_backward
+
+
+def _iqr(ts: list[float]) -> float:
+    if len(ts) < 4:
+        return max(ts) - min(ts)
+    q = statistics.quantiles(ts, n=4)
+    return q[2] - q[0]
+
+
+def verify_plan(model: nn.Module, example_input: torch.Tensor, planned_modules: Mapping[str, nn.Module],
+                variants: Mapping[str, Steps], *, training: bool, repeats: int = 5,
+                tolerance: float = TOLERANCE, timer: Callable[[str, Callable[[], object]], float] = wall_clock_ms,
+                excluded: Mapping[str, str] | None = None, progress: bool = False) -> Verification:
+    """Race ``variants`` on the whole model; install the kept one in ``planned_modules`` and return it.
+
+    Args:
+        model (nn.Module): the model whose ``Conv2d`` are already :class:`PlannedConv2d`.
+        example_input (Tensor of shape (N, C, H, W)): the batch the plan was made for.
+        planned_modules (dict[str, PlannedConv2d]): layer name -> its planned module.
+        variants (dict[str, dict[str, dict[str, list]]]): variant name (of :data:`VARIANTS`) ->
+            layer name -> pass -> steps [(algorithm, micro_batch), ...]. Every variant must be
+            within the budget: the caller only passes admissible ones.
+        training (bool): forward + backward if True, else forward under ``no_grad``.
+        repeats (int): interleaved timed rounds (>= 1) after one untimed call per variant. Default: 5.
+        tolerance (float): relative margin within which the simpler variant is kept. Default: 0.01.
+        timer (callable(variant, fn) -> ms): measures one call. Default: wall clock.
+        excluded (dict[str, str]): variants not raced and why (recorded only).
+    Returns:
+        Verification: kept variant and median whole-model times (ms).
+    """
+    if not variants:
+        raise ValueError("verify_plan: no variant to time")
+    # identical variants are timed once
+    distinct: dict[str, str] = {}
+    identical: dict[str, str] = {}
+    order = [v for v in VARIANTS if v in variants] + [v for v in variants if v not in VARIANTS]
+    for v in order:
+        twin = next((d for d in distinct if variants[d] == variants[v]), None)
+        if twin is None:
+            distinct[v] = v
+        else:
+            identical[v] = twin
+    timed = list(distinct)
+
+    def install(v):
+        for name, module in planned_modules.items():
+            module.steps = dict(variants[v][name])
+
+    modes = {m: m.training for m in model.modules()}
+    run = _runner(model, example_input, training)
+    times: dict[str, list[float]] = {v: [] for v in timed}
+    try:
+        model.eval()
+        for v in timed:  # warm-up: primitive caches, NNPACK threads, allocator
+            install(v)
+            run()
+        rounds = max(1, int(repeats))
+        for r in range(rounds):
+            if progress:
+                print(f"\rmicrobatch: verifying end to end, round {r + 1}/{rounds}", end="", file=sys.stderr)
+            for i in range(len(timed)):
+                v = timed[(r + i) % len(timed)]  # rotate who goes first
+                install(v)
+                times[v].append(float(timer(v, run)))
+        if progress:
+            print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    finally:
+        for m, flag in modes.items():
+            m.training = flag
+    med = {v: statistics.median(ts) for v, ts in times.items()}
+    iqr = {v: _iqr(ts) for v, ts in times.items()}
+    fastest = min(med.values())
+    kept = next(v for v in timed if med[v] <= fastest * (1.0 + tolerance))  # simplest within tolerance
+    for v, twin in identical.items():  # a twin was timed under its simpler name
+        med[v], iqr[v] = med[twin], iqr[twin]
+    install(kept)
+    return Verification(kept, med, iqr, max(1, int(repeats)), "training" if training else "inference",
+                        identical, dict(excluded or {}), tolerance)
