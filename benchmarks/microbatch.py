@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default="results/microbatch_cache.sqlite")
     p.add_argument("--out", default="results/microbatch.json")
     p.add_argument("--no-verify", action="store_true", help="skip the planner's end-to-end verification")
+    p.add_argument("--verify-repeats", type=int, default=5, help="timed rounds of that verification (default: 5)")
     p.add_argument("--render", nargs="+", metavar="JSON", help="only render these earlier runs as one report")
     args = p.parse_args(argv)
     if args.render:
@@ -75,7 +76,8 @@ def main(argv=None) -> int:
                 print(f"[{time.perf_counter() - t0:6.0f} s] {name} {budget} {mode}", file=sys.stderr)
                 try:
                     r = compare(model, x, budget, policy=args.policy, training=mode == "training",
-                                repeats=args.repeats, cache=args.cache, verify=not args.no_verify)
+                                repeats=args.repeats, cache=args.cache, verify=not args.no_verify,
+                                verify_repeats=args.verify_repeats)
                 except WorkspaceError as exc:  # no plan fits: a result, reported as such
                     runs.append(dict(model=name, budget=budget, mode=mode, infeasible=exc.message))
                     continue

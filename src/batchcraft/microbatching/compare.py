@@ -7,8 +7,8 @@ layer-pass that fits the same budget, no division, from the same measurements) a
 (what ``microbatch`` returns: after its end-to-end verification this is the fastest of its own
 plan, the undivided one and the default where the budget admits it, see ``plan.verification``).
 The timed rounds here are a second, independent measurement of that choice.
-They are timed in interleaved rounds (one call of each per round, so bursts of load on a shared
-machine hit all three alike); the median per variant is reported. Peak workspace is measured on
+They are timed in interleaved rounds (one call of each per round, the first one rotating, so
+bursts of load on a shared machine hit all three alike); the median per variant is reported. Peak workspace is measured on
 a separate, untimed run under :class:`~batchcraft.microbatching.function.WorkspaceAudit`.
 """
 
@@ -56,7 +56,8 @@ def _step(model: nn.Module, x: torch.Tensor, training: bool):
 
 def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, policy: str = "wr",
             batch_sizes: str = "powerOfTwo", training: bool = True, repeats: int = 5, cache=None,
-            algorithms=None, progress: bool = True, audit: bool = True, verify: bool = True) -> dict:
+            algorithms=None, progress: bool = True, audit: bool = True, verify: bool = True,
+            verify_repeats: int = 5) -> dict:
     """Plan ``model`` under ``workspace_limit`` and time it against the two baselines.
 
     Args:
@@ -66,6 +67,7 @@ def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, p
             forward only (eval mode, no_grad). Default: True.
         repeats (int): interleaved timed rounds. Default: 5.
         verify (bool): passed to :func:`microbatch` (end-to-end verification while planning). Default: True.
+        verify_repeats (int): its timed rounds. Default: 5.
     Returns:
         dict: ``plan`` (Plan.to_dict()), ``plan_obj``, ``times_ms`` {variant: median},
         ``iqr_ms``, ``speedup_vs_default``, ``speedup_vs_undivided``, ``peak_workspace_bytes``
@@ -76,7 +78,7 @@ def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, p
     passes = "training" if training else "inference"
     planned = microbatch(copy.deepcopy(model), example_input, workspace_limit, batch_sizes=batch_sizes,
                          policy=policy, passes=passes, cache=cache, algorithms=algorithms, progress=progress,
-                         verify=verify)
+                         verify=verify, verify_repeats=verify_repeats)
     plan = planned.plan
     undivided, undivided_error = None, None
     missing = [(name, p) for name, p, pp in plan.pass_plans() if pp.undivided_choice is None]
@@ -112,8 +114,11 @@ def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, p
     times: dict[str, list[float]] = {k: [] for k in variants}
     for k, v in variants.items():  # warm-up: primitive caches, allocator
         _step(v, example_input, training)
-    for _ in range(max(1, repeats)):
-        for k, v in variants.items():
+    names = list(variants)
+    for r in range(max(1, repeats)):
+        for i in range(len(names)):
+            k = names[(r + i) % len(names)]  # rotate who goes first: no variant always follows the same one
+            v = variants[k]
             t0 = time.perf_counter()
             _step(v, example_input, training)
             times[k].append((time.perf_counter() - t0) * 1e3)
