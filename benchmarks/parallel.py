@@ -1,13 +1,14 @@
 """Parallelism tuner vs an exhaustive sweep and the recommended baselines (issue 5).
 
-For every model and batch size: the tuner's choice (``batchcraft.parallel.tune`` with a time
-budget) is re-measured in an exhaustive sweep of every candidate configuration, so the choice, the
-sweep's best and every baseline are compared in one set of measurements. Also measures the
-inter-op executor's gain on the wide models in-process. Writes JSON to results/ and prints
-markdown for docs/benchmarks.md.
+For every model and batch size: the tuner (``batchcraft.parallel.tune`` with a hard time budget)
+picks a configuration; then an exhaustive sweep measures every configuration (the unpruned grid
+and the four baselines) with longer trials, and the tuner's choice, the sweep's best and every
+baseline are compared on the sweep's measurements. The tuner's own final round (choice and
+baselines side by side) is reported too. Also measures the inter-op executor's gain on the wide
+models in-process. Writes JSON to results/ and prints markdown for docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/parallel.py                       # all models, ~8-10 min on 2 cores
-    .venv/bin/python benchmarks/parallel.py --models mlp_fc512 --batch-sizes 1,8
+    .venv/bin/python benchmarks/parallel.py --models mlp_fc512,mlp_fc4096   # ~3 min on 2 cores
+    .venv/bin/python benchmarks/parallel.py --models resnet18 --batch-sizes 1,8 --budget-s 12
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from batchcraft.measure import format_table, machine_info, measure
 from batchcraft.parallel import BASELINES, InterOpExecutor, sweep, tune
 from batchcraft.parallel.workload import build_model, make_input
 
-DEFAULT_MODELS = ["mlp_fc512", "mlp_fc4096", "inception_wide", "recommender", "resnet18"]
+DEFAULT_MODELS = ["mlp_fc512", "mlp_fc4096", "inception_wide", "recommender", "resnet18", "treelstm"]
 
 
 def _key(cfg: dict) -> tuple:
@@ -41,8 +42,7 @@ def _short(cfg: dict) -> str:
 
 def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: float, image_size: int) -> dict:
     t0 = time.monotonic()
-    # The baselines are compared in the sweep below, so the tuner only searches (no baseline report).
-    tuned = tune(name, batch_sizes=batch_sizes, budget_s=budget_s, image_size=image_size, compare_baselines=False)
+    tuned = tune(name, batch_sizes=batch_sizes, budget_s=budget_s, image_size=image_size)
     tune_s = time.monotonic() - t0
     t0 = time.monotonic()
     swept = sweep(name, batch_sizes=batch_sizes, duration_s=sweep_s, image_size=image_size)
@@ -62,13 +62,19 @@ def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: flo
             "tuned_items_per_s": choice.throughput_items_per_s,
             "sweep_best_items_per_s": best.throughput_items_per_s,
             "tuned_vs_sweep_best": choice.throughput_items_per_s / best.throughput_items_per_s,
+            # the tuner's own final round: choice / best baseline measured beside it (>= 1 by design)
+            "own_vs_best_baseline": min(pb["ratios"].values()) if pb["ratios"] else None,
+            "own_baselines_measured": len(pb["baselines"]),
+            "final_trial_s": pb["final_trial_s"],
         }
         for label in BASELINES:
             base = next(r for r in at_b if r.config["label"] == label)
             row[f"vs_{label}"] = choice.throughput_items_per_s / base.throughput_items_per_s
             row[f"{label}_items_per_s"] = base.throughput_items_per_s
+        row["vs_best_baseline"] = min(row[f"vs_{label}"] for label in BASELINES)
         rows.append(row)
-    return {"model": name, "tune_s": tune_s, "sweep_s": sweep_s_used, "rows": rows,
+    return {"model": name, "budget_s": budget_s, "tune_s": tune_s, "tune_start_s": tuned.start_s,
+            "tune_trials": len(tuned.trials), "sweep_s": sweep_s_used, "rows": rows,
             "analysis": tuned.analysis, "tune_notes": tuned.notes,
             "tune_result": tuned.to_dict(), "sweep": [r.to_dict() for r in swept]}
 
@@ -98,27 +104,41 @@ def bench_executor(name: str, batch_sizes: list[int], image_size: int, repeats: 
     return out
 
 
+def _verdict(r: dict) -> str:
+    ok = ["ok" if r["tuned_vs_sweep_best"] >= 0.95 else "MISS 5%"]
+    if r["vs_best_baseline"] < 1.0:
+        ok.append(f"below a baseline by {1 - r['vs_best_baseline']:.1%}")
+    return "; ".join(ok)
+
+
 def render(report: dict) -> str:
     lines = []
     m = report["machine"]
     lines.append(f"Machine: {m['cpu']}, {m['usable_cpus']} usable cores, torch {m['torch']}, "
                  f"Python {m['python']}; load average before/after: {report['load_before']} / {report['load_after']}.")
-    lines.append(f"Settings: tuner budget {report['budget_s']:.0f} s per model (all batch sizes), sweep "
-                 f"{report['sweep_s']:.1f} s per configuration and batch size (3 interleaved repeats, median).")
+    lines.append(f"Settings: sweep {report['sweep_s']:.1f} s per configuration and batch size (3 interleaved "
+                 f"repeats of >= 5 calls, median); tuner budget per model (all batch sizes) in the second table.")
     lines.append("")
     headers = ["model", "batch", "tuned (inst x pools x intra)", "sweep best", "tuned/sweep best",
-               *[f"vs {b}" for b in BASELINES]]
+               *[f"vs {b}" for b in BASELINES], "own final: tuned/best baseline", "verdict"]
     rows = []
     for mres in report["models"]:
         for r in mres["rows"]:
             rows.append([r["model"], r["batch_size"], f"{r['tuned']} ({r['tuned_label']})",
                          f"{r['sweep_best']} ({r['sweep_best_label']})", r["tuned_vs_sweep_best"],
-                         *[r[f"vs_{b}"] for b in BASELINES]])
+                         *[r[f"vs_{b}"] for b in BASELINES],
+                         f"{r['own_vs_best_baseline']:.3g} ({r['own_baselines_measured']}/4)", _verdict(r)])
     lines.append(format_table(headers, rows, markdown=True))
     lines.append("")
-    lines.append(format_table(["model", "tuner time (s)", "sweep time (s)", "tuner/sweep"],
-                              [[m["model"], m["tune_s"], m["sweep_s"], m["tune_s"] / m["sweep_s"]]
-                               for m in report["models"]], markdown=True))
+    lines.append(format_table(["model", "budget (s)", "tuner time (s)", "of which start-up (s)", "tuner trials",
+                               "sweep time (s)", "tuner/sweep"],
+                              [[m["model"], m["budget_s"], m["tune_s"], m["tune_start_s"], m["tune_trials"],
+                                m["sweep_s"], m["tune_s"] / m["sweep_s"]] for m in report["models"]],
+                              markdown=True))
+    notes = [f"{m['model']}: {n}" for m in report["models"] for n in m["tune_notes"]]
+    if notes:
+        lines.append("")
+        lines.append("Tuner notes: " + "; ".join(notes))
     if report["executor"]:
         lines.append("")
         lines.append(format_table(
@@ -132,8 +152,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(DEFAULT_MODELS))
     p.add_argument("--batch-sizes", default="1,8,64")
-    p.add_argument("--budget-s", type=float, default=25.0, help="tuner budget per model")
-    p.add_argument("--sweep-s", type=float, default=1.2, help="sweep time per configuration and batch size")
+    p.add_argument("--budget-s", type=float, default=15.0, help="tuner budget per model (all batch sizes)")
+    p.add_argument("--model-budgets", default="", metavar="NAME=S;...",
+                   help="tuner budgets for particular models, e.g. 'inception_wide=20'")
+    p.add_argument("--sweep-s", type=float, default=3.0,
+                   help="sweep time per configuration and batch size (3 repeats, each >= 5 calls)")
     p.add_argument("--image-size", type=int, default=64, help="ResNet-18 input size (no example_input)")
     p.add_argument("--model-batch-sizes", default="", metavar="NAME=B1,B2;...",
                    help="batch sizes for particular models, e.g. 'treelstm=1,8'")
@@ -152,6 +175,11 @@ def main(argv=None) -> int:
         if item.strip():
             name, sizes = item.split("=")
             per_model_batches[name.strip()] = [int(b) for b in sizes.split(",")]
+    budgets = {}
+    for item in args.model_budgets.split(";"):
+        if item.strip():
+            name, sec = item.split("=")
+            budgets[name.strip()] = float(sec)
     report = {"machine": machine_info(), "load_before": os.getloadavg(), "budget_s": args.budget_s,
               "sweep_s": args.sweep_s, "batch_sizes": batch_sizes, "image_size": args.image_size,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "models": [], "executor": []}
@@ -163,7 +191,7 @@ def main(argv=None) -> int:
             report["executor"] += bench_executor(n, batch_sizes, args.image_size, args.executor_repeats)
     for n in names:
         print(f"[{time.monotonic() - t0:6.0f} s] {n}", file=sys.stderr)
-        report["models"].append(bench_model(n, per_model_batches.get(n, batch_sizes), args.budget_s,
+        report["models"].append(bench_model(n, per_model_batches.get(n, batch_sizes), budgets.get(n, args.budget_s),
                                             args.sweep_s, args.image_size))
         report["load_after"] = os.getloadavg()
         report["total_s"] = time.monotonic() - t0

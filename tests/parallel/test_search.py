@@ -3,10 +3,10 @@
 import pytest
 
 from batchcraft.errors import ConfigurationError
-from batchcraft.parallel import BASELINES, baseline_configs, tune
-from batchcraft.parallel.analysis import GraphAnalysis
+from batchcraft.parallel import BASELINES, ParallelConfig, baseline_configs, tune
+from batchcraft.parallel.analysis import GraphAnalysis, HeavyOp
 from batchcraft.parallel.launcher import TrialResult
-from batchcraft.parallel.search import candidate_grid, score
+from batchcraft.parallel.search import _candidates, candidate_grid, prior_speed, score
 
 
 def _result(thr, p50, p90):
@@ -60,36 +60,37 @@ def test_bad_arguments(kwargs, match):
         tune(**kwargs)
 
 
-class _FakeGroups:
-    """Deterministic stand-in for worker groups: items/s per configuration label."""
-
-    def __init__(self, speeds):
-        self.speeds, self.calls = speeds, []
-
-    def measure(self, cfg, duration_s, warmup_s=0.3):
-        self.calls.append(cfg.label)
-        thr = self.speeds[cfg.label]
-        return TrialResult({**cfg.to_dict()}, cfg.batch_size, thr, 1e3 / thr, 1e3 / thr, 1e3 / thr, 3, duration_s)
+def _analysis(flops_per_level):
+    ops = [HeavyOp(f"n{i}_{j}", "conv", "x", f, i + 1) for i, level in enumerate(flops_per_level)
+           for j, f in enumerate(level)]
+    return GraphAnalysis(heavy_ops=ops, depth=len(flops_per_level), average_width=len(ops) / len(flops_per_level),
+                         max_width=max(len(level) for level in flops_per_level),
+                         width_per_level=[len(level) for level in flops_per_level], total_flops=sum(o.flops for o in ops))
 
 
-def test_halving_picks_the_fastest_and_spares_hopeless_candidates():
-    import time
+def test_pools_are_pruned_where_little_work_can_overlap():
+    cpus = list(range(4))
+    # a recommender-like graph: 8 lookups side by side, tiny next to the MLP after them
+    lookups = _analysis([[10] * 8, [10_000], [10_000]])
+    assert lookups.parallel_flops_fraction == pytest.approx(70 / 20_080)
+    assert {c.inter_op_threads for c in candidate_grid(lookups, 8, cpus)} == {1}
+    assert {c.inter_op_threads for c in candidate_grid(lookups, 8, cpus, prune=False)} == {1, 2, 4}
+    # an inception-like graph: four equal branches
+    branches = _analysis([[100], [100] * 4, [100]])
+    assert branches.parallel_flops_fraction == pytest.approx(300 / 600)
+    assert {c.inter_op_threads for c in candidate_grid(branches, 8, cpus)} == {1, 2, 4}
 
-    from tqdm import tqdm
 
-    from batchcraft.parallel import ParallelConfig
-    from batchcraft.parallel.search import _Clock, _halving
-
-    speeds = {"a": 100.0, "b": 90.0, "c": 10.0, "d": 80.0, "base": 50.0}
-    cands = [ParallelConfig(1, 1, i + 1, 8, label=k) for i, k in enumerate("abcd")]
-    base = [ParallelConfig(2, 1, 1, 8, label="base")]
-    groups, trials, rounds = _FakeGroups(speeds), [], []
-    clock = _Clock(time.monotonic() + 60, eta=2, repeats=3, n_final_baselines=1)
-    winner, res, base_res, _ = _halving(cands + base, base, clock, groups, "throughput", None, trials, rounds,
-                                        tqdm(disable=True), compare_baselines=True)
-    assert winner.label == "a" and res.throughput_items_per_s == 100.0
-    assert base_res["base"].throughput_items_per_s == 50.0
-    first_round = [t["config"]["label"] for t in trials if t["round"] == 0]
-    assert first_round.count("c") == 1 and first_round.count("a") == 3  # c is 10x slower: pruned
-    # halving: 5 -> 3 -> 2 -> 1 survivors, then a final round with the baseline
-    assert [len({r["config"]["label"] for r in rounds if r["round"] == k}) for k in range(4)] == [5, 3, 2, 2]
+def test_candidates_come_most_promising_first():
+    cpus = [0, 1, 2, 3]
+    chain = _analysis([[100], [100], [100]])
+    search, base = _candidates(chain, True, 8, cpus, "throughput")
+    assert [b.label for b in base] == list(BASELINES)
+    assert all(c.key() not in {b.key() for b in base} for c in search)
+    assert (search[0].instances, search[0].intra_op_threads) == (4, 1)  # throughput: instances first
+    search, _ = _candidates(chain, True, 8, cpus, "latency")
+    # latency: one instance, most threads (1 x 4 is the width guideline, a baseline)
+    assert (search[0].instances, search[0].intra_op_threads) == (1, 2)
+    wide = _analysis([[100], [100] * 4, [100] * 4, [100]])
+    assert prior_speed(ParallelConfig(1, 2, 1, 8), wide, "latency") > prior_speed(ParallelConfig(1, 1, 1, 8), wide,
+                                                                                   "latency")

@@ -11,9 +11,11 @@ NAME = "tune"
 HELP = "find the fastest instances / inter-op / intra-op threads / batch size for a model"
 DESCRIPTION = (
     "Measure a registry model under the PyTorch default, Intel-recommended, TensorFlow-recommended "
-    "and width-guideline (Wang et al. 2019) configurations and search the rest within a time budget "
-    "(successive halving). Prints tried and baseline configurations with throughput, latency and "
-    "ratios; saves the best as JSON for `batchcraft launch --config`.")
+    "and width-guideline (Wang et al. 2019) configurations and search the rest within a hard time "
+    "budget (start-up included): successive halving over the grid the graph analysis leaves, then a "
+    "final round measuring the best candidates and every baseline side by side. Prints tried and "
+    "baseline configurations with throughput, latency and ratios; saves the best as JSON for "
+    "`batchcraft launch --config`.")
 
 
 def _seconds(text: str) -> float:
@@ -42,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--latency-limit-ms the highest throughput whose p90 latency meets the limit")
     p.add_argument("--latency-limit-ms", type=float, default=None, help="p90 latency limit (objective latency)")
     p.add_argument("--budget", type=_seconds, default=120.0, metavar="DURATION",
-                   help="wall-clock budget, e.g. 120s or 2m (default: 120s)")
+                   help="hard wall-clock budget, start-up included, e.g. 120s or 2m (default: 120s; "
+                   "a small search space ends earlier)")
     p.add_argument("--output", default="best.json", metavar="FILE", help="where to save the best configuration")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of tuned vs baselines")
     p.add_argument("--image-size", type=int, default=None, help="input size for image models without example_input")

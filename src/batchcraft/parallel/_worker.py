@@ -1,8 +1,8 @@
 """Worker side of :class:`batchcraft.parallel.launcher.WorkerGroup` (runs inside an instance).
 
 Protocol over a ``multiprocessing`` connection (pickled tuples), parent -> worker:
-``("prepare", batch_size, warmup_s)`` -> ``("prepared", calls)``;
-``("run", start_at_monotonic_s, duration_s)`` -> ``("result", latencies_s, items)``;
+``("prepare", batch_size, warmup_s)`` -> ``("prepared", calls, seconds_per_call)``;
+``("run", start_at_monotonic_s, duration_s)`` -> ``("result", latencies_s, items, elapsed_s)``;
 ``("info",)`` -> ``("info", dict)``; ``("stop",)`` ends the worker. The worker says
 ``("ready", info)`` once its model is built. Any exception is sent as ``("error", text)``.
 """
@@ -48,7 +48,7 @@ def serve(spec: dict, *, torch_preloaded: bool) -> None:
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(("error", traceback.format_exc()))
         return
-    x, items, inputs = None, 0, {}
+    x, items, inputs, call_s = None, 0, {}, {}
     while True:
         try:
             msg = conn.recv()
@@ -61,28 +61,37 @@ def serve(spec: dict, *, torch_preloaded: bool) -> None:
                 conn.send(("info", _info(spec, torch_preloaded, runner)))
             elif msg[0] == "prepare":
                 _, batch_size, warmup_s = msg
-                warm = batch_size in inputs  # already warmed up at this size: one call suffices
+                warm = batch_size in inputs  # already warmed up at this size: nothing to do
                 if not warm:
                     inputs[batch_size] = work.make_batch(batch_size)
                 x, items = inputs[batch_size], batch_size
-                # First time at this size: at least one call and warmup_s; afterwards no warm-up,
-                # so a configuration with second-long calls costs one call per trial.
+                # First time at this size: at least one call (it builds kernels and caches) and
+                # warmup_s; the last call's time estimates the per-call cost.
                 calls, t0 = 0, time.perf_counter()
                 with torch.inference_mode():
                     while not warm and (calls < 1 or time.perf_counter() - t0 < warmup_s):
+                        t1 = time.perf_counter()
                         runner(x)
+                        call_s[batch_size] = time.perf_counter() - t1
                         calls += 1
-                conn.send(("prepared", calls))
+                conn.send(("prepared", calls, call_s.get(batch_size, 0.0)))
             elif msg[0] == "run":
                 _, start_at, duration_s = msg
                 latencies = []
-                while time.monotonic() < start_at:
-                    time.sleep(max(0.0, min(0.01, start_at - time.monotonic())))
-                end = start_at + duration_s
                 with torch.inference_mode():
+                    # Untimed calls while one still fits before the start: OpenMP threads that
+                    # slept while other configurations were measured are awake when timing starts.
+                    while time.monotonic() + call_s.get(items, 0.0) < start_at:
+                        runner(x)
+                    while time.monotonic() < start_at:
+                        time.sleep(max(0.0, min(0.002, start_at - time.monotonic())))
+                    end = start_at + duration_s
                     while True:
                         t0 = time.monotonic()
-                        if t0 >= end and latencies:
+                        # Stop when the next call would end more than half a call after the end:
+                        # throughput counts whole calls over their own time, so this only keeps
+                        # slow calls from overrunning the trial by up to one call.
+                        if latencies and t0 + 0.5 * latencies[-1] >= end:
                             break
                         runner(x)
                         latencies.append(time.monotonic() - t0)

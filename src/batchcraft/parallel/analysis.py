@@ -86,6 +86,22 @@ class GraphAnalysis:
     total_flops: int = 0
     n_nodes: int = 0
 
+    @property
+    def parallel_flops_fraction(self) -> float | None:
+        """Share of the heavy FLOPs that could run beside another heavy op, or None without FLOPs.
+
+        Per level, every heavy op but the largest can overlap the largest, so at most this share of
+        the work gains from inter-op pools (Amdahl): (sum over levels of the level's FLOPs minus its
+        largest op's) / total FLOPs. A graph can be wide and still gain nothing: 18 embedding
+        lookups next to each other are a tiny share of a recommender's FLOPs.
+        """
+        if not self.total_flops:
+            return None
+        per_level: dict[int, list[int]] = {}
+        for h in self.heavy_ops:
+            per_level.setdefault(h.level, []).append(h.flops)
+        return sum(sum(v) - max(v) for v in per_level.values()) / self.total_flops
+
     def to_dict(self) -> dict:
         return {
             "heavy_ops": len(self.heavy_ops),
@@ -95,6 +111,7 @@ class GraphAnalysis:
             "width_per_level": list(self.width_per_level),
             "total_flops": self.total_flops,
             "n_nodes": self.n_nodes,
+            "parallel_flops_fraction": self.parallel_flops_fraction,
         }
 
 

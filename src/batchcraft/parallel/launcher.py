@@ -185,11 +185,34 @@ class WorkerGroup:
     def wait_ready(self) -> "WorkerGroup":
         """Wait until every spawned instance has built its model; raise WorkerError if one failed."""
         try:
-            self.info = [self._expect(i, "ready", self.start_timeout_s)[1] for i in range(len(self._procs))]
+            self.info += [self._expect(i, "ready", self.start_timeout_s)[1]
+                          for i in range(len(self.info), len(self._procs))]
         except BaseException:
             self.close()
             raise
         return self
+
+    def ready(self, timeout_s: float) -> bool:
+        """True once every spawned instance has built its model; False if that takes over ``timeout_s``.
+
+        Unlike :meth:`wait_ready` a slow start is not an error (the group stays as it is, so the
+        caller can wait again or close it); an instance that died or failed still raises WorkerError.
+        """
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        try:
+            while len(self.info) < len(self._procs):
+                i = len(self.info)
+                try:
+                    has_msg = self._conns[i].poll(max(0.0, deadline - time.monotonic()))
+                except (EOFError, OSError):
+                    has_msg = True  # let _expect report the exit code
+                if not has_msg and self._procs[i].poll() is None:
+                    return False
+                self.info.append(self._expect(i, "ready", 0)[1])
+        except BaseException:
+            self.close()
+            raise
+        return True
 
     def close(self) -> None:
         """Stop every instance (idempotent): ask, then SIGTERM, then SIGKILL; all are reaped."""
@@ -266,8 +289,9 @@ class WorkerGroup:
     def measure(self, batch_size: int, duration_s: float = 1.0, *, warmup_s: float = 0.2) -> TrialResult:
         """Run all instances concurrently for ``duration_s`` at ``batch_size``; aggregate.
 
-        Each instance first warms up (at least 2 calls and ``warmup_s``), then all start at the
-        same monotonic instant and call the model back to back until ``duration_s`` has passed.
+        Each instance first warms up (the first time at this batch size: at least one call and
+        ``warmup_s``), then all start at the same monotonic instant (after untimed calls that keep
+        their threads awake) and call the model back to back until ``duration_s`` has passed.
 
         Raises:
             ConfigurationError: batch_size < 1 or duration_s <= 0.
@@ -283,7 +307,8 @@ class WorkerGroup:
         self._broadcast(("prepare", batch_size, warmup_s))
         for i in range(len(self._procs)):
             self._expect(i, "prepared", slack_s)
-        self._broadcast(("run", time.monotonic() + 0.02, duration_s))
+        # Instances start together a little later; a single one only needs the message to arrive.
+        self._broadcast(("run", time.monotonic() + 0.005 + 0.01 * (len(self._procs) > 1), duration_s))
         latencies_ms, throughput = [], 0.0
         for i in range(len(self._procs)):
             _, lat, items, elapsed = self._expect(i, "result", slack_s)

@@ -1,0 +1,337 @@
+"""Budgeted successive halving with a final side-by-side round: the search engine of ``tune``.
+
+For one batch size, the search candidates (grid configurations, most promising first) are measured
+in rounds whose trials grow ``eta``-fold while the better 1/eta survive (successive halving;
+Jamieson & Talwalkar, AISTATS 2016), until at most ``k_final`` are left. A final round then
+measures those **and every baseline** side by side: ``repeats`` interleaved passes, median per
+configuration. The choice is the best median of that round, so it is never a configuration that
+the same round measured slower than another one, and never below the best baseline by the tuner's
+own measurement.
+
+Time is a hard budget. Trial lengths are planned to fit the time a batch size is given; a trial is
+at least ``min_calls`` calls of that configuration (its per-call time is learned from earlier
+trials), so slow models get fewer, longer-per-call trials and fast models many short ones. A
+trial starts only if its predicted end (warm-up, length, one call running past the end, the
+learned per-trial overhead) is before the deadline. ``measure`` and ``clock`` are passed in, so
+tests run the engine with fake measurements on a fake clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from batchcraft.parallel.config import ParallelConfig
+from batchcraft.parallel.launcher import TrialResult
+
+__all__ = ["score", "CostModel", "BatchOutcome", "HalvingSearch"]
+
+PRUNE_FACTOR = 4.0  # a search candidate this many times worse than its round's best skips the other repeats
+
+
+def score(result: TrialResult, objective: str, latency_limit_ms: float | None = None) -> tuple:
+    """Sort key, larger is better.
+
+    throughput: items/s. latency: with a limit, configurations whose p90 latency meets it ranked by
+    throughput, then the others by p90 latency; without a limit, the lowest median latency.
+    """
+    if objective == "throughput":
+        return (result.throughput_items_per_s,)
+    if latency_limit_ms is not None:
+        if result.latency_p90_ms <= latency_limit_ms:
+            return (1, result.throughput_items_per_s)
+        return (0, -result.latency_p90_ms)
+    return (-result.latency_p50_ms,)
+
+
+def _throughput_like(result: TrialResult, objective: str, limit) -> float:
+    """A positive "higher is better" number for pruning: items/s, or 1 / latency."""
+    if objective == "throughput" or (limit is not None and result.latency_p90_ms <= limit):
+        return result.throughput_items_per_s
+    if limit is not None:
+        return 0.0
+    return 1.0 / max(result.latency_p50_ms, 1e-9)
+
+
+def median_result(results: list[TrialResult], objective: str, limit=None) -> TrialResult:
+    """The median of ``results`` by :func:`score` (the upper one of an even count)."""
+    ranked = sorted(results, key=lambda r: score(r, objective, limit))
+    return ranked[len(ranked) // 2]
+
+
+class CostModel:
+    """Predicts a trial's wall time from what earlier trials took.
+
+    Per (configuration, batch size) it keeps the per-call time (p90 latency of the last trial); a
+    batch size not measured yet is estimated from the same configuration at the nearest smaller
+    batch size, scaled by the batch ratio (per-item time rarely grows with the batch). The
+    per-trial overhead (messages, start synchronisation) is a moving average of what trials took
+    beyond their length and one call.
+    """
+
+    def __init__(self, warmup_s: float, overhead_s: float = 0.03):
+        self.warmup_s, self.overhead_s = warmup_s, overhead_s
+        self.call_s: dict[tuple, float] = {}
+        self.warm: set[tuple] = set()
+
+    @staticmethod
+    def _key(cfg: ParallelConfig) -> tuple:
+        return cfg.key(), cfg.batch_size
+
+    def call_time(self, cfg: ParallelConfig) -> float:
+        """Estimated seconds per call of ``cfg`` at its batch size (0 when nothing is known).
+
+        Measured, else scaled from the same configuration at the nearest smaller batch size: by
+        how much a configuration measured at both sizes slowed down (the largest such factor),
+        or by the batch ratio if none was; else the slowest configuration measured at this size;
+        else the slowest at a smaller size times the batch ratio.
+        """
+        k, b = self._key(cfg), cfg.batch_size
+        if k in self.call_s:
+            return self.call_s[k]
+        smaller = [(b0, c) for (key, b0), c in self.call_s.items() if key == cfg.key() and b0 < b]
+        if smaller:
+            b0, c0 = max(smaller)
+            factors = [c / self.call_s[(key, b0)] for (key, b1), c in self.call_s.items()
+                       if b1 == b and (key, b0) in self.call_s and self.call_s[(key, b0)] > 0]
+            return c0 * (max(factors) if factors else b / b0)
+        same = [c for (_, b1), c in self.call_s.items() if b1 == b]
+        if same:
+            return max(same)
+        return max((c * b / b1 for (_, b1), c in self.call_s.items() if b1 < b), default=0.0)
+
+    def warmup(self, cfg: ParallelConfig) -> float:
+        """Warm-up the next trial of ``cfg`` needs: 0 once warm, else max(warmup_s, one call)."""
+        return 0.0 if self._key(cfg) in self.warm else max(self.warmup_s, self.call_time(cfg))
+
+    def floor(self, cfg: ParallelConfig, min_calls: int, min_trial_s: float) -> float:
+        """Shortest useful trial length: ``min_calls`` calls and ``min_trial_s``."""
+        return max(min_trial_s, min_calls * self.call_time(cfg))
+
+    def wall(self, cfg: ParallelConfig, length_s: float, *, with_warmup: bool = True) -> float:
+        """Predicted wall time of one trial of ``length_s`` seconds."""
+        return (self.warmup(cfg) if with_warmup else 0.0) + length_s + self.call_time(cfg) + self.overhead_s
+
+    def learn(self, cfg: ParallelConfig, length_s: float, wall_s: float, result: TrialResult) -> None:
+        k = self._key(cfg)
+        call = max(result.latency_p90_ms, result.latency_p50_ms) / 1e3
+        if k in self.warm:  # a warm-up trial's extra time is not overhead
+            self.overhead_s = 0.7 * self.overhead_s + 0.3 * max(0.0, wall_s - length_s - call)
+        self.call_s[k] = call
+        self.warm.add(k)
+
+
+@dataclass
+class BatchOutcome:
+    """What the search found at one batch size.
+
+    Attributes:
+        best (ParallelConfig | None): the choice (None if no trial fitted the budget).
+        best_result (TrialResult | None): its median in the final round.
+        final (list[tuple[ParallelConfig, TrialResult]]): every configuration of the final round
+            with its median, best first.
+        baselines (dict[str, TrialResult]): baseline label -> its final-round median.
+        final_trial_s (float): planned length of one final-round trial (seconds).
+        skipped_trials (int): trials not started because they would have passed the deadline.
+        notes (list[str]): what did not go as planned.
+    """
+
+    best: ParallelConfig | None
+    best_result: TrialResult | None
+    final: list = field(default_factory=list)
+    baselines: dict = field(default_factory=dict)
+    final_trial_s: float = 0.0
+    skipped_trials: int = 0
+    notes: list = field(default_factory=list)
+
+
+class HalvingSearch:
+    """Successive halving + final side-by-side round at one batch size after another.
+
+    Args:
+        measure (callable): ``measure(config, duration_s, warmup_s) -> TrialResult``.
+        clock (callable): seconds, monotonic (``time.monotonic``, or a fake one in tests).
+        objective (str), latency_limit_ms (float | None): see :func:`score`.
+        eta (int): survivors per round = ceil(n / eta); trials grow eta-fold per round. Default: 3.
+        repeats (int): interleaved passes per round, median kept. Default: 3.
+        k_final (int): search candidates that reach the final round. Default: 2.
+        min_calls (tuple[int, int]): least calls per trial in search rounds / the final round.
+        min_trial_s (float): least seconds per trial. Default: 0.02.
+        max_trial_s (float): longest final-round trial unless ``min_calls`` needs more; a larger
+            budget ends early. Default: 0.5.
+        warmup_s (float): least warm-up the first time a configuration runs a batch size (and at
+            least one call). Default: 0.05.
+        trials (list), rounds (list): every measurement / every round median is appended here.
+    """
+
+    def __init__(self, measure: Callable, clock: Callable[[], float], objective: str = "throughput",
+                 latency_limit_ms: float | None = None, *, eta: int = 3, repeats: int = 3, k_final: int = 2,
+                 min_calls: tuple[int, int] = (1, 2), min_trial_s: float = 0.02, max_trial_s: float = 0.5,
+                 warmup_s: float = 0.05, trials: list | None = None, rounds: list | None = None,
+                 on_trial: Callable[[], None] | None = None):
+        self.measure, self.clock = measure, clock
+        self.objective, self.limit = objective, latency_limit_ms
+        self.eta, self.repeats, self.k_final = eta, repeats, k_final
+        self.min_calls, self.min_trial_s, self.max_trial_s = min_calls, min_trial_s, max_trial_s
+        self.cost = CostModel(warmup_s)
+        self.trials = [] if trials is None else trials
+        self.rounds = [] if rounds is None else rounds
+        self.on_trial = on_trial or (lambda: None)
+
+    # -- planning ---------------------------------------------------------------------------
+    def _levels(self, n: int) -> list[int]:
+        levels = []
+        while n > self.k_final:
+            levels.append(n)
+            n = max(self.k_final, math.ceil(n / self.eta))
+        return levels
+
+    def _plan_cost(self, final_s: float, levels: list[int], search, final) -> float:
+        """Predicted seconds for ``levels`` search rounds and a final round of length ``final_s``."""
+        c, r = self.cost, self.repeats
+        total = sum(c.warmup(cfg) for cfg in {id(x): x for x in [*search, *final]}.values())
+        for i, n in enumerate(levels):
+            length = final_s / self.eta ** (len(levels) - i)
+            walls = sorted((c.wall(cfg, max(length, c.floor(cfg, self.min_calls[0], self.min_trial_s)),
+                                   with_warmup=False) for cfg in search), reverse=True)
+            total += r * sum(walls[:n])  # the slowest n assumed to survive: plan for the worst
+        total += r * sum(c.wall(cfg, max(final_s, c.floor(cfg, self.min_calls[1], self.min_trial_s)),
+                                with_warmup=False) for cfg in final)
+        return total
+
+    def _fit(self, levels: list[int], search: list, final: list, time_s: float) -> float | None:
+        """Longest final trial (<= max_trial_s) whose plan fits ``time_s``; None if none does."""
+        if self._plan_cost(0.0, levels, search, final) > time_s:
+            return None
+        lo, hi = 0.0, self.max_trial_s
+        if self._plan_cost(hi, levels, search, final) <= time_s:
+            return hi
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self._plan_cost(mid, levels, search, final) <= time_s else (lo, mid)
+        return lo
+
+    def plan(self, search: list, baselines: list, time_s: float) -> tuple[list[int], float, bool]:
+        """(search round sizes, final trial length, fits) for ``time_s`` seconds.
+
+        Two plans are compared: every candidate straight into the final round, or successive
+        halving down to ``k_final`` first (search trials eta-fold shorter per round). The one
+        with the longer final trials wins (the cheaper one if both reach ``max_trial_s``): halving
+        pays for large grids, not for a handful of candidates with slow calls. If neither fits
+        even with the shortest trials, the search is dropped and the final round gets the first
+        ``k_final`` candidates (the most promising by the prior order); ``fits`` is then False if
+        that does not fit either.
+        """
+        base = list(baselines)
+        worst = sorted(search, key=lambda cfg: -self.cost.call_time(cfg))[:self.k_final]
+        options = [([], list(search), list(search) + base)]
+        levels = self._levels(len(search))
+        if levels:
+            options.append((levels, list(search), worst + base))
+        best = None
+        for lv, srch, final in options:
+            length = self._fit(lv, srch if lv else [], final, time_s)
+            if length is None:
+                continue
+            rank = (length, -self._plan_cost(length, lv, srch if lv else [], final))
+            if best is None or rank > best[0]:
+                best = (rank, lv, length)
+        if best is not None:
+            return best[1], best[2], True
+        return [], 0.0, False
+
+    def floor_cost(self, search: list, baselines: list) -> float:
+        """Predicted seconds for the shortest plan at one batch size (for sharing the budget)."""
+        base = list(baselines)
+        cost = self._plan_cost(0.0, [], [], list(search) + base)
+        levels = self._levels(len(search))
+        if levels:
+            worst = sorted(search, key=lambda cfg: -self.cost.call_time(cfg))[:self.k_final]
+            cost = min(cost, self._plan_cost(0.0, levels, search, worst + base))
+        return cost
+
+    def probe(self, cfg: ParallelConfig, hard_deadline: float) -> None:
+        """One minimal trial (warm-up and one call) of ``cfg`` to learn its per-call time."""
+        t0 = self.clock()
+        if t0 + self.cost.wall(cfg, 0.0) > hard_deadline:
+            return
+        res = self.measure(cfg, 1e-3, self.cost.warmup_s)
+        self.cost.learn(cfg, 1e-3, self.clock() - t0, res)
+        res.config["label"] = cfg.label
+        self.trials.append({"round": -1, "role": "probe", "repeat": 0, "duration_s": 1e-3, **res.to_dict()})
+        self.on_trial()
+
+    # -- measuring --------------------------------------------------------------------------
+    def _round(self, configs: list, length_s: float, min_calls: int, rnd: int, role: str,
+               end: float, outcome: BatchOutcome) -> list[tuple[ParallelConfig, TrialResult]]:
+        """One round: ``repeats`` interleaved passes; each configuration's median, best first."""
+        runs: dict[int, list[TrialResult]] = {i: [] for i in range(len(configs))}
+        active = list(range(len(configs)))
+        for rep in range(self.repeats):
+            if rep and role == "search" and any(runs[i] for i in active):
+                # already PRUNE_FACTOR x worse than the round's best: cannot win this round
+                best = max(_throughput_like(runs[i][-1], self.objective, self.limit) for i in active if runs[i])
+                active = [i for i in active if not runs[i]
+                          or _throughput_like(runs[i][-1], self.objective, self.limit) * PRUNE_FACTOR >= best]
+            shift = rep % max(1, len(active))  # rotate the order: nobody always runs right after X
+            for i in active[shift:] + active[:shift]:
+                cfg = configs[i]
+                length = max(length_s, self.cost.floor(cfg, min_calls, self.min_trial_s))
+                t0 = self.clock()
+                if t0 + self.cost.wall(cfg, length) > end:
+                    outcome.skipped_trials += 1
+                    continue
+                res = self.measure(cfg, length, max(self.cost.warmup_s, 0.0))
+                self.cost.learn(cfg, length, self.clock() - t0, res)
+                res.config["label"] = cfg.label
+                runs[i].append(res)
+                self.trials.append({"round": rnd, "role": role, "repeat": rep, "duration_s": length, **res.to_dict()})
+                self.on_trial()
+        medians = [(configs[i], median_result(runs[i], self.objective, self.limit), len(runs[i]))
+                   for i in runs if runs[i]]
+        self.rounds.extend({"round": rnd, "role": role, "repeats": n, **r.to_dict()} for _, r, n in medians)
+        ranked = sorted(medians, key=lambda m: score(m[1], self.objective, self.limit), reverse=True)
+        return [(c, r) for c, r, _ in ranked]
+
+    def run(self, search: list, baselines: list, deadline: float, hard_deadline: float) -> BatchOutcome:
+        """Search one batch size until ``deadline`` (a trial may run on to ``hard_deadline``).
+
+        Args:
+            search (list[ParallelConfig]): candidates that are not baselines, most promising first.
+            baselines (list[ParallelConfig]): measured in the final round whatever happens before.
+            deadline (float): clock time by which this batch size should be done (trial lengths
+                are planned for it).
+            hard_deadline (float): no trial is started that is predicted to end after it.
+        Returns:
+            BatchOutcome: the choice and the final round; ``best`` is None only if no trial fitted.
+        """
+        out = BatchOutcome(None, None)
+        alive, rnd, measured = list(search), 0, []
+        levels, final_s, fits = self.plan(alive, baselines, deadline - self.clock())
+        if not fits:
+            out.notes.append("the budget is too short for one trial of every baseline and candidate; "
+                             "trials that would pass the deadline were skipped")
+        while levels:
+            length = final_s / self.eta ** len(levels)
+            measured = self._round(alive, length, self.min_calls[0], rnd, "search", hard_deadline, out)
+            keep = max(self.k_final, math.ceil(len(alive) / self.eta))
+            alive = [c for c, _ in measured[:keep]] or alive[:keep]
+            rnd += 1
+            levels, final_s, fits = self.plan(alive, baselines, deadline - self.clock())
+        if not fits:
+            alive = alive[:self.k_final]  # ranked by the last search round, else in prior order
+        final_cfgs = alive + [b for b in baselines if all(b.key() != c.key() for c in alive)]
+        out.final_trial_s = final_s
+        out.final = self._round(final_cfgs, final_s, self.min_calls[1], rnd, "final", hard_deadline, out)
+        by_key = {c.key(): r for c, r in out.final}
+        out.baselines = {b.label: by_key[b.key()] for b in baselines if b.key() in by_key}
+        missing = [b.label for b in baselines if b.label not in out.baselines]
+        if missing:
+            out.notes.append(f"not measured in the final round (budget): {', '.join(missing)}")
+        if out.final:
+            out.best, out.best_result = out.final[0]
+        elif measured:
+            out.best, out.best_result = measured[0]
+            out.notes.append("no final round fitted the budget; the choice is the last search round's best")
+        return out

@@ -1,0 +1,193 @@
+"""The budgeted search on a fake clock with fake measurements: budget, final round, choice."""
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchcraft.errors import ConfigurationError
+from batchcraft.parallel import BASELINES, ParallelConfig
+from batchcraft.parallel.analysis import GraphAnalysis, HeavyOp
+from batchcraft.parallel.halving import CostModel, HalvingSearch
+from batchcraft.parallel.launcher import TrialResult
+from batchcraft.parallel.search import _tune
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeGroups:
+    """Instances that take fake time: start-up, warm-up, whole calls, a per-trial overhead.
+
+    ``speed(cfg)`` gives items/s; ``noise`` scales each trial by a random factor in
+    [1 - noise, 1 + noise] (seeded), so repeats of one configuration disagree like real ones.
+    """
+
+    def __init__(self, clock, speed, *, call_s=0.01, start_s=3.0, overhead_s=0.02, noise=0.0, seed=0):
+        self.clock, self.speed, self.call_s = clock, speed, call_s
+        self.start_s, self.overhead_s, self.noise = start_s, overhead_s, noise
+        self.rng = random.Random(seed)
+        self.warm, self.calls, self.closed = set(), [], False
+
+    def start_all(self, configs, timeout_s):
+        self.clock.t += min(self.start_s, timeout_s)
+        return [] if self.start_s <= timeout_s else list(configs)
+
+    def measure(self, cfg, duration_s, warmup_s):
+        call = self.call_s * cfg.batch_size ** 0.5  # per-item time falls with the batch size
+        first = (cfg.key(), cfg.batch_size) not in self.warm
+        self.warm.add((cfg.key(), cfg.batch_size))
+        n = max(1, math.ceil(duration_s / call))
+        self.clock.t += (max(warmup_s, call) if first else 0.0) + n * call + self.overhead_s
+        thr = self.speed(cfg) * (1 + self.rng.uniform(-self.noise, self.noise))
+        self.calls.append(cfg)
+        return TrialResult(cfg.to_dict(), cfg.batch_size, thr, call * 1e3, call * 1e3, call * 1e3, n, duration_s)
+
+    def close(self):
+        self.closed = True
+
+
+WIDE = GraphAnalysis(heavy_ops=[HeavyOp("a", "conv", "a", 100, 1), HeavyOp("b", "conv", "b", 100, 1),
+                                HeavyOp("c", "conv", "c", 100, 2)],
+                     depth=2, average_width=1.5, max_width=2, width_per_level=[2, 1], total_flops=300)
+
+
+def by_label(table, default=100.0):
+    return lambda cfg: table.get(cfg.label, default) * (cfg.instances if cfg.label == "grid" else 1)
+
+
+def run_tune(groups, clock, budget_s, *, cpus=(0, 1), batch_sizes=(1, 8, 64), objective="throughput"):
+    return _tune(groups, clock, clock(), "fake", list(batch_sizes), objective, budget_s, None, WIDE, True,
+                 list(cpus), eta=3, repeats=3, k_final=2, progress=False)
+
+
+@pytest.mark.parametrize("n_cpus", [2, 16])
+@pytest.mark.parametrize("call_s", [1e-4, 0.03, 0.3])
+@pytest.mark.parametrize("budget_s", [8.0, 20.0, 120.0])
+def test_total_time_stays_within_the_budget(n_cpus, call_s, budget_s):
+    clock = FakeClock()
+    groups = FakeGroups(clock, by_label({}), call_s=call_s)
+    t0 = clock()
+    res = run_tune(groups, clock, budget_s, cpus=range(n_cpus))
+    # the first call at the first batch size is unknown before it runs: at most two calls over
+    assert clock() - t0 <= budget_s + 2 * call_s
+    assert res.elapsed_s == pytest.approx(clock() - t0)
+    assert res.per_batch
+    if budget_s >= 20 and call_s < 0.3:
+        assert len(res.per_batch) == 3
+    if len(res.per_batch) < 3:
+        assert any("budget" in n for n in res.notes)
+
+
+def test_a_large_budget_ends_early_and_a_large_grid_is_halved():
+    clock = FakeClock()
+    groups = FakeGroups(clock, by_label({}), call_s=1e-3)
+    res = run_tune(groups, clock, 600.0, cpus=range(16))
+    assert res.elapsed_s < 300  # trials are capped (max_trial_s): no point in spending 10 minutes
+    roles = {t["role"] for t in res.trials}
+    assert roles == {"probe", "search", "final"}
+    for pb in res.per_batch:
+        final = [t for t in res.rounds if t["role"] == "final" and t["batch_size"] == pb["batch_size"]]
+        search0 = [t for t in res.rounds if t["role"] == "search" and t["batch_size"] == pb["batch_size"]
+                   and t["round"] == 0]
+        assert len(search0) >= 9  # the whole (pruned) grid of 16 cores, in short trials
+        assert len([t for t in final if t["config"]["label"] == "grid"]) <= len(search0) / 3
+        assert {t["config"]["label"] for t in final} >= set(BASELINES)
+
+
+@pytest.mark.parametrize("budget_s", [10.0, 30.0])
+@pytest.mark.parametrize("n_cpus", [2, 16])
+def test_every_baseline_is_measured_in_every_final_round(budget_s, n_cpus):
+    clock = FakeClock()
+    groups = FakeGroups(clock, by_label({}), call_s=0.01, noise=0.05)
+    res = run_tune(groups, clock, budget_s, cpus=range(n_cpus))
+    for pb in res.per_batch:
+        assert sorted(pb["baselines"]) == sorted(BASELINES)
+        final = [t for t in res.trials if t["role"] == "final" and t["batch_size"] == pb["batch_size"]]
+        for label in BASELINES:  # all repeats, interleaved with the candidates
+            assert [t["repeat"] for t in final if t["config"]["label"] == label] == [0, 1, 2]
+
+
+@settings(max_examples=40, deadline=None)
+@given(speeds=st.lists(st.floats(10.0, 1000.0), min_size=5, max_size=5), seed=st.integers(0, 2**16),
+       noise=st.sampled_from([0.0, 0.1, 0.4]), n_cpus=st.sampled_from([2, 4, 16]))
+def test_the_choice_is_never_a_configuration_measured_slower(speeds, seed, noise, n_cpus):
+    table = dict(zip(["grid", *BASELINES], speeds))
+    clock = FakeClock()
+    groups = FakeGroups(clock, lambda c: table[c.label] * (1 + 0.1 * c.instances + 0.01 * c.inter_op_threads),
+                        call_s=0.005, noise=noise, seed=seed)
+    res = run_tune(groups, clock, 20.0, cpus=range(n_cpus))
+    for pb in res.per_batch:
+        best = pb["best"]["throughput_items_per_s"]
+        assert all(best >= f["throughput_items_per_s"] for f in pb["final"])
+        assert min(pb["ratios"].values()) >= 1.0  # never below a baseline measured beside it
+    overall = res.best_result.throughput_items_per_s
+    assert all(overall >= pb["best"]["throughput_items_per_s"] for pb in res.per_batch)
+
+
+def test_a_fastest_baseline_is_chosen_over_the_grid():
+    clock = FakeClock()
+    groups = FakeGroups(clock, by_label({"grid": 10.0, "intel-recommended": 500.0}), call_s=0.01)
+    res = run_tune(groups, clock, 15.0)
+    assert all(pb["best"]["config"]["label"] == "intel-recommended" for pb in res.per_batch)
+    assert res.best.label == "intel-recommended"
+
+
+def test_too_short_a_budget_skips_trials_but_keeps_the_deadline():
+    clock = FakeClock()
+    groups = FakeGroups(clock, by_label({}), call_s=0.2, start_s=2.0)
+    t0 = clock()
+    res = run_tune(groups, clock, 5.0)
+    assert clock() - t0 <= 5.0 + 2 * 0.2
+    assert any("budget" in n for n in res.notes)
+
+
+def test_instances_that_do_not_start_in_time_are_an_error():
+    clock = FakeClock()
+    groups = FakeGroups(clock, by_label({}), start_s=30.0)
+    t0 = clock()
+    with pytest.raises(ConfigurationError, match="no instance .* was ready"):
+        run_tune(groups, clock, 10.0)
+    assert clock() - t0 <= 10.0
+
+
+def test_halving_keeps_the_fastest_and_spares_hopeless_candidates():
+    clock = FakeClock()
+    speeds = {"a": 100.0, "b": 90.0, "c": 1.0, "d": 80.0, "e": 70.0, "f": 60.0, "base": 50.0}
+    groups = FakeGroups(clock, lambda c: speeds[c.label], call_s=1e-3)
+    search = [ParallelConfig(1, 1, i + 1, 8, label=k) for i, k in enumerate("abcdef")]
+    base = [ParallelConfig(2, 1, 1, 8, label="base")]
+    trials = []
+    engine = HalvingSearch(groups.measure, clock, eta=3, repeats=3, k_final=2, max_trial_s=0.2, trials=trials)
+    out = engine.run(search, base, clock() + 60, clock() + 60)
+    assert out.best.label == "a" and set(out.baselines) == {"base"}
+    search0 = [t["config"]["label"] for t in trials if t["role"] == "search" and t["round"] == 0]
+    assert search0.count("c") == 1 and search0.count("a") == 3  # 100x slower: pruned after one repeat
+    final = {t["config"]["label"] for t in trials if t["role"] == "final"}
+    assert final == {"a", "b", "base"}
+    lengths = {t["role"]: t["duration_s"] for t in trials}
+    assert lengths["final"] > lengths["search"]  # trials grow from round to round
+
+
+def test_cost_model_scales_call_times_to_new_batch_sizes():
+    cost = CostModel(warmup_s=0.05)
+    ref, other = ParallelConfig(1, 1, 2, 1, label="r"), ParallelConfig(2, 1, 1, 1, label="o")
+
+    def learn(cfg, b, call_s):
+        c = ParallelConfig(cfg.instances, 1, cfg.intra_op_threads, b, label=cfg.label)
+        cost.learn(c, 0.1, 0.2, TrialResult({}, b, 1.0, call_s * 1e3, call_s * 1e3, call_s * 1e3, 5, 0.1))
+
+    assert cost.call_time(other) == 0.0 and cost.warmup(other) == 0.05
+    learn(ref, 1, 0.010)
+    learn(other, 1, 0.020)
+    assert cost.call_time(ParallelConfig(2, 1, 1, 8)) == pytest.approx(0.160)  # batch ratio, nothing else known
+    learn(ref, 8, 0.030)  # the reference slowed down 3x from batch 1 to 8
+    assert cost.call_time(ParallelConfig(2, 1, 1, 8)) == pytest.approx(0.060)
+    assert cost.floor(ParallelConfig(2, 1, 1, 8), 2, 0.02) == pytest.approx(0.120)
