@@ -318,9 +318,10 @@ def microbatch(model: nn.Module, example_input: torch.Tensor, workspace_limit="6
         verify (bool): after planning, time the whole model (the passes planned: forward, or
             forward + backward) with the plan, with the best undivided plan under the same
             budget and, when its measured workspace fits the budget, with PyTorch's default;
-            interleaved rounds, median; keep the fastest (a simpler one within 1%). The result
-            is ``plan.verification``. Runs in eval mode with ``torch.autograd.grad``: buffers,
-            ``.grad`` and train/eval flags are untouched. Default: True.
+            interleaved rounds, median; keep the fastest, except that a more elaborate variant
+            must lead a simpler one by more than 1% and two standard errors. The result
+            is ``plan.verification``. A training plan is timed as a train-mode step; buffers,
+            ``.grad``, the random state and train/eval flags are restored after. Default: True.
         verify_repeats (int): timed rounds of the verification (>= 1). Default: 5.
     Returns:
         nn.Module: ``model``, with ``model.plan`` (a :class:`Plan`).
