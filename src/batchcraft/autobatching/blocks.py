@@ -26,6 +26,8 @@ from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.signature import LEAF, SigInfo, flatten, rebuild
 from batchcraft.errors import AutobatchError
 
+_current = _rec.current
+
 
 class _Input:
     """Placeholder node for the j-th tensor argument of a block being traced."""
@@ -170,9 +172,13 @@ class StaticBlock:
         functools.update_wrapper(self, fn, updated=()) if not isinstance(fn, nn.Module) else None
 
     def __call__(self, *args, **kwargs):
-        rec = _rec.current()
+        rec = _current()
         if rec is None:
             return self.fn(*args, **kwargs)
+        return self.record_in(rec, args, kwargs)
+
+    def record_in(self, rec, args, kwargs):
+        """Record one call of the block with the active recorder ``rec``."""
         if self not in rec.blocks_checked:
             self._check_fingerprint()
             rec.blocks_checked.add(self)
@@ -291,7 +297,10 @@ def static_block(obj):
             if blk is None:
                 blk = StaticBlock(functools.partial(orig_call, self), module=self, name=type(self).__name__)
                 object.__setattr__(self, "_batchcraft_block", blk)
-            return blk(*args, **kwargs)
+            rec = _current()
+            if rec is None:
+                return blk.fn(*args, **kwargs)
+            return blk.record_in(rec, args, kwargs)  # the hot path: no extra call frame
 
         return type(obj.__name__, (obj,), {"__call__": __call__, "__module__": obj.__module__,
                                            "__qualname__": obj.__qualname__, "__doc__": obj.__doc__})
@@ -316,7 +325,11 @@ def _restore_block_module(cls, state):
 @functools.lru_cache(maxsize=None)
 def _block_class(cls):
     def __call__(self, *args, **kwargs):
-        return self.__dict__["_batchcraft_block"](*args, **kwargs)
+        blk = self.__dict__["_batchcraft_block"]
+        rec = _current()
+        if rec is None:
+            return blk.fn(*args, **kwargs)
+        return blk.record_in(rec, args, kwargs)
 
     def __reduce_ex__(self, protocol):
         # pickle (torch.save, deepcopy, spawn) as the original class, made a block again on load

@@ -23,7 +23,7 @@ from batchcraft.autobatching.blocks import StaticBlock
 from batchcraft.autobatching.graph import LeafNode
 from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.rules import rule_for, rule_vmap
-from batchcraft.autobatching.signature import flatten, rebuild
+from batchcraft.autobatching.signature import LEAF, flatten, rebuild
 from batchcraft.errors import AutobatchError, InstanceError
 
 _perf = time.perf_counter
@@ -107,6 +107,49 @@ def gather(lazies: list, n: int) -> torch.Tensor:
     return cat.index_select(0, torch.tensor(perm, device=cat.device))
 
 
+def list_runs(struct, leaves: list) -> dict:
+    """{first leaf index: length} of list/tuple arguments holding >= 2 per-instance tensors of one
+    descriptor and nothing else (e.g. a node's children's states): gathered as one block."""
+    runs: dict = {}
+    pos = 0
+
+    def walk(s):
+        nonlocal pos
+        if s is LEAF:
+            pos += 1
+            return
+        if type(s) is not tuple or not s:
+            return
+        tag = s[0]
+        if tag is slice:
+            for sub in s[1:]:
+                walk(sub)
+            return
+        if tag is dict:
+            for sub in s[2]:
+                walk(sub)
+            return
+        if not (isinstance(tag, type) and issubclass(tag, tuple) or tag is list) or len(s) != 2 \
+                or type(s[1]) is not tuple:
+            return
+        items = s[1]
+        if len(items) >= 2 and all(i is LEAF for i in items):
+            xs = leaves[pos:pos + len(items)]
+            if all(type(x) is LazyTensor for x in xs) and len({x.desc for x in xs}) == 1:
+                runs[pos] = len(items)
+            pos += len(items)
+            return
+        for sub in items:
+            walk(sub)
+
+    args_struct, kwargs_struct = struct
+    for sub in args_struct[1]:  # the positional arguments themselves are not one list
+        walk(sub)
+    if kwargs_struct is not None:
+        walk(kwargs_struct)
+    return runs
+
+
 class Executor:
     """Runs groups of pending nodes as batched calls and records statistics."""
 
@@ -114,6 +157,51 @@ class Executor:
         self.stats = stats
         self.direct_blocks = direct_blocks
         self.compile_blocks = compile_blocks
+        self.arenas: dict | None = None
+
+    def begin(self, buckets: dict) -> None:
+        """Before running the groups of ``buckets``: plan one output arena per kind of group.
+
+        Groups of one operation with the same output descriptors (e.g. TreeLSTM cells of every
+        depth and child count) write their outputs into shared buffers, one per output slot,
+        each group into its own rows. A later argument whose rows come from several such groups
+        is then one ``index_select`` (or a view) instead of one per source plus a reorder: the
+        arena layout of the minimal prototype in REFERENCES.md §6. Inference only: with autograd
+        on, in-place copies into a shared buffer would chain the whole buffer through backward.
+        """
+        count: dict = {}
+        for nodes in buckets.values():
+            first = nodes[0]
+            info = first.info
+            if info.key[3] or type(info.out_descs) is not tuple:
+                continue
+            k = (first.func, info.out_descs)
+            c = count.get(k)
+            if c is None:
+                count[k] = [1, len(nodes)]
+            else:
+                c[0] += 1
+                c[1] += len(nodes)
+        # [buffers (made on first use), next free row, capacity]; one group alone needs no arena
+        self.arenas = {k: [None, 0, c[1]] for k, c in count.items() if c[0] >= 2}
+
+    def end(self) -> None:
+        self.arenas = None
+
+    @staticmethod
+    def _into_arena(a, outs, n):
+        bufs, off = a[0], a[1]
+        if off + n > a[2]:  # pragma: no cover - the plan counted every node
+            return outs, 0
+        if bufs is None:
+            bufs = a[0] = [torch.empty((a[2], *t.shape[1:]), dtype=t.dtype, device=t.device) for t in outs]
+        if len(bufs) != len(outs) or any(b.dtype != t.dtype or b.device != t.device or b.shape[1:] != t.shape[1:]
+                                          for b, t in zip(bufs, outs)):
+            return outs, 0
+        for b, t in zip(bufs, outs):
+            b[off:off + n].copy_(t)
+        a[1] = off + n
+        return bufs, off
 
     def _block_fn(self, block, prog):
         """The callable run on batched inputs: the block itself, or its torch.compile'd form."""
@@ -127,11 +215,31 @@ class Executor:
     def run_group(self, nodes: list) -> None:
         n = len(nodes)
         first = nodes[0]
+        info = first.info
         st = self.stats
         t0 = _perf()
+        runs = info.runs
+        if runs is None:
+            runs = info.runs = list_runs(info.struct, first.leaves)
         leaves, mask, shapes = [], [], []
-        for j, x in enumerate(first.leaves):
+        first_leaves = first.leaves
+        j, n_leaves = 0, len(first_leaves)
+        while j < n_leaves:
+            x = first_leaves[j]
             if type(x) is LazyTensor:
+                k = runs.get(j)
+                if k:
+                    # a list argument (e.g. the children's states): one gather for all k items,
+                    # item-major, then k row blocks of it (views)
+                    t = gather([nd.leaves[i] for i in range(j, j + k) for nd in nodes], n * k)
+                    t = t.reshape(k, n, *t.shape[1:])
+                    shape = x.desc[0]
+                    for p in range(k):
+                        leaves.append(t[p])
+                        mask.append(True)
+                        shapes.append(shape)
+                    j += k
+                    continue
                 leaves.append(gather([nd.leaves[j] for nd in nodes], n))
                 mask.append(True)
                 shapes.append(x.desc[0])
@@ -139,13 +247,19 @@ class Executor:
                 leaves.append(x)
                 mask.append(False)
                 shapes.append(tuple(x.shape))
+            j += 1
         t1 = _perf()
-        info = first.info
         outs = self.call_batched(first.func, first.struct, leaves, mask, shapes, n, info.out_descs,
                                  info.key[3], nodes, info)
+        base = 0
+        arenas = self.arenas
+        if arenas is not None and not info.key[3]:
+            a = arenas.get((first.func, info.out_descs))
+            if a is not None:
+                outs, base = self._into_arena(a, outs, n)
         for r, nd in enumerate(nodes):
             nd.outs = outs
-            nd.row = r
+            nd.row = base + r
         t2 = _perf()
         st.gather_s += t1 - t0
         st.kernel_s += t2 - t1

@@ -83,6 +83,7 @@ _torch_tensor = torch.tensor
 _PY_SCALARS = (int, float, bool)
 _SCALAR_KW = frozenset({"dtype", "device"})
 _I64 = 2 ** 63
+_SCALAR_SPECS: dict = {}  # (dtype, device argument) -> (dtype, torch.device, desc, desc id)
 
 
 class _RecordingMode(TorchFunctionMode):
@@ -257,7 +258,7 @@ class Recorder:
             self.runtime.pending_limit()
         if info.single:
             return LazyTensor(node, 0, info.out_descs[0], info.out_dids[0])
-        outs = [LazyTensor(node, i, d, di) for i, (d, di) in enumerate(zip(info.out_descs, info.out_dids))]
+        outs = [LazyTensor(node, i, d, di) for i, d, di in info.out_specs]
         if info.flat_tuple:
             return tuple(outs)
         return rebuild(info.out_struct, iter(outs))
@@ -299,9 +300,13 @@ class Recorder:
         if dtype is None:
             t = type(v)
             dtype = torch.int64 if t is int else (torch.bool if t is bool else torch.get_default_dtype())
-        device = _CPU if device is None else torch.device(device)
-        node = LeafNode(None, v, self.instance, dtype, device)
-        return LazyTensor(node, 0, ((), dtype, device))
+        spec = _SCALAR_SPECS.get((dtype, device))  # (dtype, device, desc, desc id), interned
+        if spec is None:
+            dev = _CPU if device is None else torch.device(device)
+            desc = ((), dtype, dev)
+            spec = _SCALAR_SPECS[(dtype, device)] = (dtype, dev, desc, _lazy.desc_id(desc))
+        node = LeafNode(None, v, self.instance, spec[0], spec[1])
+        return LazyTensor(node, 0, spec[2], spec[3])
 
     def leaf(self, value: torch.Tensor, pyvalue=None) -> LazyTensor:
         node = LeafNode(value, pyvalue, self.instance)

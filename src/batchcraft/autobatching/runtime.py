@@ -74,8 +74,15 @@ class Runtime:
         if graph.n_pending > self.stats.peak_pending:
             self.stats.peak_pending = graph.n_pending
         t0 = _perf()
-        with torch._C.DisableTorchFunction():
-            self.scheduler.run(graph, self.executor, self.stats)
+        # no recorder is active while batched calls run: a static block called inside another
+        # block's direct call must execute, not record (flushes also happen mid-recording: syncs,
+        # max_pending)
+        _rec.push(None)
+        try:
+            with torch._C.DisableTorchFunction():
+                self.scheduler.run(graph, self.executor, self.stats)
+        finally:
+            _rec.pop()
         self.exec_time += _perf() - t0
 
     def pending_limit(self) -> None:

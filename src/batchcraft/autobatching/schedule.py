@@ -31,8 +31,12 @@ class DepthScheduler:
         buckets = graph.take()
         order = sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1]))
         stats.schedule_s += _perf() - t0
-        for _, nodes in order:
-            executor.run_group(nodes)
+        executor.begin(buckets)
+        try:
+            for _, nodes in order:
+                executor.run_group(nodes)
+        finally:
+            executor.end()
 
 
 class AgendaScheduler:
@@ -65,6 +69,14 @@ class AgendaScheduler:
                 else:
                     ready[sig].append(nd)
         sched = _perf() - t0
+        executor.begin(buckets)
+        try:
+            self._drain(ready, remaining, users, waiting, executor, stats, sched)
+        finally:
+            executor.end()
+
+    @staticmethod
+    def _drain(ready, remaining, users, waiting, executor, stats, sched):
         while ready:
             t1 = _perf()
             sig = min(ready, key=lambda s: (s[0], remaining[s][0] / remaining[s][1]))

@@ -99,7 +99,7 @@ class SigInfo:
     """
 
     __slots__ = ("sid", "key", "out_struct", "out_descs", "out_dids", "single", "flat_tuple", "program",
-                 "const_grad", "struct")
+                 "const_grad", "struct", "runs", "out_specs")
     _next = 0
 
     def __init__(self, key, out_struct, out_descs, program=None):
@@ -109,12 +109,14 @@ class SigInfo:
         self.out_struct = out_struct
         self.out_descs = out_descs
         self.out_dids = tuple(desc_id(d) for d in out_descs)
+        self.out_specs = tuple((i, d, di) for i, (d, di) in enumerate(zip(out_descs, self.out_dids)))
         self.struct = key[1] if key is not None else None
         self.single = out_struct is LEAF
         # outputs that are a plain tuple of tensors (e.g. (h, c)) are built without rebuild()
         self.flat_tuple = (type(out_struct) is tuple and out_struct[0] is tuple
                            and all(s is LEAF for s in out_struct[1]))
         self.program = program
+        self.runs = None  # list-argument runs, computed by the executor on first use
         # a static block whose body uses tensors that require grad (its parameters)
         self.const_grad = program is not None and any(
             r[0] == "const" and getattr(r[1], "requires_grad", False)

@@ -1,0 +1,128 @@
+"""Execution details: list arguments gathered as one block, output arenas, flushes mid-recording."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchcraft import autobatch, static_block
+from batchcraft.autobatching.execute import Executor, list_runs
+from batchcraft.autobatching.lazy import LazyTensor
+from batchcraft.autobatching.signature import flatten
+
+from equivalence import assert_matches_eager
+
+
+def _lazy(shape=(4,)):
+    return LazyTensor(None, 0, (shape, torch.float32, torch.device("cpu")))
+
+
+def _runs(args, kwargs=None):
+    leaves: list = []
+    struct = (flatten(tuple(args), leaves), flatten(kwargs, leaves) if kwargs else None)
+    return list_runs(struct, leaves)
+
+
+def test_list_runs_finds_lists_of_same_shaped_per_instance_tensors():
+    a, b, c = _lazy(), _lazy(), _lazy()
+    assert _runs([a, [b, c]]) == {1: 2}
+    assert _runs([[a, b], (c, _lazy())]) == {0: 2, 2: 2}
+    assert _runs([a, {"xs": [b, c]}]) == {1: 2}
+    assert _runs([a, b]) == {}  # separate arguments stay separate gathers (each may be a view)
+    assert _runs([[a]]) == {}  # one item: nothing to merge
+    assert _runs([[a, _lazy((3,))]]) == {}  # different shapes cannot share one gather
+    assert _runs([[a, torch.zeros(4)]]) == {}  # a shared tensor inside: gathered item by item
+    assert _runs([[a, 2.0]]) == {}
+    assert _runs([a], {"hs": [b, c]}) == {1: 2}
+
+
+def _children_program(cell):
+    def fn(inst):
+        x, n_children = inst
+        hs = [torch.tanh(x * (j + 1)) for j in range(n_children)]
+        return cell(x, hs)
+    return fn
+
+
+@static_block
+def _sum_cell(x, hs):
+    if hs:
+        return x + torch.stack(hs, dim=-2).sum(-2)
+    return x * 2
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_list_arguments_of_mixed_sources_equal_eager(grad):
+    torch.manual_seed(0)
+    insts = [(torch.randn(5, requires_grad=grad), k) for k in (0, 1, 2, 3, 2, 3, 1, 0, 3)]
+    with torch.set_grad_enabled(grad):
+        assert_matches_eager(_children_program(_sum_cell), insts, [x for x, _ in insts])
+
+
+def test_outputs_of_groups_of_one_kind_share_an_arena_in_inference():
+    lin = torch.nn.Linear(6, 6)
+
+    @static_block
+    def step(h):
+        return torch.tanh(lin(h))
+
+    def fn(inst):
+        h, n = inst
+        for _ in range(n):
+            h = step(h)
+        return h
+
+    torch.manual_seed(1)
+    insts = [(torch.randn(6), n) for n in (1, 3, 2, 3, 1)]
+    f = autobatch(fn)
+    with torch.no_grad():
+        out = f(insts)
+        ref = [fn(x) for x in insts]
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+    # the three depths of `step` wrote into one buffer: every output is a row of the same tensor
+    bases = {o.untyped_storage().data_ptr() for o in out}
+    assert len(bases) == 1
+
+
+def test_no_arena_when_autograd_records():
+    ex = Executor(stats=None)
+
+    class _Info:
+        key = (None, None, None, True)
+        out_descs = (((2,), torch.float32, torch.device("cpu")),)
+
+    class _Node:
+        func = torch.tanh
+        info = _Info()
+
+    ex.begin({1: [_Node()], 2: [_Node()]})
+    assert ex.arenas == {}
+    _Info.key = (None, None, None, False)
+    ex.begin({1: [_Node()], 2: [_Node()]})
+    assert list(ex.arenas.values()) == [[None, 0, 2]]
+    ex.end()
+    assert ex.arenas is None
+
+
+lin4 = torch.nn.Linear(4, 4)
+_inner = static_block(lambda a: torch.tanh(lin4(a)))
+_outer = static_block(lambda a, b: _inner(a) * 0.5 + _inner(b) * 0.25)
+
+
+@pytest.mark.parametrize("opts", [dict(max_pending=1), dict(max_pending=1, fibers=False), dict(max_pending=2)])
+def test_nested_block_runs_when_flushed_in_the_middle_of_recording(opts):
+    """Bug #21: a flush started from inside recording (max_pending, syncs) called a nested static
+    block while the recorder was still active, so the inner block recorded instead of running and
+    a lazy value reached a batched kernel."""
+
+    def fn(x):
+        y = _outer(x, x * 2)
+        return torch.flatten(y.unsqueeze(-1))
+
+    torch.manual_seed(2)
+    xs = [torch.randn(4) for _ in range(3)]
+    f = autobatch(fn, **opts)
+    out = f(xs)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, fn(x))
