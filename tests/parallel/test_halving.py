@@ -191,3 +191,22 @@ def test_cost_model_scales_call_times_to_new_batch_sizes():
     learn(ref, 8, 0.030)  # the reference slowed down 3x from batch 1 to 8
     assert cost.call_time(ParallelConfig(2, 1, 1, 8)) == pytest.approx(0.060)
     assert cost.floor(ParallelConfig(2, 1, 1, 8), 2, 0.02) == pytest.approx(0.120)
+
+
+def test_a_disturbed_final_round_gets_more_passes_and_keeps_the_right_choice():
+    clock = FakeClock()
+    speeds = {"fast": 100.0, "base": 90.0}
+    disturbed = {("fast", 0), ("fast", 1)}  # another process took the cores during two repeats
+    seen = {}
+
+    def speed(cfg):
+        n = seen.get(cfg.label, 0)
+        seen[cfg.label] = n + 1
+        return speeds[cfg.label] / (3.0 if (cfg.label, n) in disturbed else 1.0)
+
+    groups = FakeGroups(clock, speed, call_s=1e-3)
+    search, base = [ParallelConfig(2, 1, 1, 8, label="fast")], [ParallelConfig(1, 1, 2, 8, label="base")]
+    trials = []
+    out = HalvingSearch(groups.measure, clock, repeats=3, trials=trials).run(search, base, clock() + 30, clock() + 30)
+    assert [t["repeat"] for t in trials if t["config"]["label"] == "fast"] == [0, 1, 2, 3, 4, 5]
+    assert out.best.label == "fast"  # median of 6 passes: 100, not the disturbed 33

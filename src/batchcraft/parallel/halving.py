@@ -28,6 +28,7 @@ from batchcraft.parallel.launcher import TrialResult
 __all__ = ["score", "CostModel", "BatchOutcome", "HalvingSearch"]
 
 PRUNE_FACTOR = 4.0  # a search candidate this many times worse than its round's best skips the other repeats
+SPREAD_LIMIT = 1.15  # repeats of one configuration further apart than this: a disturbed final round
 
 
 def score(result: TrialResult, objective: str, latency_limit_ms: float | None = None) -> tuple:
@@ -63,7 +64,7 @@ def median_result(results: list[TrialResult], objective: str, limit=None) -> Tri
 class CostModel:
     """Predicts a trial's wall time from what earlier trials took.
 
-    Per (configuration, batch size) it keeps the per-call time (p90 latency of the last trial); a
+    Per (configuration, batch size) it keeps the per-call time (the lowest median so far); a
     batch size not measured yet is estimated from the same configuration at the nearest smaller
     batch size, scaled by the batch ratio (per-item time rarely grows with the batch). The
     per-trial overhead (messages, start synchronisation) is a moving average of what trials took
@@ -115,7 +116,9 @@ class CostModel:
 
     def learn(self, cfg: ParallelConfig, length_s: float, wall_s: float, result: TrialResult) -> None:
         k = self._key(cfg)
-        call = max(result.latency_p90_ms, result.latency_p50_ms) / 1e3
+        # The fastest median call seen: another process stalling one trial must not make every
+        # later trial of this configuration look unaffordable.
+        call = min(result.latency_p50_ms / 1e3, self.call_s.get(k, math.inf))
         if k in self.warm:  # a warm-up trial's extra time is not overhead
             self.overhead_s = 0.7 * self.overhead_s + 0.3 * max(0.0, wall_s - length_s - call)
         self.call_s[k] = call
@@ -264,35 +267,56 @@ class HalvingSearch:
 
     # -- measuring --------------------------------------------------------------------------
     def _round(self, configs: list, length_s: float, min_calls: int, rnd: int, role: str,
-               end: float, outcome: BatchOutcome) -> list[tuple[ParallelConfig, TrialResult]]:
-        """One round: ``repeats`` interleaved passes; each configuration's median, best first."""
+               end: float, outcome: BatchOutcome, extra_end: float = -math.inf
+               ) -> list[tuple[ParallelConfig, TrialResult]]:
+        """One round: ``repeats`` interleaved passes; each configuration's median, best first.
+
+        Trials start only if predicted to end by ``end``; extra passes of a disturbed final round
+        only by ``extra_end``.
+        """
         runs: dict[int, list[TrialResult]] = {i: [] for i in range(len(configs))}
         active = list(range(len(configs)))
-        for rep in range(self.repeats):
+        rep = 0
+        while rep < self.repeats or (role == "final" and rep < 2 * self.repeats and self._disturbed(runs)):
+            # Final round: while some configuration's repeats disagree by more than SPREAD_LIMIT
+            # (another process took the cores during some of them), more interleaved passes, up
+            # to twice the repeats and as long as the deadline allows; the median takes them all.
             if rep and role == "search" and any(runs[i] for i in active):
                 # already PRUNE_FACTOR x worse than the round's best: cannot win this round
                 best = max(_throughput_like(runs[i][-1], self.objective, self.limit) for i in active if runs[i])
                 active = [i for i in active if not runs[i]
                           or _throughput_like(runs[i][-1], self.objective, self.limit) * PRUNE_FACTOR >= best]
             shift = rep % max(1, len(active))  # rotate the order: nobody always runs right after X
+            limit, measured = (end if rep < self.repeats else min(end, extra_end)), 0
             for i in active[shift:] + active[:shift]:
                 cfg = configs[i]
                 length = max(length_s, self.cost.floor(cfg, min_calls, self.min_trial_s))
                 t0 = self.clock()
-                if t0 + self.cost.wall(cfg, length) > end:
-                    outcome.skipped_trials += 1
+                if t0 + self.cost.wall(cfg, length) > limit:
+                    outcome.skipped_trials += rep < self.repeats
                     continue
+                measured += 1
                 res = self.measure(cfg, length, max(self.cost.warmup_s, 0.0))
                 self.cost.learn(cfg, length, self.clock() - t0, res)
                 res.config["label"] = cfg.label
                 runs[i].append(res)
                 self.trials.append({"round": rnd, "role": role, "repeat": rep, "duration_s": length, **res.to_dict()})
                 self.on_trial()
+            rep += 1
+            if rep > self.repeats and not measured:
+                break  # no time left for extra passes
         medians = [(configs[i], median_result(runs[i], self.objective, self.limit), len(runs[i]))
                    for i in runs if runs[i]]
         self.rounds.extend({"round": rnd, "role": role, "repeats": n, **r.to_dict()} for _, r, n in medians)
         ranked = sorted(medians, key=lambda m: score(m[1], self.objective, self.limit), reverse=True)
         return [(c, r) for c, r, _ in ranked]
+
+    def _disturbed(self, runs: dict) -> bool:
+        for results in runs.values():
+            thr = [_throughput_like(r, self.objective, self.limit) for r in results]
+            if len(thr) >= 2 and min(thr) > 0 and max(thr) / min(thr) > SPREAD_LIMIT:
+                return True
+        return False
 
     def run(self, search: list, baselines: list, deadline: float, hard_deadline: float) -> BatchOutcome:
         """Search one batch size until ``deadline`` (a trial may run on to ``hard_deadline``).
@@ -323,7 +347,8 @@ class HalvingSearch:
             alive = alive[:self.k_final]  # ranked by the last search round, else in prior order
         final_cfgs = alive + [b for b in baselines if all(b.key() != c.key() for c in alive)]
         out.final_trial_s = final_s
-        out.final = self._round(final_cfgs, final_s, self.min_calls[1], rnd, "final", hard_deadline, out)
+        out.final = self._round(final_cfgs, final_s, self.min_calls[1], rnd, "final", hard_deadline, out,
+                                extra_end=deadline)
         by_key = {c.key(): r for c, r in out.final}
         out.baselines = {b.label: by_key[b.key()] for b in baselines if b.key() in by_key}
         missing = [b.label for b in baselines if b.label not in out.baselines]

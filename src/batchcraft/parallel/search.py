@@ -23,7 +23,7 @@ from batchcraft.errors import ConfigurationError
 from batchcraft.parallel.analysis import GraphAnalysis, analyze
 from batchcraft.parallel.baselines import baseline_configs
 from batchcraft.parallel.config import ParallelConfig, usable_cpus
-from batchcraft.parallel.halving import CostModel, HalvingSearch, median_result, score
+from batchcraft.parallel.halving import SPREAD_LIMIT, CostModel, HalvingSearch, median_result, score
 from batchcraft.parallel.launcher import TrialResult, WorkerGroup
 from batchcraft.parallel.threads import preserved_thread_state
 from batchcraft.parallel.workload import build_workload
@@ -337,12 +337,18 @@ def _ratio(best: TrialResult, base: TrialResult, objective: str) -> float:
     return base.latency_p50_ms / best.latency_p50_ms  # > 1: the choice is faster per call
 
 
+def _spread(runs: dict) -> float:
+    thr = [[r.throughput_items_per_s for r in rs] for rs in runs.values() if rs]
+    return max((max(t) / min(t) for t in thr if min(t) > 0), default=1.0)
+
+
 def sweep(model: str, *, batch_sizes=(1, 8, 64), duration_s: float = 3.0, repeats: int = 3,
           min_calls: int = 5, warmup_s: float = 0.3, model_kwargs: dict | None = None,
           image_size: int | None = None, cpus: list[int] | None = None) -> list[TrialResult]:
     """Measure every configuration (the unpruned grid and the baselines) at every batch size.
 
-    The tuner's reference. Per batch size, ``repeats`` interleaved passes over all configurations;
+    The tuner's reference. Per batch size, ``repeats`` interleaved passes over all configurations
+    (up to twice as many while some configuration's repeats are more than SPREAD_LIMIT apart);
     each trial lasts duration_s / repeats seconds and at least ``min_calls`` calls (per-call time
     from the configuration's warm-up or previous trial); each configuration keeps its median by
     throughput. Returns one TrialResult per (configuration, batch size); ``config["label"]``
@@ -359,7 +365,9 @@ def sweep(model: str, *, batch_sizes=(1, 8, 64), duration_s: float = 3.0, repeat
             for b in batch_sizes:
                 search, base = _candidates(analysis, traceable, b, cpus, prune=False)
                 runs = {id(c): [] for c in base + search}
-                for _ in range(repeats):
+                rep = 0
+                while rep < repeats or (rep < 2 * repeats and _spread(runs) > SPREAD_LIMIT):
+                    rep += 1  # a disturbed configuration (repeats far apart): more passes, as in tune
                     for c in base + search:
                         if (c.key(), b) not in cost.call_s:  # warm up and learn the per-call time
                             cost.learn(c, 0.0, 0.0, groups.measure(c, 1e-3, warmup_s))
