@@ -233,3 +233,18 @@ def test_a_lead_within_the_noise_keeps_the_simpler_variant(spread, kept):
     assert v.times_ms == base and v.kept == kept
     assert v.margins["planned"] >= 0.01 and (v.margins["planned"] > 0.03) == (kept == "undivided")
     assert planned.steps == variants[kept]["0"]
+
+
+def test_an_input_that_requires_grad_is_differentiated_but_left_alone(tmp_path, monkeypatch):
+    seen = []
+
+    def timer(variant, fn):
+        fn()
+        seen.append(variant)
+        return 1.0
+    monkeypatch.setattr(verify_mod, "wall_clock_ms", timer)
+    x = _x().requires_grad_()
+    planned = microbatch(_net(), x, "64MiB", algorithms=FAST, repeats=1, progress=False,
+                         cache=tmp_path / "c.sqlite", verify_repeats=2)
+    assert seen and planned.plan.verification is not None
+    assert x.grad is None  # the verification's backward went into its own leaf

@@ -45,6 +45,8 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
+from batchcraft.errors import ConfigurationError
+
 __all__ = ["VARIANTS", "Verification", "verify_plan", "wall_clock_ms"]
 
 VARIANTS = ("default", "undivided", "planned")  # simplest first: the order ties are broken in
@@ -114,9 +116,11 @@ def _runner(model: nn.Module, x: torch.Tensor, training: bool) -> Callable[[], N
                 model(x)
         return forward
     params = [p for p in model.parameters() if p.requires_grad]
-    if not params:  # nothing to learn: differentiate with respect to the input instead
-        x = x.detach().requires_grad_()
-        params = [x]
+    # a leaf of our own: dX is computed exactly when the caller's input asks for it (then the
+    # first layer's backward-data runs, as in the caller's step), never into the caller's .grad
+    x = x.detach().requires_grad_(x.requires_grad or not params)
+    if x.requires_grad:
+        params.append(x)
 
     def forward_backward():
         for p in params:
@@ -176,7 +180,7 @@ def verify_plan(model: nn.Module, example_input: torch.Tensor, planned_modules: 
         Verification: kept variant and median whole-model times (ms).
     """
     if not variants:
-        raise ValueError("verify_plan: no variant to time")
+        raise ConfigurationError("verify_plan: no variant to time", hint="pass at least the plan itself")
     # identical variants are timed once
     distinct: dict[str, str] = {}
     identical: dict[str, str] = {}
