@@ -9,6 +9,8 @@ Variants, all on the same batches in one process, median ms per batch after warm
   batchcraft           defaults (depth scheduler, direct calls of transparent static blocks);
   no direct blocks     every static block replayed op by op through the batching rules;
   agenda               DyNet's agenda scheduler instead of depth;
+  no output arenas     each group's outputs stay separate tensors (a child list from several
+                       groups is gathered per source, then reordered);
   compiled blocks      (--compile) static blocks through torch.compile(dynamic=True);
 plus host microseconds per recorded operation.
 """
@@ -27,6 +29,7 @@ import torch  # noqa: E402
 
 from _report import save_json, write_section  # noqa: E402
 from batchcraft import autobatch  # noqa: E402
+from batchcraft.autobatching.execute import Executor  # noqa: E402
 from batchcraft.data import load_sentences  # noqa: E402
 from batchcraft.measure import format_table, machine_info  # noqa: E402
 from batchcraft.measure.compare import batches  # noqa: E402
@@ -51,17 +54,29 @@ def main(argv=None) -> int:
         "batchcraft (defaults)": dict(),
         "no direct blocks (replay)": dict(direct_blocks=False),
         "agenda scheduler": dict(scheduler="agenda"),
+        "no output arenas": dict(_executor=dict(use_arenas=False)),
     }
     if args.compile:
         variants["compiled blocks"] = dict(compile_blocks=True)
     times = {k: [] for k in variants}
     per_op_us = {}
     with torch.no_grad():
-        fns = {k: (autobatch(task.fn, **v) if v is not None else None) for k, v in variants.items()}
+        fns = {k: (autobatch(task.fn, **{o: x for o, x in v.items() if o != "_executor"})
+                   if v is not None else None) for k, v in variants.items()}
+        switches = {k: (v or {}).get("_executor", {}) for k, v in variants.items()}
+
+        def call(k, f, b):
+            for name, val in switches[k].items():
+                setattr(Executor, name, val)
+            try:
+                return f(b)
+            finally:
+                for name in switches[k]:
+                    setattr(Executor, name, True)
         ref = [[task.fn(x) for x in b] for b in bs]
         for k, f in fns.items():  # warm-up: inference of signatures, traces, compilation
             if f is not None:
-                out = f(bs[0])
+                out = call(k, f, bs[0])
                 diff = max((o - r).abs().max().item() for o, r in zip(out, ref[0]))
                 assert diff <= 1e-4, (k, diff)
         for _ in range(args.repeats):
@@ -71,7 +86,7 @@ def main(argv=None) -> int:
                     if f is None:
                         [task.fn(x) for x in b]
                     else:
-                        f(b)
+                        call(k, f, b)
                     times[k].append(time.perf_counter() - t0)
                     if f is not None:
                         st = f.stats

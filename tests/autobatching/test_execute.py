@@ -1,4 +1,4 @@
-"""Execution details: list arguments gathered as one block, output arenas, flushes mid-recording."""
+"""Execution details: gathers from several sources, output arenas, flushes mid-recording."""
 
 from __future__ import annotations
 
@@ -6,34 +6,9 @@ import pytest
 import torch
 
 from batchcraft import autobatch, static_block
-from batchcraft.autobatching.execute import Executor, list_runs
-from batchcraft.autobatching.lazy import LazyTensor
-from batchcraft.autobatching.signature import flatten
+from batchcraft.autobatching.execute import Executor
 
 from equivalence import assert_matches_eager
-
-
-def _lazy(shape=(4,)):
-    return LazyTensor(None, 0, (shape, torch.float32, torch.device("cpu")))
-
-
-def _runs(args, kwargs=None):
-    leaves: list = []
-    struct = (flatten(tuple(args), leaves), flatten(kwargs, leaves) if kwargs else None)
-    return list_runs(struct, leaves)
-
-
-def test_list_runs_finds_lists_of_same_shaped_per_instance_tensors():
-    a, b, c = _lazy(), _lazy(), _lazy()
-    assert _runs([a, [b, c]]) == {1: 2}
-    assert _runs([[a, b], (c, _lazy())]) == {0: 2, 2: 2}
-    assert _runs([a, {"xs": [b, c]}]) == {1: 2}
-    assert _runs([a, b]) == {}  # separate arguments stay separate gathers (each may be a view)
-    assert _runs([[a]]) == {}  # one item: nothing to merge
-    assert _runs([[a, _lazy((3,))]]) == {}  # different shapes cannot share one gather
-    assert _runs([[a, torch.zeros(4)]]) == {}  # a shared tensor inside: gathered item by item
-    assert _runs([[a, 2.0]]) == {}
-    assert _runs([a], {"hs": [b, c]}) == {1: 2}
 
 
 def _children_program(cell):

@@ -24,7 +24,7 @@ from batchcraft.autobatching.blocks import StaticBlock
 from batchcraft.autobatching.graph import LeafNode
 from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.rules import rule_for, rule_vmap
-from batchcraft.autobatching.signature import LEAF, flatten, rebuild
+from batchcraft.autobatching.signature import flatten, rebuild
 from batchcraft.errors import AutobatchError, InstanceError
 
 _perf = time.perf_counter
@@ -133,51 +133,11 @@ def _gather_sources(lazies: list, n: int) -> torch.Tensor:
     return cat.index_select(0, index_tensor(perm, cat.device))
 
 
-def list_runs(struct, leaves: list) -> dict:
-    """{first leaf index: length} of list/tuple arguments holding >= 2 per-instance tensors of one
-    descriptor and nothing else (e.g. a node's children's states): gathered as one block."""
-    runs: dict = {}
-    pos = 0
-
-    def walk(s):
-        nonlocal pos
-        if s is LEAF:
-            pos += 1
-            return
-        if type(s) is not tuple or not s:
-            return
-        tag = s[0]
-        if tag is slice:
-            for sub in s[1:]:
-                walk(sub)
-            return
-        if tag is dict:
-            for sub in s[2]:
-                walk(sub)
-            return
-        if not (isinstance(tag, type) and issubclass(tag, tuple) or tag is list) or len(s) != 2 \
-                or type(s[1]) is not tuple:
-            return
-        items = s[1]
-        if len(items) >= 2 and all(i is LEAF for i in items):
-            xs = leaves[pos:pos + len(items)]
-            if all(type(x) is LazyTensor for x in xs) and len({x.desc for x in xs}) == 1:
-                runs[pos] = len(items)
-            pos += len(items)
-            return
-        for sub in items:
-            walk(sub)
-
-    args_struct, kwargs_struct = struct
-    for sub in args_struct[1]:  # the positional arguments themselves are not one list
-        walk(sub)
-    if kwargs_struct is not None:
-        walk(kwargs_struct)
-    return runs
-
-
 class Executor:
     """Runs groups of pending nodes as batched calls and records statistics."""
+
+    #: switches for the ablation benchmark (benchmarks/autobatch_ablation.py); always on otherwise
+    use_arenas = True
 
     def __init__(self, stats, *, direct_blocks: bool = True, compile_blocks: bool = False):
         self.stats = stats
@@ -195,6 +155,9 @@ class Executor:
         arena layout of the minimal prototype in REFERENCES.md §6. Inference only: with autograd
         on, in-place copies into a shared buffer would chain the whole buffer through backward.
         """
+        if not self.use_arenas:
+            self.arenas = None
+            return
         count: dict = {}
         for nodes in buckets.values():
             first = nodes[0]
@@ -244,28 +207,9 @@ class Executor:
         info = first.info
         st = self.stats
         t0 = _perf()
-        runs = info.runs
-        if runs is None:
-            runs = info.runs = list_runs(info.struct, first.leaves)
         leaves, mask, shapes = [], [], []
-        first_leaves = first.leaves
-        j, n_leaves = 0, len(first_leaves)
-        while j < n_leaves:
-            x = first_leaves[j]
+        for j, x in enumerate(first.leaves):
             if type(x) is LazyTensor:
-                k = runs.get(j)
-                if k:
-                    # a list argument (e.g. the children's states): one gather for all k items,
-                    # item-major, then k row blocks of it (views)
-                    t = gather([nd.leaves[i] for i in range(j, j + k) for nd in nodes], n * k)
-                    t = t.reshape(k, n, *t.shape[1:])
-                    shape = x.desc[0]
-                    for p in range(k):
-                        leaves.append(t[p])
-                        mask.append(True)
-                        shapes.append(shape)
-                    j += k
-                    continue
                 leaves.append(gather([nd.leaves[j] for nd in nodes], n))
                 mask.append(True)
                 shapes.append(x.desc[0])
@@ -273,7 +217,6 @@ class Executor:
                 leaves.append(x)
                 mask.append(False)
                 shapes.append(tuple(x.shape))
-            j += 1
         t1 = _perf()
         outs = self.call_batched(first.func, first.struct, leaves, mask, shapes, n, info.out_descs,
                                  info.key[3], nodes, info)

@@ -99,7 +99,7 @@ class SigInfo:
     """
 
     __slots__ = ("sid", "key", "out_struct", "out_descs", "out_dids", "single", "flat_tuple", "program",
-                 "const_grad", "struct", "runs", "out_specs")
+                 "const_grad", "struct", "out_specs")
     _next = 0
 
     def __init__(self, key, out_struct, out_descs, program=None):
@@ -116,7 +116,6 @@ class SigInfo:
         self.flat_tuple = (type(out_struct) is tuple and out_struct[0] is tuple
                            and all(s is LEAF for s in out_struct[1]))
         self.program = program
-        self.runs = None  # list-argument runs, computed by the executor on first use
         # a static block whose body uses tensors that require grad (its parameters)
         self.const_grad = program is not None and any(
             r[0] == "const" and getattr(r[1], "requires_grad", False)
