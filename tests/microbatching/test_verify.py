@@ -206,6 +206,7 @@ def test_identical_variants_are_timed_once():
                     timer=lambda name, fn: (timed.append(name), fn(), 5.0)[2])
     assert timed == ["undivided", "undivided"] and v.identical == {"planned": "undivided"}
     assert v.times_ms == {"undivided": 5.0, "planned": 5.0} and v.kept == "undivided"
+    assert v.samples_ms == {"undivided": [5.0, 5.0]}  # the twin was not timed
     assert planned.steps == same["0"]
     with pytest.raises(ValueError, match="no variant"):
         verify_plan(model, x, mods, {}, training=False)
