@@ -50,7 +50,10 @@ def test_table_output_and_plot(capsys, tmp_path):
     assert png.stat().st_size > 1000
 
 
-@pytest.mark.parametrize("bad, code", [(["--workspace", "64XB"], "workspace"), (["--model", "nope"], "configuration")])
+@pytest.mark.parametrize("bad, code", [(["--workspace", "64XB"], "workspace"), (["--model", "nope"], "configuration"),
+                                       (["--model", "mlp_fc512"], "configuration"),  # no Conv2d
+                                       (["--model", "treelstm"], "configuration"),  # needs arguments
+                                       (["--threads", "0"], "configuration")])
 def test_errors_are_json_with_code(bad, code, capsys):
     argv = ARGS + bad + ["--json"]
     assert main(argv) == 1

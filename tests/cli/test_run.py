@@ -39,6 +39,13 @@ def test_run_errors(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["error"]["code"] == "data-format" and "bad.conllu:1" in out["error"]["message"]
     assert main(["run", "treelstm", "--batch-size", "0"]) == 1
+    assert main(["run", "treelstm", "--threads", "0"]) == 1
+    assert "--threads must be >= 1" in capsys.readouterr().err
+    empty = tmp_path / "empty.conllu"
+    empty.write_text("# a comment and no sentence\n")
+    assert main(["run", "treelstm", "--data", str(empty)]) == 1
+    err = capsys.readouterr().err
+    assert "empty.conllu" in err and "no sentences" in err
 
 
 def test_python_dash_m_entry_point():

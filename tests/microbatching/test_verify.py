@@ -85,6 +85,7 @@ def test_a_slower_plan_is_replaced_by_the_undivided_one(policy, tmp_path, monkey
     assert v.kept == "undivided"
     assert v.times_ms == {"default": 20.0, "undivided": 10.0, "planned": 30.0}
     assert v.mode == "training" and v.repeats == 3
+    assert "kept: the undivided variant" in planned.plan.table()  # the table says why it shows no division
     for (name, p, pp), (_, _, pp_raw) in zip(planned.plan.pass_plans(), raw.pass_plans()):
         assert pp.choice.steps == pp.undivided_choice.steps, (name, p)
         assert pp.choice.micro_batches == (BATCH,)
@@ -121,6 +122,7 @@ def test_a_faster_plan_is_kept_and_a_near_tie_goes_to_the_simpler(tmp_path, monk
     seen[0] = model = _net()
     plan = _plan(model, cache).plan
     assert plan.verification.kept == "planned"
+    assert "kept:" not in plan.table()
     assert any(len(pp.choice.steps) > 1 for _, _, pp in plan.pass_plans())
     assert all(pp.optimizer_choice is None for _, _, pp in plan.pass_plans())
     # within 1% of the fastest, the simpler variant wins

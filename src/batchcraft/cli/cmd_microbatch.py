@@ -61,6 +61,23 @@ def _plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _conv_models() -> list[str]:
+    """Registry models that contain a Conv2d (what this command can plan)."""
+    import torch
+
+    from batchcraft import models
+
+    out = []
+    for name in models.names():
+        try:
+            m = models.get(name)
+        except Exception:  # needs arguments: not a convolutional reference network
+            continue
+        if any(isinstance(x, torch.nn.Conv2d) for x in m.modules()):
+            out.append(name)
+    return out
+
+
 def run(args) -> int:
     import torch
 
@@ -72,12 +89,20 @@ def run(args) -> int:
 
     if args.batch_size < 1:
         raise ConfigurationError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigurationError(f"--threads must be >= 1, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         model = models.get(args.model)
     except KeyError as exc:
-        raise ConfigurationError(str(exc.args[0])) from None
+        raise ConfigurationError(str(exc.args[0]), hint=f"models with convolutions: {', '.join(_conv_models())}") from None
+    except TypeError as exc:  # a registry model that needs arguments (e.g. a vocabulary size)
+        raise ConfigurationError(f"model {args.model!r} cannot be built without arguments ({exc})",
+                                 hint=f"models with convolutions: {', '.join(_conv_models())}") from None
+    if not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
+        raise ConfigurationError(f"model {args.model!r} has no Conv2d layer: nothing to micro-batch",
+                                 hint=f"models with convolutions: {', '.join(_conv_models())}")
     x = example_input_for(model, args.batch_size, args.image_size)
     result = compare(model, x, args.workspace, policy=args.policy, batch_sizes=args.batch_sizes,
                      training=not args.inference, repeats=args.repeats, cache=args.cache,

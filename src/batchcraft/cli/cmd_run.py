@@ -40,6 +40,8 @@ def _check(args) -> None:
         raise ConfigurationError(f"--limit must be >= 1, got {args.limit}")
     if args.hidden is not None and args.hidden < 1:
         raise ConfigurationError(f"--hidden must be >= 1, got {args.hidden}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigurationError(f"--threads must be >= 1, got {args.threads}")
 
 
 def run(args) -> int:
@@ -67,6 +69,11 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sentences = load_sentences(args.data, limit=args.limit)
+    if not sentences:
+        from batchcraft.errors import DataFormatError
+
+        raise DataFormatError(args.data or "the embedded UD data", None, "no sentences to run",
+                              hint="give a CoNLL-U file with at least one sentence")
     task = suite.build(args.model, sentences, size=args.size, hidden=args.hidden)
     res = compare_eager(task.fn, task.instances, batch_size=args.batch_size, scheduler=args.scheduler,
                         progress=not (args.no_progress or args.json))

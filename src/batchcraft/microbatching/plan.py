@@ -146,7 +146,15 @@ class Plan:
                          "-" if pp.undivided_ms is None else f"{pp.undivided_ms / pp.time_ms:.2f}x"])
         headers = ["layer", "pass", "division", "plan_ms", "workspace", "default_ms", "undivided_ms",
                    "vs_default", "vs_undivided"]
-        return format_table(headers, rows, markdown=markdown)
+        text = format_table(headers, rows, markdown=markdown)
+        v = self.verification
+        if v is not None and v.kept != "planned":
+            # say why the table shows the default or undivided choices, not the optimiser's
+            planned = v.times_ms.get("planned")
+            vs = f" vs {planned:.1f} ms for the optimiser's plan" if planned is not None else ""
+            text += (f"\nkept: the {v.kept} variant after the whole-model check ({v.times_ms[v.kept]:.1f} ms"
+                     f"{vs}; see verification_table()); the rows show the kept choices")
+        return text
 
     def to_dict(self) -> dict:
         return {

@@ -279,8 +279,8 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
     if late:
         if len(late) == len(first[0]) + len(first[1]):
             raise ConfigurationError(
-                f"tune: no instance of {model!r} was ready after {clock() - t_start:.1f} s, "
-                f"{START_SHARE:.0%} of the {budget_s:g} s budget",
+                f"tune: no instance of {model!r} was ready within {START_SHARE * budget_s:.1f} s "
+                f"({START_SHARE:.0%} of the {budget_s:g} s budget); gave up after {clock() - t_start:.1f} s",
                 hint="give a larger --budget (starting the instances alone takes a few seconds)")
         notes.append(f"not ready within {START_SHARE:.0%} of the budget, left out: "
                      + ", ".join(f"{c.short()} [{c.label}]" for c in late))
