@@ -78,6 +78,10 @@ def test_no_arena_when_autograd_records():
     assert list(ex.arenas.values()) == [[None, 0, 2]]
     ex.end()
     assert ex.arenas is None
+    # rows above ARENA_MAX_ROW_BYTES (e.g. MV-RNN's matrices) keep their own tensors
+    _Info.out_descs = (((64, 64), torch.float32, torch.device("cpu")),)
+    ex.begin({1: [_Node()], 2: [_Node()]})
+    assert ex.arenas == {}
 
 
 lin4 = torch.nn.Linear(4, 4)

@@ -133,6 +133,22 @@ def _gather_sources(lazies: list, n: int) -> torch.Tensor:
     return cat.index_select(0, index_tensor(perm, cat.device))
 
 
+#: output arenas only for rows up to this size (bytes, all outputs of a node) and buffers up to
+#: ARENA_MAX_BYTES: copying big rows twice costs more than the gathers it saves
+ARENA_MAX_ROW_BYTES = 8192
+ARENA_MAX_BYTES = 64 << 20
+
+
+def _row_bytes(out_descs) -> int:
+    total = 0
+    for shape, dtype, _ in out_descs:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * dtype.itemsize
+    return total
+
+
 class Executor:
     """Runs groups of pending nodes as batched calls and records statistics."""
 
@@ -171,8 +187,11 @@ class Executor:
             else:
                 c[0] += 1
                 c[1] += len(nodes)
-        # [buffers (made on first use), next free row, capacity]; one group alone needs no arena
-        self.arenas = {k: [None, 0, c[1]] for k, c in count.items() if c[0] >= 2}
+        # [buffers (made on first use), next free row, capacity]; one group alone needs no arena, and
+        # large rows (MV-RNN's matrices) are not worth a second copy (measured: 271 vs 239 ms)
+        self.arenas = {k: [None, 0, c[1]] for k, c in count.items()
+                       if c[0] >= 2 and _row_bytes(k[1]) <= ARENA_MAX_ROW_BYTES
+                       and _row_bytes(k[1]) * c[1] <= ARENA_MAX_BYTES}
 
     def end(self) -> None:
         self.arenas = None
