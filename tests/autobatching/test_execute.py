@@ -105,3 +105,71 @@ def test_nested_block_runs_when_flushed_in_the_middle_of_recording(opts):
     out = f(xs)
     for o, x in zip(out, xs):
         torch.testing.assert_close(o, fn(x))
+
+
+def test_arena_keeps_eager_layout_so_view_works_as_in_eager():
+    """Break-it report A: copying a non-contiguous result into an arena changed its strides, so a
+    later ``.view()`` that works eagerly failed."""
+
+    def fn(x):  # x: (2, 3)
+        a = x.t() * 2  # non-contiguous, as in eager
+        b = a.t() * 2  # contiguous in eager: a.t() is
+        c = b.t() * 2  # same op and output shape as `a`: would share an arena with it
+        return b.view(-1), c
+
+    torch.manual_seed(3)
+    xs = [torch.randn(2, 3) for _ in range(4)]
+    with torch.no_grad():
+        out = autobatch(fn)(xs)
+        for (b, c), x in zip(out, xs):
+            rb, rc = fn(x)
+            torch.testing.assert_close(b, rb)
+            torch.testing.assert_close(c, rc)
+            assert c.stride() == rc.stride()
+
+
+def test_outputs_that_alias_in_eager_are_equal_and_editing_one_instance_leaves_the_others():
+    """Break-it report B. Eager's ``(a, a.t(), a[0])`` share memory; batched, ``a.t()`` and ``a[0]``
+    are computed from a gathered copy of ``a`` when its rows come from several groups (with or
+    without arenas), so they come back equal but separate (README, differences from eager). What
+    must hold: equal values, and an in-place edit of one instance's output changes no other
+    instance's outputs."""
+
+    def fn(inst):
+        x, n = inst
+        a = x
+        for _ in range(n):
+            a = torch.tanh(a)
+        return a, a.t(), a[0]
+
+    torch.manual_seed(4)
+    insts = [(torch.randn(3, 3), n) for n in (1, 2, 3, 1, 2, 3)]
+    with torch.no_grad():
+        out = autobatch(fn)(insts)
+        for o, inst in zip(out, insts):
+            for t, r in zip(o, fn(inst)):
+                torch.testing.assert_close(t, r)
+        before = [[t.clone() for t in o] for o in out]
+        for t in out[0]:
+            t.add_(1)
+        for o, b in zip(out[1:], before[1:]):
+            assert all(torch.equal(t, u) for t, u in zip(o, b))
+
+
+W3 = torch.randn(3)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda v: torch.tensor(v, dtype=torch.float64) * W3, torch.float32),
+    (lambda v: torch.tensor(int(v)) * torch.ones(3, dtype=torch.int32), torch.int32),
+    (lambda v: (torch.tensor(v, dtype=torch.float64) * W3) @ torch.eye(3), torch.float32),
+])
+def test_zero_dim_per_instance_values_promote_like_eager(make, expected):
+    """Break-it report C: a batched 0-dim argument counted as a dimensioned tensor in type promotion
+    (float64 instead of float32); the executor now checks output dtypes and falls back."""
+    xs = [1.5, 2.5, -0.5]
+    out = autobatch(make)(xs)
+    for o, v in zip(out, xs):
+        ref = make(v)
+        assert o.dtype == ref.dtype == expected
+        torch.testing.assert_close(o, ref)

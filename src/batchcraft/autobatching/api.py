@@ -86,6 +86,7 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
         gradient), even for other instances' losses; forward values stay per instance.
         Outputs are views (rows) of the batched results, as ``torch.unbind`` gives: keeping one
         output keeps its whole batch's result tensor alive, so ``.clone()`` what you keep long.
+        Outputs that share memory in eager (``(a, a.t())``) come back equal but separate.
     Source:
         ACRoBat (Fegade et al., MLSys 2024, arXiv 2305.10611); DyNet auto-batching
         (Neubig et al., NeurIPS 2017, arXiv 1705.07860).

@@ -206,6 +206,10 @@ class Executor:
         if len(bufs) != len(outs) or any(b.dtype != t.dtype or b.device != t.device or b.shape[1:] != t.shape[1:]
                                           for b, t in zip(bufs, outs)):
             return outs, 0
+        # a copy would change eager's layout (a non-contiguous result stays non-contiguous, and
+        # .view() on it may rely on that) or cut a view from its base (x[0] aliases x): keep those
+        if any(t._base is not None or not t.is_contiguous() for t in outs):
+            return outs, 0
         for b, t in zip(bufs, outs):
             b[off:off + n].copy_(t)
         a[1] = off + n
@@ -265,7 +269,8 @@ class Executor:
                 try:
                     outs = _tensors(_call(self._block_fn(func, prog), struct, leaves))
                     if len(outs) == len(out_descs) and all(
-                            t.shape[0] == n and tuple(t.shape[1:]) == d[0] for t, d in zip(outs, out_descs)):
+                            t.shape[0] == n and tuple(t.shape[1:]) == d[0] and t.dtype == d[1]
+                            for t, d in zip(outs, out_descs)):
                         kinds["block_direct"] = kinds.get("block_direct", 0) + 1
                         return outs
                 except Exception:  # the step-by-step replay below is always correct
@@ -283,6 +288,8 @@ class Executor:
             for t, d in zip(outs, out_descs):
                 if t.shape[0] != n or tuple(t.shape[1:]) != d[0]:
                     raise _Mismatch(f"batched shape {tuple(t.shape)}, expected ({n}, *{d[0]})")
+                if t.dtype != d[1]:  # e.g. a batched 0-dim argument promoted like a dimensioned one
+                    raise _Mismatch(f"batched dtype {t.dtype}, expected {d[1]}")
             name = rule.__name__
             kinds[name] = kinds.get(name, 0) + 1
             return outs
