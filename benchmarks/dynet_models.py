@@ -50,6 +50,18 @@ def import_dynet(autobatch: int, mem_mb: int | None = None, seed: int = 0):
     return dy
 
 
+def lstm_step(dy, H: int, cell, x, h, c):
+    """One LSTM step (torch's gate order i, f, g, o) on DyNet expressions; returns (h, c)."""
+    W_ih, W_hh, b = cell
+    g = dy.affine_transform([b, W_ih, x, W_hh, h])
+    i = dy.logistic(dy.pick_range(g, 0, H))
+    f = dy.logistic(dy.pick_range(g, H, 2 * H))
+    u = dy.tanh(dy.pick_range(g, 2 * H, 3 * H))
+    o = dy.logistic(dy.pick_range(g, 3 * H, 4 * H))
+    c = dy.cmult(f, c) + dy.cmult(i, u)
+    return dy.cmult(o, dy.tanh(c)), c
+
+
 class DyTreeLSTM:
     """Child-Sum TreeLSTM (Tai et al. 2015, §3.1), the formulation of
     ``batchcraft.models.treelstm.TreeLSTM``: per node ``x = [E_word[w]; E_upos[t]]``,
@@ -146,17 +158,10 @@ class DyBiRNN:
 
     def _lstm(self, xs, cell):
         dy, H = self.dy, self.hidden
-        W_ih, W_hh, b = cell
         h = c = dy.zeros(H)
         hs = []
         for x in xs:
-            g = dy.affine_transform([b, W_ih, x, W_hh, h])
-            i = dy.logistic(dy.pick_range(g, 0, H))
-            f = dy.logistic(dy.pick_range(g, H, 2 * H))
-            u = dy.tanh(dy.pick_range(g, 2 * H, 3 * H))
-            o = dy.logistic(dy.pick_range(g, 3 * H, 4 * H))
-            c = dy.cmult(f, c) + dy.cmult(i, u)
-            h = dy.cmult(o, dy.tanh(c))
+            h, c = lstm_step(dy, H, cell, x, h, c)
             hs.append(h)
         return hs
 
@@ -268,16 +273,9 @@ class DyNestedRNN:
 
     def sentence(self, inst, gru, lstm):
         dy, H = self.dy, self.hidden
-        W_ih, W_hh, b = lstm
         h = c = dy.zeros(H)
         for chars in inst["char_ids"]:
-            g = dy.affine_transform([b, W_ih, self.word(chars, gru), W_hh, h])
-            i = dy.logistic(dy.pick_range(g, 0, H))
-            f = dy.logistic(dy.pick_range(g, H, 2 * H))
-            u = dy.tanh(dy.pick_range(g, 2 * H, 3 * H))
-            o = dy.logistic(dy.pick_range(g, 3 * H, 4 * H))
-            c = dy.cmult(f, c) + dy.cmult(i, u)
-            h = dy.cmult(o, dy.tanh(c))
+            h, c = lstm_step(dy, H, lstm, self.word(chars, gru), h, c)
         return h
 
     def outputs(self, batch):

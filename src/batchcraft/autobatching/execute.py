@@ -189,9 +189,11 @@ class Executor:
                 c[1] += len(nodes)
         # [buffers (made on first use), next free row, capacity]; one group alone needs no arena, and
         # large rows (MV-RNN's matrices) are not worth a second copy (measured: 271 vs 239 ms)
-        self.arenas = {k: [None, 0, c[1]] for k, c in count.items()
-                       if c[0] >= 2 and _row_bytes(k[1]) <= ARENA_MAX_ROW_BYTES
-                       and _row_bytes(k[1]) * c[1] <= ARENA_MAX_BYTES}
+        self.arenas = {}
+        for k, (groups, rows) in count.items():
+            row = _row_bytes(k[1])
+            if groups >= 2 and row <= ARENA_MAX_ROW_BYTES and row * rows <= ARENA_MAX_BYTES:
+                self.arenas[k] = [None, 0, rows]
 
     def end(self) -> None:
         self.arenas = None
