@@ -35,6 +35,7 @@ class FakeGroups:
         self.start_s, self.overhead_s, self.noise = start_s, overhead_s, noise
         self.rng = random.Random(seed)
         self.warm, self.calls, self.closed = set(), [], False
+        self.speed_at = None  # speed(cfg, trial length): a trial-length bias
 
     def start_all(self, configs, timeout_s):
         self.clock.t += min(self.start_s, timeout_s)
@@ -46,7 +47,8 @@ class FakeGroups:
         self.warm.add((cfg.key(), cfg.batch_size))
         n = max(1, math.ceil(duration_s / call))
         self.clock.t += (max(warmup_s, call) if first else 0.0) + n * call + self.overhead_s
-        thr = self.speed(cfg) * (1 + self.rng.uniform(-self.noise, self.noise))
+        speed = self.speed_at(cfg, duration_s) if self.speed_at else self.speed(cfg)
+        thr = speed * (1 + self.rng.uniform(-self.noise, self.noise))
         self.calls.append(cfg)
         return TrialResult(cfg.to_dict(), cfg.batch_size, thr, call * 1e3, call * 1e3, call * 1e3, n, duration_s)
 
@@ -92,7 +94,7 @@ def test_a_large_budget_ends_early_and_a_large_grid_is_halved():
     res = run_tune(groups, clock, 600.0, cpus=range(16))
     assert res.elapsed_s < 300  # trials are capped (max_trial_s): no point in spending 10 minutes
     roles = {t["role"] for t in res.trials}
-    assert roles == {"probe", "search", "final"}
+    assert roles >= {"probe", "search", "final"} and roles <= {"probe", "search", "final", "playoff"}
     for pb in res.per_batch:
         final = [t for t in res.rounds if t["role"] == "final" and t["batch_size"] == pb["batch_size"]]
         search0 = [t for t in res.rounds if t["role"] == "search" and t["batch_size"] == pb["batch_size"]
@@ -126,7 +128,13 @@ def test_the_choice_is_never_a_configuration_measured_slower(speeds, seed, noise
     res = run_tune(groups, clock, 20.0, cpus=range(n_cpus))
     for pb in res.per_batch:
         best = pb["best"]["throughput_items_per_s"]
-        assert all(best >= f["throughput_items_per_s"] for f in pb["final"])
+        if pb["playoff"]:  # decided by the longer trials of the final round's best two
+            assert best == max(p["throughput_items_per_s"] for p in pb["playoff"])
+            finals = sorted(f["throughput_items_per_s"] for f in pb["final"])
+            mine = next(f for f in pb["final"] if f["config"] == pb["best"]["config"])
+            assert mine["throughput_items_per_s"] >= finals[-2]  # it was one of the best two
+        else:
+            assert all(best >= f["throughput_items_per_s"] for f in pb["final"])
         assert min(pb["ratios"].values()) >= 1.0  # never below a baseline measured beside it
     overall = res.best_result.throughput_items_per_s
     assert all(overall >= pb["best"]["throughput_items_per_s"] for pb in res.per_batch)
@@ -210,3 +218,38 @@ def test_a_disturbed_final_round_gets_more_passes_and_keeps_the_right_choice():
     out = HalvingSearch(groups.measure, clock, repeats=3, trials=trials).run(search, base, clock() + 30, clock() + 30)
     assert [t["repeat"] for t in trials if t["config"]["label"] == "fast"] == [0, 1, 2, 3, 4, 5]
     assert out.best.label == "fast"  # median of 6 passes: 100, not the disturbed 33
+
+
+def test_time_left_goes_to_a_playoff_with_longer_trials_that_decides_a_close_call():
+    # "pytorch-default" looks 5% faster in short trials, "intel-recommended" is 10% faster in
+    # long ones (a fast first burst): the playoff's longer trials must pick the latter
+    clock = FakeClock()
+
+    def speed(cfg, length):
+        if cfg.label == "pytorch-default":
+            return 1000.0 if length < 0.75 else 800.0
+        if cfg.label == "intel-recommended":
+            return 950.0 if length < 0.75 else 880.0
+        return 300.0
+
+    groups = FakeGroups(clock, None, call_s=0.002)
+    groups.speed_at = speed
+    res = run_tune(groups, clock, 60.0, batch_sizes=(8,))
+    pb = res.per_batch[0]
+    assert [f["config"]["label"] for f in pb["final"][:2]] == ["pytorch-default", "intel-recommended"]
+    assert pb["playoff"] and pb["playoff_trial_s"] >= 2 * pb["final_trial_s"]
+    assert pb["best"]["config"]["label"] == "intel-recommended"
+    assert pb["ratios"]["pytorch-default"] == pytest.approx(880 / 800)
+    assert any("playoff" in n for n in res.notes)
+    assert clock() - 1000.0 <= 60.0 + 0.01
+
+
+def test_no_playoff_when_the_final_round_is_clear_or_no_time_is_left():
+    clock = FakeClock()
+    groups = FakeGroups(clock, by_label({"pytorch-default": 500.0}), call_s=0.002)
+    res = run_tune(groups, clock, 60.0, batch_sizes=(8,))
+    assert not res.per_batch[0]["playoff"]  # 2 x 1 x 1 (200) vs default (500): far apart
+    clock = FakeClock()
+    groups = FakeGroups(clock, by_label({}), call_s=0.3)  # ties, but the budget is all used
+    res = run_tune(groups, clock, 8.0)
+    assert clock() - 1000.0 <= 8.0 + 2 * 0.3 * 8 ** 0.5

@@ -94,3 +94,22 @@ def test_candidates_come_most_promising_first():
     wide = _analysis([[100], [100] * 4, [100] * 4, [100]])
     assert prior_speed(ParallelConfig(1, 2, 1, 8), wide, "latency") > prior_speed(ParallelConfig(1, 1, 1, 8), wide,
                                                                                    "latency")
+
+
+def test_head_to_head_measures_each_configuration_in_order():
+    from batchcraft.parallel import head_to_head
+
+    a = ParallelConfig(instances=1, inter_op_threads=1, intra_op_threads=1, batch_size=4, label="a")
+    b = ParallelConfig(instances=1, inter_op_threads=1, intra_op_threads=1, batch_size=16, label="b")
+    res = head_to_head("mlp_fc512", [a, b], rounds=2, duration_s=0.05, warmup_s=0.05)
+    assert [r.config["label"] for r in res] == ["a", "b"]
+    assert [r.batch_size for r in res] == [4, 16]
+    assert all(r.throughput_items_per_s > 0 and r.calls >= 5 for r in res)
+
+
+@pytest.mark.parametrize("configs, rounds", [([], 3), ([ParallelConfig(label="x")], 0)])
+def test_head_to_head_rejects_bad_arguments(configs, rounds):
+    from batchcraft.parallel import head_to_head
+
+    with pytest.raises(ConfigurationError):
+        head_to_head("mlp_fc512", configs, rounds=rounds)

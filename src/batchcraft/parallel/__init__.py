@@ -14,7 +14,7 @@ from batchcraft.parallel.baselines import BASELINES, baseline_configs, width_gui
 from batchcraft.parallel.config import ParallelConfig, physical_cores, sockets, usable_cpus
 from batchcraft.parallel.executor import InterOpExecutor
 from batchcraft.parallel.launcher import TrialResult, WorkerGroup, launch
-from batchcraft.parallel.search import OBJECTIVES, TuneResult, sweep, tune
+from batchcraft.parallel.search import OBJECTIVES, TuneResult, head_to_head, sweep, tune
 from batchcraft.parallel.threads import apply_env, preserved_thread_state, set_inter_op_threads
 
 __all__ = [
@@ -22,7 +22,7 @@ __all__ = [
     "InterOpExecutor",
     "ParallelConfig", "usable_cpus", "physical_cores", "sockets",
     "WorkerGroup", "TrialResult", "launch",
-    "tune", "sweep", "TuneResult", "OBJECTIVES",
+    "tune", "sweep", "head_to_head", "TuneResult", "OBJECTIVES",
     "BASELINES", "baseline_configs", "width_guideline",
     "set_inter_op_threads", "preserved_thread_state", "apply_env",
 ]

@@ -6,7 +6,8 @@ Jamieson & Talwalkar, AISTATS 2016), until at most ``k_final`` are left. A final
 measures those **and every baseline** side by side: ``repeats`` interleaved passes, median per
 configuration. The choice is the best median of that round, so it is never a configuration that
 the same round measured slower than another one, and never below the best baseline by the tuner's
-own measurement.
+own measurement. :meth:`HalvingSearch.playoff` re-measures a close final (best two within
+PLAYOFF_MARGIN) with longer trials when time is left; its winner then decides.
 
 Time is a hard budget. Trial lengths are planned to fit the time a batch size is given; a trial is
 at least ``min_calls`` calls of that configuration (its per-call time is learned from earlier
@@ -25,10 +26,12 @@ from typing import Callable
 from batchcraft.parallel.config import ParallelConfig
 from batchcraft.parallel.launcher import TrialResult
 
-__all__ = ["score", "CostModel", "BatchOutcome", "HalvingSearch"]
+__all__ = ["score", "CostModel", "BatchOutcome", "HalvingSearch", "PLAYOFF_MARGIN"]
 
 PRUNE_FACTOR = 4.0  # a search candidate this many times worse than its round's best skips the other repeats
 SPREAD_LIMIT = 1.15  # repeats of one configuration further apart than this: a disturbed final round
+PLAYOFF_MARGIN = 1.15  # final round's best two closer than this: re-measured with longer trials if time is left
+PLAYOFF_MAX_TRIAL_S = 1.0
 
 
 def score(result: TrialResult, objective: str, latency_limit_ms: float | None = None) -> tuple:
@@ -147,6 +150,15 @@ class BatchOutcome:
     final_trial_s: float = 0.0
     skipped_trials: int = 0
     notes: list = field(default_factory=list)
+    playoff: list = field(default_factory=list)
+    playoff_trial_s: float = 0.0
+
+    def gap(self, objective: str, limit=None) -> float:
+        """How far ahead the final round's best is of its runner-up (ratio >= 1; inf if alone)."""
+        if len(self.final) < 2:
+            return math.inf
+        a, b = (_throughput_like(r, objective, limit) for _, r in self.final[:2])
+        return a / b if b > 0 else math.inf
 
 
 class HalvingSearch:
@@ -264,6 +276,35 @@ class HalvingSearch:
         res.config["label"] = cfg.label
         self.trials.append({"round": -1, "role": "probe", "repeat": 0, "duration_s": 1e-3, **res.to_dict()})
         self.on_trial()
+
+    def playoff(self, outcome: BatchOutcome, end: float, rnd: int) -> bool:
+        """Re-measure the final round's best two side by side with longer trials, if they fit.
+
+        Short trials can rank two close configurations differently from long ones (e.g. an
+        unpinned process that is fast for a burst, then slower), so when the budget has time
+        left after every batch size, the closest decision gets ``repeats`` interleaved passes of
+        trials as long as fit by ``end`` (at least twice the final round's, at most
+        PLAYOFF_MAX_TRIAL_S). The winner becomes the choice. Returns False when nothing fitted.
+        """
+        pair = [c for c, _ in outcome.final[:2]]
+        left = end - self.clock()
+        length = PLAYOFF_MAX_TRIAL_S
+        while length >= 2 * outcome.final_trial_s and length >= self.min_trial_s:
+            if self.repeats * sum(self.cost.wall(c, length) for c in pair) <= left:
+                break
+            length /= 2
+        else:
+            return False
+        ranked = self._round(pair, length, self.min_calls[1], rnd, "playoff", end, outcome)
+        if len(ranked) < 2 or any(r.calls == 0 for _, r in ranked):
+            return False
+        outcome.playoff, outcome.playoff_trial_s = ranked, length
+        if ranked[0][0].key() != outcome.best.key():
+            outcome.notes.append(f"playoff with {length:.2g}-s trials chose {ranked[0][0].short()} "
+                                 f"[{ranked[0][0].label}] over the final round's {outcome.best.short()} "
+                                 f"[{outcome.best.label}]")
+        outcome.best, outcome.best_result = ranked[0]
+        return True
 
     # -- measuring --------------------------------------------------------------------------
     def _round(self, configs: list, length_s: float, min_calls: int, rnd: int, role: str,

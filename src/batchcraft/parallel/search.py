@@ -6,7 +6,9 @@ promising first), every process-level configuration is started once, at the same
 batch size gets an equal share of what is left, searched by :class:`~batchcraft.parallel.halving.
 HalvingSearch`: successive halving over the grid with trials sized from each configuration's
 measured per-call time, then a final round where the best few and **every baseline** are measured
-side by side (interleaved, median of repeats). The choice is the best of that final round. All
+side by side (interleaved, median of repeats). The choice is the best of that final round; time
+left once every batch size is done goes to *playoffs*: where a final round's best two are within
+15%, they are measured again side by side with longer trials, and the winner is the choice. All
 trials run in worker processes (:class:`~batchcraft.parallel.launcher.WorkerGroup`), so the tuning
 process never changes its own thread settings (inter-op threads can be set once per process).
 :func:`sweep` measures every configuration at every batch size: the reference for benchmarks.
@@ -23,7 +25,8 @@ from batchcraft.errors import ConfigurationError
 from batchcraft.parallel.analysis import GraphAnalysis, analyze
 from batchcraft.parallel.baselines import baseline_configs
 from batchcraft.parallel.config import ParallelConfig, usable_cpus
-from batchcraft.parallel.halving import SPREAD_LIMIT, CostModel, HalvingSearch, median_result, score
+from batchcraft.parallel.halving import (PLAYOFF_MARGIN, SPREAD_LIMIT, CostModel, HalvingSearch, median_result,
+                                         score)
 from batchcraft.parallel.launcher import TrialResult, WorkerGroup
 from batchcraft.parallel.threads import preserved_thread_state
 from batchcraft.parallel.workload import build_workload
@@ -239,7 +242,8 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
         progress (bool): show a tqdm progress bar on stderr. Default: False.
     Returns:
         TuneResult: the choice, per batch size the final round (choice and every baseline measured
-        side by side) with ratios, every trial.
+        side by side), the playoff if there was one, ratios (from the playoff for the baseline
+        in it, else from the final round), every trial.
     Raises:
         ConfigurationError: unknown model or objective, bad batch sizes, budget <= 0, or a budget
             too short for any instance to start.
@@ -286,7 +290,7 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
                      + ", ".join(f"{c.short()} [{c.label}]" for c in late))
     late_keys = {c.key() for c in late}
     start_s = clock() - t_start
-    trials, rounds, per_batch, finals = [], [], [], []
+    trials, rounds, per_batch, finals, outcomes = [], [], [], [], {}
     bar = tqdm(desc=f"tune {model}", unit="trial", file=sys.stderr, disable=not progress, leave=False)
     engine = HalvingSearch(groups.measure, clock, objective, limit, eta=eta, repeats=repeats, k_final=k_final,
                            trials=trials, rounds=rounds, on_trial=lambda: bar.update(1))
@@ -309,14 +313,18 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
             deadline = clock() + share
             out = engine.run(search, baselines, deadline, min(hard_end, deadline + 0.25 * max(0.0, share)))
             notes += [f"batch {b}: {n}" for n in out.notes]
-            if out.best is None:
+            out.notes = []
+            if out.best is not None:
+                outcomes[b] = out
+        # Time left (a large budget, or trials capped at max_trial_s): the closest decisions first
+        for b in sorted(outcomes, key=lambda b: outcomes[b].gap(objective, limit)):
+            if outcomes[b].gap(objective, limit) >= PLAYOFF_MARGIN:
+                break
+            if not engine.playoff(outcomes[b], hard_end, rnd=1 + max((r["round"] for r in rounds), default=0)):
                 continue
-            per_batch.append({
-                "batch_size": b, "best": out.best_result.to_dict(),
-                "baselines": {k: v.to_dict() for k, v in out.baselines.items()},
-                "ratios": {k: _ratio(out.best_result, v, objective) for k, v in out.baselines.items()},
-                "final": [r.to_dict() for _, r in out.final], "final_trial_s": out.final_trial_s,
-                "skipped_trials": out.skipped_trials})
+            notes += [f"batch {b}: {n}" for n in outcomes[b].notes]
+        for b, out in outcomes.items():
+            per_batch.append(_per_batch(b, out, objective))
             finals.append((out.best, out.best_result))
     finally:
         bar.close()
@@ -329,6 +337,24 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
                       elapsed_s=clock() - t_start, analysis=None if analysis is None else analysis.to_dict(),
                       best=best_cfg, best_result=best_res, per_batch=per_batch, trials=trials,
                       rounds=rounds, notes=notes, start_s=start_s)
+
+
+def _per_batch(b: int, out, objective: str) -> dict:
+    """Report of one batch size; ratios vs baselines from the round that decided between them."""
+    by_key = {c.key(): r for c, r in out.playoff}
+    best_final = next((r for c, r in out.final if c.key() == out.best.key()), out.best_result)
+    ratios = {}
+    for label, res in out.baselines.items():
+        base_key = next(c.key() for c, r in out.final if r is res)
+        if out.playoff and base_key in by_key:
+            ratios[label] = _ratio(by_key[out.best.key()], by_key[base_key], objective)
+        else:
+            ratios[label] = _ratio(best_final, res, objective)
+    return {"batch_size": b, "best": out.best_result.to_dict(),
+            "baselines": {k: v.to_dict() for k, v in out.baselines.items()}, "ratios": ratios,
+            "final": [r.to_dict() for _, r in out.final], "final_trial_s": out.final_trial_s,
+            "playoff": [r.to_dict() for _, r in out.playoff], "playoff_trial_s": out.playoff_trial_s,
+            "skipped_trials": out.skipped_trials}
 
 
 def _ratio(best: TrialResult, base: TrialResult, objective: str) -> float:
@@ -379,3 +405,44 @@ def sweep(model: str, *, batch_sizes=(1, 8, 64), duration_s: float = 3.0, repeat
         finally:
             groups.close()
     return out
+
+
+def head_to_head(model: str, configs: list[ParallelConfig], *, rounds: int = 7, duration_s: float = 1.0,
+                 min_calls: int = 5, warmup_s: float = 0.3, model_kwargs: dict | None = None,
+                 image_size: int | None = None, cpus: list[int] | None = None) -> list[TrialResult]:
+    """Re-measure a few configurations side by side: ``rounds`` interleaved trials each.
+
+    The best of an exhaustive sweep is the maximum of many noisy estimates, so its measured
+    throughput is biased upwards (the winner's curse); comparing another configuration with it
+    on the sweep's own numbers overstates the gap. This measures the given configurations again,
+    in rounds whose starting configuration rotates, each trial ``duration_s`` seconds and at
+    least ``min_calls`` calls, and returns each configuration's median trial (by throughput),
+    in the order given. Configurations may have different batch sizes.
+
+    Raises:
+        ConfigurationError: no configurations, or ``rounds`` < 1.
+    """
+    if not configs:
+        raise ConfigurationError("head_to_head: no configurations to compare")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ConfigurationError(f"head_to_head: rounds must be an int >= 1, got {rounds!r}")
+    with preserved_thread_state():
+        cpus = usable_cpus() if cpus is None else list(cpus)
+        groups = _Groups(model, model_kwargs, image_size, cpus)
+        cost = CostModel(warmup_s)
+        runs: list[list[TrialResult]] = [[] for _ in configs]
+        try:
+            groups.start_all(configs)
+            for c in configs:  # warm up and learn each per-call time
+                cost.learn(c, 0.0, 0.0, groups.measure(c, 1e-3, warmup_s))
+            for r in range(rounds):
+                for j in range(len(configs)):
+                    k = (r + j) % len(configs)  # rotate who goes first: no order effect
+                    c = configs[k]
+                    length = max(duration_s, cost.floor(c, min_calls, 0.0))
+                    res = groups.measure(c, length, warmup_s)
+                    cost.learn(c, length, 0.0, res)
+                    runs[k].append(res)
+        finally:
+            groups.close()
+    return [median_result(rs, "throughput") for rs in runs]
