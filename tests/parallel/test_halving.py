@@ -253,3 +253,28 @@ def test_no_playoff_when_the_final_round_is_clear_or_no_time_is_left():
     groups = FakeGroups(clock, by_label({}), call_s=0.3)  # ties, but the budget is all used
     res = run_tune(groups, clock, 8.0)
     assert clock() - 1000.0 <= 8.0 + 2 * 0.3 * 8 ** 0.5
+
+
+def test_a_playoff_runs_only_with_trials_of_at_least_five_calls():
+    from batchcraft.parallel.halving import BatchOutcome
+
+    a = ParallelConfig(instances=2, inter_op_threads=1, intra_op_threads=1, batch_size=64, label="grid")
+    b = ParallelConfig(instances=1, intra_op_threads=None, pin=False, batch_size=64, label="pytorch-default")
+    for end_s, expect in [(4.0, False), (15.0, True)]:
+        clock = FakeClock()
+        groups = FakeGroups(clock, by_label({"pytorch-default": 190.0}), call_s=0.3 / 8)  # 0.3 s a call
+        engine = HalvingSearch(groups.measure, clock)
+        for cfg in (a, b):
+            engine.cost.learn(cfg, 0.0, 0.0, groups.measure(cfg, 1e-3, 0.0))
+        out = BatchOutcome(a, _result_of(a, 200.0), final=[(a, _result_of(a, 200.0)), (b, _result_of(b, 195.0))],
+                           final_trial_s=0.1)
+        # 0.25-s trials would fit in 4 s (3 x 2 x 0.58 s), but they would be single calls
+        assert engine.playoff(out, clock() + end_s, rnd=5) is expect
+        assert clock() <= 1000.0 + 2 * 0.3 + end_s + 0.1
+        if expect:
+            assert all(r.calls >= 5 for _, r in out.playoff)
+            assert out.best.label == "grid"
+
+
+def _result_of(cfg, thr):
+    return TrialResult(cfg.to_dict(), cfg.batch_size, thr, 1.0, 1.0, 1.0, 10, 0.1)

@@ -32,6 +32,7 @@ PRUNE_FACTOR = 4.0  # a search candidate this many times worse than its round's 
 SPREAD_LIMIT = 1.15  # repeats of one configuration further apart than this: a disturbed final round
 PLAYOFF_MARGIN = 1.15  # final round's best two closer than this: re-measured with longer trials if time is left
 PLAYOFF_MAX_TRIAL_S = 1.0
+PLAYOFF_MIN_CALLS = 5  # a playoff trial of 2 slow calls ranks worse than the final round did
 
 
 def score(result: TrialResult, objective: str, latency_limit_ms: float | None = None) -> tuple:
@@ -283,19 +284,20 @@ class HalvingSearch:
         Short trials can rank two close configurations differently from long ones (e.g. an
         unpinned process that is fast for a burst, then slower), so when the budget has time
         left after every batch size, the closest decision gets ``repeats`` interleaved passes of
-        trials as long as fit by ``end`` (at least twice the final round's, at most
-        PLAYOFF_MAX_TRIAL_S). The winner becomes the choice. Returns False when nothing fitted.
+        trials as long as fit by ``end`` (at least twice the final round's and PLAYOFF_MIN_CALLS
+        calls, at most PLAYOFF_MAX_TRIAL_S unless those calls need more). The winner becomes the choice. Returns False when nothing fitted.
         """
         pair = [c for c, _ in outcome.final[:2]]
         left = end - self.clock()
         length = PLAYOFF_MAX_TRIAL_S
         while length >= 2 * outcome.final_trial_s and length >= self.min_trial_s:
-            if self.repeats * sum(self.cost.wall(c, length) for c in pair) <= left:
+            walls = [self.cost.wall(c, max(length, self.cost.floor(c, PLAYOFF_MIN_CALLS, 0.0))) for c in pair]
+            if self.repeats * sum(walls) <= left:
                 break
             length /= 2
         else:
             return False
-        ranked = self._round(pair, length, self.min_calls[1], rnd, "playoff", end, outcome)
+        ranked = self._round(pair, length, PLAYOFF_MIN_CALLS, rnd, "playoff", end, outcome)
         if len(ranked) < 2 or any(r.calls == 0 for _, r in ranked):
             return False
         outcome.playoff, outcome.playoff_trial_s = ranked, length
