@@ -278,3 +278,22 @@ def test_a_playoff_runs_only_with_trials_of_at_least_five_calls():
 
 def _result_of(cfg, thr):
     return TrialResult(cfg.to_dict(), cfg.batch_size, thr, 1.0, 1.0, 1.0, 10, 0.1)
+
+
+def test_a_tight_budget_still_plays_off_close_calls_from_the_time_set_aside():
+    clock = FakeClock()
+
+    def speed(cfg, length):  # short trials favour pytorch-default, >= 0.2 s ones intel-recommended
+        if cfg.label == "pytorch-default":
+            return 1000.0 if length < 0.2 else 800.0
+        if cfg.label == "intel-recommended":
+            return 950.0 if length < 0.2 else 880.0
+        return 300.0
+
+    groups = FakeGroups(clock, None, call_s=0.004)
+    groups.speed_at = speed
+    res = run_tune(groups, clock, 20.0)
+    played = [pb for pb in res.per_batch if pb["playoff"]]
+    assert len(played) == 3 and all(pb["final_trial_s"] < 0.2 <= pb["playoff_trial_s"] for pb in played)
+    assert all(pb["best"]["config"]["label"] == "intel-recommended" for pb in played)
+    assert clock() - 1000.0 <= 20.0 + 2 * 0.004 * 64 ** 0.5

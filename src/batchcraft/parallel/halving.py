@@ -33,6 +33,8 @@ SPREAD_LIMIT = 1.15  # repeats of one configuration further apart than this: a d
 PLAYOFF_MARGIN = 1.15  # final round's best two closer than this: re-measured with longer trials if time is left
 PLAYOFF_MAX_TRIAL_S = 1.0
 PLAYOFF_MIN_CALLS = 5  # a playoff trial of 2 slow calls ranks worse than the final round did
+PLAYOFF_MIN_TRIAL_S = 0.2  # short trials favour some configurations (a fast burst): see playoff()
+PLAYOFF_SHARE = 0.35  # at most this part of a batch size's time is set aside for its playoff
 
 
 def score(result: TrialResult, objective: str, latency_limit_ms: float | None = None) -> tuple:
@@ -278,23 +280,37 @@ class HalvingSearch:
         self.trials.append({"round": -1, "role": "probe", "repeat": 0, "duration_s": 1e-3, **res.to_dict()})
         self.on_trial()
 
+    def playoff_reserve(self, configs: list, share_s: float) -> float:
+        """Seconds to set aside for a playoff at one batch size: PLAYOFF_SHARE of ``share_s``,
+        or 0 if even the shortest playoff (``repeats`` passes of two trials of PLAYOFF_MIN_TRIAL_S
+        and PLAYOFF_MIN_CALLS calls of the slowest of ``configs``) would not fit in it.
+        """
+        if not configs:
+            return 0.0
+        slowest = max(configs, key=self.cost.call_time)
+        length = max(PLAYOFF_MIN_TRIAL_S, self.cost.floor(slowest, PLAYOFF_MIN_CALLS, 0.0))
+        need = 2 * self.repeats * self.cost.wall(slowest, length, with_warmup=False)
+        return PLAYOFF_SHARE * share_s if need <= PLAYOFF_SHARE * share_s else 0.0
+
     def playoff(self, outcome: BatchOutcome, end: float, rnd: int) -> bool:
         """Re-measure the final round's best two side by side with longer trials, if they fit.
 
-        Short trials can rank two close configurations differently from long ones (e.g. an
-        unpinned process that is fast for a burst, then slower), so when the budget has time
-        left after every batch size, the closest decision gets ``repeats`` interleaved passes of
-        trials as long as fit by ``end`` (at least twice the final round's and PLAYOFF_MIN_CALLS
-        calls, at most PLAYOFF_MAX_TRIAL_S unless those calls need more). The winner becomes the choice. Returns False when nothing fitted.
+        Short trials can rank two close configurations differently from long ones (measured:
+        an unpinned 2-thread process ran Inception at batch 8 25-35% faster in 0.1-s trials than
+        in 1-s trials, pinned ones did not), so the closest decisions get ``repeats`` interleaved
+        passes of trials as long as fit by ``end``: at most PLAYOFF_MAX_TRIAL_S, at least
+        PLAYOFF_MIN_TRIAL_S, 1.5x the final round's and PLAYOFF_MIN_CALLS calls. The winner
+        becomes the choice. Returns False when no such playoff fitted.
         """
         pair = [c for c, _ in outcome.final[:2]]
         left = end - self.clock()
+        shortest = max(PLAYOFF_MIN_TRIAL_S, 1.5 * outcome.final_trial_s, self.min_trial_s)
         length = PLAYOFF_MAX_TRIAL_S
-        while length >= 2 * outcome.final_trial_s and length >= self.min_trial_s:
+        while length >= shortest:
             walls = [self.cost.wall(c, max(length, self.cost.floor(c, PLAYOFF_MIN_CALLS, 0.0))) for c in pair]
             if self.repeats * sum(walls) <= left:
                 break
-            length /= 2
+            length *= 0.8
         else:
             return False
         ranked = self._round(pair, length, PLAYOFF_MIN_CALLS, rnd, "playoff", end, outcome)

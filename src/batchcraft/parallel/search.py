@@ -6,9 +6,11 @@ promising first), every process-level configuration is started once, at the same
 batch size gets an equal share of what is left, searched by :class:`~batchcraft.parallel.halving.
 HalvingSearch`: successive halving over the grid with trials sized from each configuration's
 measured per-call time, then a final round where the best few and **every baseline** are measured
-side by side (interleaved, median of repeats). The choice is the best of that final round; time
-left once every batch size is done goes to *playoffs*: where a final round's best two are within
-15%, they are measured again side by side with longer trials, and the winner is the choice. All
+side by side (interleaved, median of repeats). The choice is the best of that final round unless
+a *playoff* decides: where a final round's best two are within 15%, they are measured again side
+by side with longer trials (short trials were measured to favour some configurations), and the
+winner is the choice. Each batch size keeps up to 35% of its time for its playoff; time left at
+the end goes to the closest remaining decisions. All
 trials run in worker processes (:class:`~batchcraft.parallel.launcher.WorkerGroup`), so the tuning
 process never changes its own thread settings (inter-op threads can be set once per process).
 :func:`sweep` measures every configuration at every batch size: the reference for benchmarks.
@@ -311,13 +313,21 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
             share = (floors[0] + (left - sum(floors)) / len(floors) if sum(floors) <= left
                      else min(floors[0], left))
             deadline = clock() + share
-            out = engine.run(search, baselines, deadline, min(hard_end, deadline + 0.25 * max(0.0, share)))
+            # part of the share is kept for a playoff of the final round's best two (used by the
+            # next batch sizes when the final round is clear)
+            reserve = engine.playoff_reserve([*search, *baselines], share)
+            slack = min(hard_end, deadline + 0.25 * max(0.0, share))
+            out = engine.run(search, baselines, deadline - reserve, slack - reserve)
+            if out.best is not None and reserve and out.gap(objective, limit) < PLAYOFF_MARGIN:
+                engine.playoff(out, slack, rnd=1 + max((r["round"] for r in rounds), default=0))
             notes += [f"batch {b}: {n}" for n in out.notes]
             out.notes = []
             if out.best is not None:
                 outcomes[b] = out
         # Time left (a large budget, or trials capped at max_trial_s): the closest decisions first
         for b in sorted(outcomes, key=lambda b: outcomes[b].gap(objective, limit)):
+            if outcomes[b].playoff:
+                continue
             if outcomes[b].gap(objective, limit) >= PLAYOFF_MARGIN:
                 break
             if not engine.playoff(outcomes[b], hard_end, rnd=1 + max((r["round"] for r in rounds), default=0)):
