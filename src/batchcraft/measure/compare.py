@@ -32,13 +32,17 @@ def batches(items: Sequence, size: int) -> list:
 
 
 def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, scheduler: str = "depth",
-                  progress: bool = False, warmup: bool = True, grad: bool = False) -> dict:
+                  progress: bool = False, warmup: bool = True, grad: bool = False,
+                  reference: Callable[[list], list] | None = None) -> dict:
     """Run ``fn`` eagerly (one instance at a time) and auto-batched; return figures.
 
     Args:
         fn: per-instance function.
         instances: all instances; split into batches of ``batch_size``.
         grad (bool): run with autograd on (default: inference under ``torch.no_grad``).
+        reference (callable, optional): ``reference(batch) -> list`` computing a whole batch by
+            hand (e.g. level by level); timed right after the other two on every batch and
+            checked against the eager results (``reference_ms``, ``reference_max_abs_diff``).
     Returns:
         dict with ``eager_ms`` and ``batchcraft_ms`` (median ms per batch), ``speedup``,
         ``instances_per_s_eager`` / ``_batchcraft`` (batch size over the median batch time), ``max_abs_diff``, ``batched_calls`` and
@@ -53,12 +57,14 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
         from tqdm import tqdm
 
         it = tqdm(bs, desc="batches", unit="batch", leave=False)
-    eager_t, bc_t, diffs = [], [], []
+    eager_t, bc_t, diffs, ref_t, ref_diffs = [], [], [], [], []
     totals = dict(batched_calls=0, ops_recorded=0, fallbacks=0, eager_ops=0, syncs=0,
                   record_s=0.0, schedule_s=0.0, gather_s=0.0, kernel_s=0.0)
     with ctx():
         if warmup and bs:
             f(bs[0])
+            if reference is not None:
+                reference(bs[0])
         for b in it:
             t0 = time.perf_counter()
             ref = [fn(x) for x in b]
@@ -68,6 +74,11 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
             eager_t.append(t1 - t0)
             bc_t.append(t2 - t1)
             diffs.append(max(_max_abs_diff(o, r) for o, r in zip(out, ref)))
+            if reference is not None:
+                t3 = time.perf_counter()
+                hand = reference(b)
+                ref_t.append(time.perf_counter() - t3)
+                ref_diffs.append(max(_max_abs_diff(o, r) for o, r in zip(hand, ref)))
             st = f.stats
             for k in totals:
                 totals[k] += getattr(st, k)
@@ -96,5 +107,8 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
     }
     for k in ("record_s", "schedule_s", "gather_s", "kernel_s"):
         res[k.replace("_s", "_ms")] = totals[k] / nb * 1e3
+    if reference is not None:
+        res["reference_ms"] = statistics.median(ref_t) * 1e3 if ref_t else 0.0
+        res["reference_max_abs_diff"] = max(ref_diffs) if ref_diffs else 0.0
     res["record_us_per_op"] = totals["record_s"] * 1e6 / totals["ops_recorded"] if totals["ops_recorded"] else 0.0
     return res
