@@ -49,6 +49,9 @@ def main(argv=None) -> int:
                 r.update(hidden=hidden)
                 raw.append(r)
                 hand_ms = r.get("reference_ms")
+                if r.get("reference_max_abs_diff", 0.0) > 1e-4:
+                    print(f"warning: hand-batched result differs from eager by {r['reference_max_abs_diff']:.1e}",
+                          file=sys.stderr)
                 rows.append([hidden, bs, sched, r["eager_ms"], r["batchcraft_ms"], r["speedup"],
                              hand_ms if hand_ms else "-", r["eager_ms"] / hand_ms if hand_ms else "-",
                              f"{r['batched_calls']:.0f} / {r['ops_recorded']:.0f}",
