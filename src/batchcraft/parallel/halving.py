@@ -155,6 +155,7 @@ class BatchOutcome:
     notes: list = field(default_factory=list)
     playoff: list = field(default_factory=list)
     playoff_trial_s: float = 0.0
+    playoff_tried: bool = False
 
     def gap(self, objective: str, limit=None) -> float:
         """How far ahead the final round's best is of its runner-up (ratio >= 1; inf if alone)."""
@@ -300,7 +301,8 @@ class HalvingSearch:
         in 1-s trials, pinned ones did not), so the closest decisions get ``repeats`` interleaved
         passes of trials as long as fit by ``end``: at most PLAYOFF_MAX_TRIAL_S, at least
         PLAYOFF_MIN_TRIAL_S, 1.5x the final round's and PLAYOFF_MIN_CALLS calls. The winner
-        becomes the choice. Returns False when no such playoff fitted.
+        becomes the choice (``best``; ``best_result`` stays its final-round median, and the
+        playoff's medians are in ``playoff``). Returns False when no playoff was completed.
         """
         pair = [c for c, _ in outcome.final[:2]]
         left = end - self.clock()
@@ -313,15 +315,18 @@ class HalvingSearch:
             length *= 0.8
         else:
             return False
+        outcome.playoff_tried = True
         ranked = self._round(pair, length, PLAYOFF_MIN_CALLS, rnd, "playoff", end, outcome)
         if len(ranked) < 2 or any(r.calls == 0 for _, r in ranked):
             return False
         outcome.playoff, outcome.playoff_trial_s = ranked, length
-        if ranked[0][0].key() != outcome.best.key():
-            outcome.notes.append(f"playoff with {length:.2g}-s trials chose {ranked[0][0].short()} "
-                                 f"[{ranked[0][0].label}] over the final round's {outcome.best.short()} "
+        winner = ranked[0][0]
+        if winner.key() != outcome.best.key():
+            outcome.notes.append(f"playoff with {length:.2g}-s trials chose {winner.short()} "
+                                 f"[{winner.label}] over the final round's {outcome.best.short()} "
                                  f"[{outcome.best.label}]")
-        outcome.best, outcome.best_result = ranked[0]
+        # best_result stays a final-round median: comparable with the baselines' medians there
+        outcome.best, outcome.best_result = next((c, r) for c, r in outcome.final if c.key() == winner.key())
         return True
 
     # -- measuring --------------------------------------------------------------------------

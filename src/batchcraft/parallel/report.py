@@ -29,16 +29,25 @@ def tried_table(result: dict, *, markdown: bool = False) -> str:
 
 
 def comparison_table(result: dict, *, markdown: bool = False) -> str:
-    """Per batch size: the tuned choice against each baseline, measured in the same final round."""
+    """Per batch size: the tuned choice against each baseline, measured in the same final round.
+
+    Items/s are final-round medians; a ratio marked "(playoff)" comes from the playoff's longer
+    trials (its two rows follow), which decided between the choice and that baseline.
+    """
     rows = []
     for pb in result["per_batch"]:
         best = pb["best"]
         rows.append([pb["batch_size"], "tuned", *_cfg_cells(best["config"])[1:], best["throughput_items_per_s"],
                      best["latency_p50_ms"], 1.0])
+        decided = pb.get("decided_by", {})
         for label in [lbl for lbl in BASELINES if lbl in pb["baselines"]]:
             r = pb["baselines"][label]
+            ratio = pb["ratios"][label]
             rows.append([pb["batch_size"], label, *_cfg_cells(r["config"])[1:], r["throughput_items_per_s"],
-                         r["latency_p50_ms"], pb["ratios"][label]])
+                         r["latency_p50_ms"], f"{ratio:.3g} (playoff)" if decided.get(label) == "playoff" else ratio])
+        for p in pb.get("playoff", []):  # the longer trials that decided a close final round
+            rows.append([pb["batch_size"], f"playoff ({pb['playoff_trial_s']:.2g}-s trials): {p['config']['label']}",
+                         *_cfg_cells(p["config"])[1:], p["throughput_items_per_s"], p["latency_p50_ms"], "-"])
     ratio = "tuned/baseline" if result["objective"] == "throughput" else "baseline/tuned p50"
     return format_table(["batch", "config", "instances", "inter-op", "intra-op", "items/s", "p50_ms", ratio],
                         rows, markdown=markdown)

@@ -315,18 +315,21 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
             deadline = clock() + share
             # part of the share is kept for a playoff of the final round's best two (used by the
             # next batch sizes when the final round is clear)
+            # only when every batch size's shortest plan fits and this one keeps its own
             reserve = engine.playoff_reserve([*search, *baselines], share)
+            if sum(floors) > left or share - reserve < floors[0]:
+                reserve = 0.0
             slack = min(hard_end, deadline + 0.25 * max(0.0, share))
             out = engine.run(search, baselines, deadline - reserve, slack - reserve)
             if out.best is not None and reserve and out.gap(objective, limit) < PLAYOFF_MARGIN:
-                engine.playoff(out, slack, rnd=1 + max((r["round"] for r in rounds), default=0))
+                engine.playoff(out, deadline, rnd=1 + max((r["round"] for r in rounds), default=0))
             notes += [f"batch {b}: {n}" for n in out.notes]
             out.notes = []
             if out.best is not None:
                 outcomes[b] = out
         # Time left (a large budget, or trials capped at max_trial_s): the closest decisions first
         for b in sorted(outcomes, key=lambda b: outcomes[b].gap(objective, limit)):
-            if outcomes[b].playoff:
+            if outcomes[b].playoff_tried:
                 continue
             if outcomes[b].gap(objective, limit) >= PLAYOFF_MARGIN:
                 break
@@ -334,7 +337,7 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
                 continue
             notes += [f"batch {b}: {n}" for n in outcomes[b].notes]
         for b, out in outcomes.items():
-            per_batch.append(_per_batch(b, out, objective))
+            per_batch.append(_per_batch(b, out, objective, limit))
             finals.append((out.best, out.best_result))
     finally:
         bar.close()
@@ -349,27 +352,43 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
                       rounds=rounds, notes=notes, start_s=start_s)
 
 
-def _per_batch(b: int, out, objective: str) -> dict:
-    """Report of one batch size; ratios vs baselines from the round that decided between them."""
+def _per_batch(b: int, out, objective: str, limit=None) -> dict:
+    """Report of one batch size.
+
+    ``best`` and ``baselines`` are final-round medians. ``ratios``: choice over baseline from the
+    round that decided between them: the playoff for a baseline in it (``decided_by``), else the
+    final round. Both playoff medians are in ``playoff``.
+    """
     by_key = {c.key(): r for c, r in out.playoff}
-    best_final = next((r for c, r in out.final if c.key() == out.best.key()), out.best_result)
-    ratios = {}
+    ratios, decided_by = {}, {}
     for label, res in out.baselines.items():
         base_key = next(c.key() for c, r in out.final if r is res)
-        if out.playoff and base_key in by_key:
-            ratios[label] = _ratio(by_key[out.best.key()], by_key[base_key], objective)
+        if out.playoff and base_key in by_key and base_key != out.best.key():
+            ratios[label] = _ratio(by_key[out.best.key()], by_key[base_key], objective, limit)
+            decided_by[label] = "playoff"
         else:
-            ratios[label] = _ratio(best_final, res, objective)
+            ratios[label] = _ratio(out.best_result, res, objective, limit)
+            decided_by[label] = "final"
     return {"batch_size": b, "best": out.best_result.to_dict(),
             "baselines": {k: v.to_dict() for k, v in out.baselines.items()}, "ratios": ratios,
+            "decided_by": decided_by,
             "final": [r.to_dict() for _, r in out.final], "final_trial_s": out.final_trial_s,
             "playoff": [r.to_dict() for _, r in out.playoff], "playoff_trial_s": out.playoff_trial_s,
             "skipped_trials": out.skipped_trials}
 
 
-def _ratio(best: TrialResult, base: TrialResult, objective: str) -> float:
+def _ratio(best: TrialResult, base: TrialResult, objective: str, limit: float | None = None) -> float:
+    """How much better ``best`` is than ``base`` under :func:`score` (>= 1 when it ranks higher).
+
+    throughput: items/s ratio. latency with a p90 limit: the items/s ratio when both meet the
+    limit, else base p90 / best p90. latency without a limit: base p50 / best p50.
+    """
     if objective == "throughput":
         return best.throughput_items_per_s / base.throughput_items_per_s
+    if limit is not None:
+        if best.latency_p90_ms <= limit and base.latency_p90_ms <= limit:
+            return best.throughput_items_per_s / base.throughput_items_per_s
+        return base.latency_p90_ms / best.latency_p90_ms
     return base.latency_p50_ms / best.latency_p50_ms  # > 1: the choice is faster per call
 
 
