@@ -284,7 +284,7 @@ def _result_of(cfg, thr):
 def test_a_tight_budget_still_plays_off_close_calls_from_the_time_set_aside():
     clock = FakeClock()
 
-    def speed(cfg, length):  # short trials favour pytorch-default, >= 0.2 s ones intel-recommended
+    def speed(cfg, length):  # short trials rank pytorch-default first, >= 0.2 s ones intel-recommended
         if cfg.label == "pytorch-default":
             return 1000.0 if length < 0.2 else 800.0
         if cfg.label == "intel-recommended":

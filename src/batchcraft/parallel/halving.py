@@ -33,7 +33,7 @@ SPREAD_LIMIT = 1.15  # repeats of one configuration further apart than this: a d
 PLAYOFF_MARGIN = 1.15  # final round's best two closer than this: re-measured with longer trials if time is left
 PLAYOFF_MAX_TRIAL_S = 1.0
 PLAYOFF_MIN_CALLS = 5  # a playoff trial of 2 slow calls ranks worse than the final round did
-PLAYOFF_MIN_TRIAL_S = 0.2  # short trials favour some configurations (a fast burst): see playoff()
+PLAYOFF_MIN_TRIAL_S = 0.2  # a close call is decided by noise in 0.05-0.1-s trials: see playoff()
 PLAYOFF_SHARE = 0.35  # at most this part of a batch size's time is set aside for its playoff
 
 
@@ -296,10 +296,9 @@ class HalvingSearch:
     def playoff(self, outcome: BatchOutcome, end: float, rnd: int) -> bool:
         """Re-measure the final round's best two side by side with longer trials, if they fit.
 
-        Short trials can rank two close configurations differently from long ones (measured:
-        an unpinned 2-thread process ran Inception at batch 8 25-35% faster in 0.1-s trials than
-        in 1-s trials, pinned ones did not), so the closest decisions get ``repeats`` interleaved
-        passes of trials as long as fit by ``end``: at most PLAYOFF_MAX_TRIAL_S, at least
+        Trials of a few calls are noisy, and a close final round is where noise decides, so
+        the closest decisions get ``repeats`` more interleaved passes of trials as long as fit
+        by ``end``: at most PLAYOFF_MAX_TRIAL_S, at least
         PLAYOFF_MIN_TRIAL_S, 1.5x the final round's and PLAYOFF_MIN_CALLS calls. The winner
         becomes the choice (``best``; ``best_result`` stays its final-round median, and the
         playoff's medians are in ``playoff``). Returns False when no playoff was completed.

@@ -8,7 +8,7 @@ HalvingSearch`: successive halving over the grid with trials sized from each con
 measured per-call time, then a final round where the best few and **every baseline** are measured
 side by side (interleaved, median of repeats). The choice is the best of that final round unless
 a *playoff* decides: where a final round's best two are within 15%, they are measured again side
-by side with longer trials (short trials were measured to favour some configurations), and the
+by side with longer trials (a close call is where the noise of short trials decides), and the
 winner is the choice. Each batch size keeps up to 35% of its time for its playoff; time left at
 the end goes to the closest remaining decisions. All
 trials run in worker processes (:class:`~batchcraft.parallel.launcher.WorkerGroup`), so the tuning
