@@ -30,12 +30,13 @@ class FakeGroups:
     [1 - noise, 1 + noise] (seeded), so repeats of one configuration disagree like real ones.
     """
 
-    def __init__(self, clock, speed, *, call_s=0.01, start_s=3.0, overhead_s=0.02, noise=0.0, seed=0):
+    def __init__(self, clock, speed, *, call_s=0.01, start_s=3.0, overhead_s=0.02, noise=0.0, seed=0,
+                 speed_at=None):
         self.clock, self.speed, self.call_s = clock, speed, call_s
         self.start_s, self.overhead_s, self.noise = start_s, overhead_s, noise
         self.rng = random.Random(seed)
         self.warm, self.calls, self.closed = set(), [], False
-        self.speed_at = None  # speed(cfg, trial length): a trial-length bias
+        self.speed_at = speed_at  # speed(cfg, trial length): a trial-length bias
 
     def start_all(self, configs, timeout_s):
         self.clock.t += min(self.start_s, timeout_s)
@@ -68,6 +69,19 @@ def by_label(table, default=100.0):
 def run_tune(groups, clock, budget_s, *, cpus=(0, 1), batch_sizes=(1, 8, 64), objective="throughput"):
     return _tune(groups, clock, clock(), "fake", list(batch_sizes), objective, budget_s, None, WIDE, True,
                  list(cpus), eta=3, repeats=3, k_final=2, progress=False)
+
+def ranked_by_trial_length(long_from_s):
+    """Speeds under which trials shorter than ``long_from_s`` rank pytorch-default first and
+    longer ones intel-recommended (1000/950 items/s short, 800/880 long; others 300)."""
+    def speed(cfg, length):
+        short = length < long_from_s
+        if cfg.label == "pytorch-default":
+            return 1000.0 if short else 800.0
+        if cfg.label == "intel-recommended":
+            return 950.0 if short else 880.0
+        return 300.0
+    return speed
+
 
 
 @pytest.mark.parametrize("n_cpus", [2, 16])
@@ -225,16 +239,7 @@ def test_time_left_goes_to_a_playoff_with_longer_trials_that_decides_a_close_cal
     # "pytorch-default" looks 5% faster in short trials, "intel-recommended" is 10% faster in
     # long ones (a fast first burst): the playoff's longer trials must pick the latter
     clock = FakeClock()
-
-    def speed(cfg, length):
-        if cfg.label == "pytorch-default":
-            return 1000.0 if length < 0.75 else 800.0
-        if cfg.label == "intel-recommended":
-            return 950.0 if length < 0.75 else 880.0
-        return 300.0
-
-    groups = FakeGroups(clock, None, call_s=0.002)
-    groups.speed_at = speed
+    groups = FakeGroups(clock, None, call_s=0.002, speed_at=ranked_by_trial_length(0.75))
     res = run_tune(groups, clock, 60.0, batch_sizes=(8,))
     pb = res.per_batch[0]
     assert [f["config"]["label"] for f in pb["final"][:2]] == ["pytorch-default", "intel-recommended"]
@@ -283,16 +288,7 @@ def _result_of(cfg, thr):
 
 def test_a_tight_budget_still_plays_off_close_calls_from_the_time_set_aside():
     clock = FakeClock()
-
-    def speed(cfg, length):  # short trials rank pytorch-default first, >= 0.2 s ones intel-recommended
-        if cfg.label == "pytorch-default":
-            return 1000.0 if length < 0.2 else 800.0
-        if cfg.label == "intel-recommended":
-            return 950.0 if length < 0.2 else 880.0
-        return 300.0
-
-    groups = FakeGroups(clock, None, call_s=0.004)
-    groups.speed_at = speed
+    groups = FakeGroups(clock, None, call_s=0.004, speed_at=ranked_by_trial_length(0.2))
     res = run_tune(groups, clock, 20.0)
     played = [pb for pb in res.per_batch if pb["playoff"]]
     assert len(played) == 3 and all(pb["final_trial_s"] < 0.2 <= pb["playoff_trial_s"] for pb in played)
@@ -327,16 +323,7 @@ def test_reported_numbers_agree_with_the_ratios_after_a_playoff():
     # (review finding) "best" and "baselines" are final-round medians; a ratio decided by the
     # playoff is the playoff medians' ratio, and says so in "decided_by"
     clock = FakeClock()
-
-    def speed(cfg, length):
-        if cfg.label == "pytorch-default":
-            return 1000.0 if length < 0.75 else 800.0
-        if cfg.label == "intel-recommended":
-            return 950.0 if length < 0.75 else 880.0
-        return 300.0
-
-    groups = FakeGroups(clock, None, call_s=0.002)
-    groups.speed_at = speed
+    groups = FakeGroups(clock, None, call_s=0.002, speed_at=ranked_by_trial_length(0.75))
     res = run_tune(groups, clock, 60.0, batch_sizes=(8,))
     pb = res.per_batch[0]
     assert pb["playoff"] and pb["best"]["config"]["label"] == "intel-recommended"

@@ -322,7 +322,7 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
             slack = min(hard_end, deadline + 0.25 * max(0.0, share))
             out = engine.run(search, baselines, deadline - reserve, slack - reserve)
             if out.best is not None and reserve and out.gap(objective, limit) < PLAYOFF_MARGIN:
-                engine.playoff(out, deadline, rnd=1 + max((r["round"] for r in rounds), default=0))
+                engine.playoff(out, deadline, rnd=_next_round(rounds))
             notes += [f"batch {b}: {n}" for n in out.notes]
             out.notes = []
             if out.best is not None:
@@ -333,7 +333,7 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
                 continue
             if outcomes[b].gap(objective, limit) >= PLAYOFF_MARGIN:
                 break
-            if not engine.playoff(outcomes[b], hard_end, rnd=1 + max((r["round"] for r in rounds), default=0)):
+            if not engine.playoff(outcomes[b], hard_end, rnd=_next_round(rounds)):
                 continue
             notes += [f"batch {b}: {n}" for n in outcomes[b].notes]
         for b, out in outcomes.items():
@@ -350,6 +350,10 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
                       elapsed_s=clock() - t_start, analysis=None if analysis is None else analysis.to_dict(),
                       best=best_cfg, best_result=best_res, per_batch=per_batch, trials=trials,
                       rounds=rounds, notes=notes, start_s=start_s)
+
+
+def _next_round(rounds: list) -> int:
+    return 1 + max((r["round"] for r in rounds), default=0)
 
 
 def _per_batch(b: int, out, objective: str, limit=None) -> dict:
