@@ -54,9 +54,9 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
     ctx = torch.enable_grad if grad else torch.no_grad
     it = bs
     if progress:
-        from tqdm import tqdm
+        from batchcraft.measure.progress import progress_bar
 
-        it = tqdm(bs, desc="batches", unit="batch", leave=False)
+        it = progress_bar(bs, desc="batches", unit="batch")
     eager_t, bc_t, diffs, ref_t, ref_diffs = [], [], [], [], []
     totals = dict(batched_calls=0, ops_recorded=0, fallbacks=0, eager_ops=0, syncs=0,
                   record_s=0.0, schedule_s=0.0, gather_s=0.0, kernel_s=0.0)

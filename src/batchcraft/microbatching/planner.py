@@ -27,6 +27,7 @@ from batchcraft.microbatching.optimize_wd import optimize_wd, pareto_front
 from batchcraft.microbatching.optimize_wr import Config, PassChoice, candidate_sizes, optimize_wr
 from batchcraft.microbatching.plan import LayerPlan, PassPlan, Plan
 from batchcraft.microbatching import verify as _verify
+from batchcraft.measure.progress import progress_bar
 
 __all__ = ["find_convolutions", "plan_model", "microbatch", "install_plan"]
 
@@ -96,8 +97,6 @@ def _confirm_against_undivided(choices, undivided, defaults, layer_passes, measu
     divisions in interleaved rounds guards the promises that a plan is never slower than the
     undivided one, nor than the default where the budget admits it.
     """
-    from tqdm import tqdm
-
     todo = {}
     for name, _, g, p in layer_passes:
         options = [choices[(name, p)]]
@@ -109,8 +108,8 @@ def _confirm_against_undivided(choices, undivided, defaults, layer_passes, measu
         options = list({o.steps: o for o in options}.values())  # distinct divisions, order kept
         if len(options) > 1:
             todo.setdefault((g, p, tuple(o.steps for o in options)), ([], options))[0].append(name)
-    for (g, p, _), (names, options) in tqdm(todo.items(), desc="microbatch: confirming", file=sys.stderr,
-                                            disable=not progress, leave=False):
+    for (g, p, _), (names, options) in progress_bar(todo.items(), desc="microbatch: confirming",
+                                                    enabled=progress):
         steps = [[(s.algorithm, s.micro_batch) for s in o.steps] for o in options]
         times = measurer.race(g, p, batch, steps)
         best = options[min(range(len(options)), key=lambda i: (times[i], i))]
@@ -168,10 +167,7 @@ def plan_model(model: nn.Module, example_input: torch.Tensor, *, workspace_limit
     tables: dict[tuple, dict[int, list[Config]]] = {}
     all_ws: dict[tuple, dict[int, list[Config]]] = {}
     defaults: dict[tuple, tuple[float | None, int]] = {}
-    from tqdm import tqdm
-
-    for geom, p, n, a in tqdm(jobs, desc="microbatch: measuring", unit="config", file=sys.stderr,
-                              disable=not progress, leave=False):
+    for geom, p, n, a in progress_bar(jobs, desc="microbatch: measuring", unit="config", enabled=progress):
         # the default, undivided, is always timed: it is the baseline even when it exceeds the budget
         baseline = n == batch and a == "default"
         rec = measurer.measure(geom, p, a, n, divided=n < batch, limit_bytes=None if baseline else limit)

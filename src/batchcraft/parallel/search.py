@@ -274,7 +274,7 @@ def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", b
 def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit, analysis, traceable,
           cpus, *, eta, repeats, k_final, progress) -> TuneResult:
     """The budgeted part of :func:`tune` on any ``groups`` and ``clock`` (tests use fake ones)."""
-    from tqdm import tqdm
+    from batchcraft.measure.progress import progress_bar
 
     hard_end = t_start + budget_s - SHUTDOWN_RESERVE_S
     order = sorted(batch_sizes)  # small first: per-call times at larger sizes are extrapolated
@@ -293,7 +293,7 @@ def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit
     late_keys = {c.key() for c in late}
     start_s = clock() - t_start
     trials, rounds, per_batch, finals, outcomes = [], [], [], [], {}
-    bar = tqdm(desc=f"tune {model}", unit="trial", file=sys.stderr, disable=not progress, leave=False)
+    bar = progress_bar(desc=f"tune {model}", unit="trial", enabled=progress)
     engine = HalvingSearch(groups.measure, clock, objective, limit, eta=eta, repeats=repeats, k_final=k_final,
                            trials=trials, rounds=rounds, on_trial=lambda: bar.update(1))
     live = {b: tuple([c for c in cs if c.key() not in late_keys] for cs in plans[b]) for b in order}
