@@ -10,7 +10,6 @@ undivided plan and (if it fits the budget) PyTorch's default, and keep the faste
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Sequence
 

@@ -19,7 +19,6 @@ process never changes its own thread settings (inter-op threads can be set once 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 
