@@ -133,7 +133,7 @@ def test_factory_calls_after_a_yield_are_still_batched():
     out = f(xs)
     for o, x in zip(out, xs):
         torch.testing.assert_close(o, fn(x))
-    assert f.stats.groups_by_rule.get("rule_weight") == 1  # all lookups, both branches, one call
+    assert f.stats.groups_by_rule.get("weight") == 1  # all lookups, both branches, one call
 
 
 def branchy(x):

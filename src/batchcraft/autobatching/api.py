@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from batchcraft.autobatching import recorder as _rec
+import torch
+
+from batchcraft.autobatching import stack
+from batchcraft.autobatching.options import Options
 from batchcraft.autobatching.runtime import Runtime
-from batchcraft.autobatching.schedule import SCHEDULERS
 from batchcraft.autobatching.stats import RunStats
 
 
@@ -14,68 +16,79 @@ class AutoBatched:
     """A per-instance function made to run over a sequence of instances; see :func:`autobatch`.
 
     Attributes:
-        stats (RunStats | None): statistics of the last call.
+        options (Options): how it records, schedules and executes.
+        stats (RunStats): statistics of the last call (empty before the first).
     """
 
-    def __init__(self, fn: Callable, options: dict):
+    def __init__(self, fn: Callable, options: Options):
         self.fn = fn
         self.options = options
-        self.stats: RunStats | None = None
+        self.stats = RunStats()
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
     def __call__(self, instances: Sequence) -> list:
+        if isinstance(instances, torch.Tensor):
+            raise TypeError(
+                f"{self.__name__}: autobatch takes a sequence of instances, got one Tensor of shape "
+                f"{tuple(instances.shape)}; pass a list (e.g. list(x) for one instance per row, or [x] "
+                f"for a single instance)")
         if isinstance(instances, (str, bytes)) or not hasattr(instances, "__len__"):
             instances = list(instances)
-        if _rec.current() is not None:
+        if stack.current() is not None:
             # called from inside instance code of another autobatch call: run inline, so the
             # outer call records (and batches) this work with everything else
-            self.stats = None
+            self.stats = RunStats(instances=len(instances))
             return [self.fn(x) for x in instances]
-        rt = Runtime(self.fn, **self.options)
+        rt = Runtime(self.fn, self.options)
         try:
             return rt.run(instances)
         finally:
             self.stats = rt.stats
 
     def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-        return f"autobatch({self.__name__}, {opts})"
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.as_dict().items() if v != Options().as_dict()[k])
+        return f"autobatch({self.__name__}{', ' + opts if opts else ''})"
 
 
-def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
-              max_steps: int | None = None, max_pending: int | None = None,
-              direct_blocks: bool = True, compile_blocks: bool = False) -> AutoBatched:
+def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, max_steps: int | None = None,
+              max_pending: int | None = None, core: str = "auto", ragged: bool = True, hoist: bool = True,
+              kernels: str = "auto", arenas: bool = True, compile_blocks: bool = False) -> AutoBatched:
     """Return a callable that runs per-instance ``fn`` over many instances in batches.
 
-    ``fn`` is ordinary PyTorch code for *one* instance: torch functions, Tensor
-    methods and operators, ``nn.Module`` calls, recursion and loops whose structure
-    depends on the instance, and branches on tensor values (each instance runs in a
-    fiber that waits while pending work runs batched). Tensors that ``fn`` receives
-    inside its instance or creates (``torch.tensor(word_id)``) are per-instance data
-    and are batched too; parameters and other tensors from outside are shared and
-    passed once to each batched call.
+    ``fn`` is ordinary PyTorch code for *one* instance: torch functions, Tensor methods and
+    operators, ``nn.Module`` calls, recursion and loops whose structure depends on the instance,
+    branches on tensor values (each instance runs in a fiber that waits while pending work runs
+    batched), in-place updates of its own tensors. Tensors that ``fn`` receives in its instance
+    or creates (``torch.tensor(word_id)``) are per-instance data and are batched too;
+    parameters and other tensors from outside are shared and passed once to each batched call.
 
     Args:
         fn (callable): ``fn(instance) -> tensor | nested tuple/list/dict of tensors``.
-        scheduler (str): ``"depth"`` (default) or ``"agenda"`` (DyNet's agenda-based
-            batching: lowest average depth first).
+        scheduler (str): ``"depth"`` (default) or ``"agenda"`` (DyNet's agenda-based batching:
+            lowest average depth first).
         fibers (bool): run each instance in a fiber (default). With ``False`` instances run
             one after another and a value request executes all pending work at once.
         max_steps (int | None): stop an instance that records more operations plus
             synchronisations than this without finishing (StepLimitError).
         max_pending (int | None): execute pending work early once this many nodes wait,
             bounding the memory of the recorded graph.
-        direct_blocks (bool): call a static block's own code on batched inputs when every
-            operation in it is batch-transparent (default); False always replays op by op.
-        compile_blocks (bool): run such blocks through ``torch.compile(dynamic=True)``, compiled
-            once per signature. Off by default: on the CPU it was slower than the direct call at
-            the suite's sizes (see docs/benchmarks.md, ablation), and compiling takes seconds.
+        core (str): ``"auto"`` (default: the C recording core when it was built), ``"c"``,
+            ``"python"`` (the pure-Python reference core).
+        ragged (bool): static blocks' list arguments keyed as empty / non-empty where the trace
+            allows it, so nodes with any number of children run as one group. Default: True.
+        hoist (bool): run input projections of recurrent cells for all steps at once. Default: True.
+        kernels (str): batched matrix multiplies: ``"auto"`` (the backend measured fastest here,
+            cached per machine), ``"default"`` (PyTorch's) or ``"onednn"``.
+        arenas (bool): in inference, groups of one operation write into shared buffers.
+        compile_blocks (bool): run static blocks' programs through ``torch.compile`` (off: on the
+            CPU it costs seconds per signature and was slower at the suite's sizes).
     Returns:
         AutoBatched: ``f(instances) -> list`` with ``f(xs)[i]`` equal to ``fn(xs[i])``
         (as ordinary tensors, differentiable); ``f.stats`` describes the last call.
     Raises:
         ValueError: unknown option value.
+        TypeError: ``instances`` is one Tensor (pass a list of instances).
         InstanceError: ``fn`` raised for an instance (``.instance`` is its index); the whole
             call fails and returns nothing.
     Differences from eager:
@@ -87,6 +100,8 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
         Outputs are views (rows) of the batched results, as ``torch.unbind`` gives: keeping one
         output keeps its whole batch's result tensor alive, so ``.clone()`` what you keep long.
         Outputs that share memory in eager (``(a, a.t())``) come back equal but separate.
+        Context variables set by instance code stay in that instance (each fiber runs in a copy
+        of the caller's context).
     Source:
         ACRoBat (Fegade et al., MLSys 2024, arXiv 2305.10611); DyNet auto-batching
         (Neubig et al., NeurIPS 2017, arXiv 1705.07860).
@@ -97,14 +112,9 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
     """
     if not callable(fn):
         raise TypeError(f"autobatch: fn must be callable, got {type(fn).__name__}")
-    if scheduler not in SCHEDULERS:
-        raise ValueError(f"autobatch: scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
-    for name, v in (("max_steps", max_steps), ("max_pending", max_pending)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
-    return AutoBatched(fn, dict(scheduler=scheduler, fibers=bool(fibers), max_steps=max_steps,
-                                max_pending=max_pending, direct_blocks=bool(direct_blocks),
-                                compile_blocks=bool(compile_blocks)))
+    return AutoBatched(fn, Options(scheduler=scheduler, fibers=fibers, max_steps=max_steps, max_pending=max_pending,
+                                   core=core, ragged=ragged, hoist=hoist, kernels=kernels, arenas=arenas,
+                                   compile_blocks=compile_blocks))
 
 
 class _PhaseMark:
@@ -128,7 +138,7 @@ def phase(name: str | None = None) -> _PhaseMark:
     ``phase("x")`` and ``with phase("x"):`` are the same: the boundary is where it is called
     (leaving the ``with`` block does not end the phase).
     """
-    rec = _rec.current()
-    if rec is not None and hasattr(rec, "phase"):
+    rec = stack.current()
+    if rec is not None and not getattr(rec, "is_tracer", False):
         rec.phase += 1
     return _PhaseMark(name)

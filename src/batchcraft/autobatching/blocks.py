@@ -1,16 +1,16 @@
 """Static blocks: straight-line code scheduled and batched as one unit.
 
-``static_block(fn_or_module)`` marks code without data-dependent control flow
-(ACRoBat §4.1, grain-size coarsening). Inside ``autobatch`` a call of the block
-is recorded as *one* node. The first call with a given signature traces the
-block's body once, at per-instance shapes, into a straight-line program; each
-group of block nodes then replays that program on batched values, op by op,
-through the same batching rules as ordinary operations. Outside ``autobatch``
-the block is an ordinary call.
+``static_block(fn_or_module)`` marks code without data-dependent control flow (ACRoBat §4.1,
+grain-size coarsening). Inside ``autobatch`` a call of the block is recorded as *one* node.
+The first call with a given signature traces the body once, at per-instance shapes, into a
+:class:`~batchcraft.autobatching.program.Program` (:class:`BlockTracer`); every group of
+block nodes then runs that program on batched values as one lowered function (:mod:`lower`).
 
-Rules for block code: no branching on tensor *values* (a clear error is raised);
-Python control flow on shapes or on non-tensor arguments is fine, because those
-are part of the signature. A module block re-traces when its parameters,
+List arguments (a node's children) are keyed as *empty* or *non-empty* when the block's trace
+is ragged-safe (:mod:`ragged`): nodes with any number of children then run as one group.
+Otherwise a list's length is part of the signature. Rules for block code: no branching on
+tensor values (a clear error); Python control flow on shapes or non-tensor arguments is fine,
+because those are part of the signature. A module block re-traces when its parameters,
 buffers or ``training`` flags change.
 """
 
@@ -21,142 +21,182 @@ import functools
 import torch
 from torch import nn
 
-from batchcraft.autobatching import recorder as _rec
+from batchcraft.autobatching import stack
+from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.lazy import LazyTensor
-from batchcraft.autobatching.signature import LEAF, SigInfo, flatten, rebuild
+from batchcraft.autobatching.program import Program, Step
+from batchcraft.autobatching.signature import (LEAF, RAGGED, SCALAR_TYPES, SIGNATURES, SigInfo, flatten,
+                                               rebuild, shared_descriptor)
+from batchcraft.autobatching.threadstate import op_state
 from batchcraft.errors import AutobatchError
 
-_current = _rec.current
+_current = stack.current
+_Lazy = LazyTensor
 
 
-class _Input:
-    """Placeholder node for the j-th tensor argument of a block being traced."""
+class TracedList(list):
+    """A block's list argument while the block is traced for ragged execution.
 
-    __slots__ = ("index", "outs", "depth", "phase", "requires_grad", "name")
-
-    def __init__(self, index):
-        self.index = index
-        self.outs = None
-        self.depth = 0
-        self.phase = 0
-        self.requires_grad = False
-        self.name = f"input{index}"
-
-
-class _Step:
-    """One operation of a traced block program."""
-
-    __slots__ = ("index", "func", "struct", "refs", "shapes", "mask_static", "batched", "n_out",
-                 "outs", "depth", "phase", "requires_grad", "name", "owner", "grad", "out_descs", "info")
-
-    def __init__(self, index, func, struct, refs, shapes, batched, n_out, owner, grad):
-        self.index = index
-        self.func = func
-        self.struct = struct
-        self.refs = refs
-        self.shapes = shapes
-        self.batched = batched
-        self.n_out = n_out
-        self.owner = owner
-        self.grad = grad
-        self.outs = None
-        self.depth = 0
-        self.phase = 0
-        self.requires_grad = False
-        self.name = getattr(func, "__name__", type(func).__name__)
-
-
-class Program:
-    """A traced block: steps in order, plus how to assemble the block's outputs.
-
-    ``direct`` is True when every batched step is transparent (see
-    :func:`batchcraft.autobatching.rules.is_transparent`) and the body never read a shape:
-    then the block's own function is called on the batched inputs (checked, with the
-    step-by-step replay as fallback).
+    ``bool()`` (empty or not) is part of the signature and allowed; reading its length or its
+    members one by one makes the trace not ragged-safe (the block then keys lists by length).
     """
 
-    def __init__(self, steps, out_struct, out_refs, out_descs, direct=False):
-        self.steps = steps
-        self.out_struct = out_struct
-        self.out_refs = out_refs
-        self.out_descs = out_descs
-        self.direct = direct
+    __slots__ = ("tracer",)
+
+    def _touch(self):
+        self.tracer.ragged_unsafe = "the block reads a list argument's length or members"
+
+    def __bool__(self):
+        return list.__len__(self) > 0
+
+    def __len__(self):
+        self._touch()
+        return list.__len__(self)
+
+    def __iter__(self):
+        self._touch()
+        return list.__iter__(self)
+
+    def __getitem__(self, i):
+        self._touch()
+        return list.__getitem__(self, i)
+
+    def __reversed__(self):
+        self._touch()
+        return list.__reversed__(self)
 
 
-class TraceRecorder:
-    """Records a block's body at per-instance shapes into a :class:`Program`."""
+class BlockTracer:
+    """Records a block's body at per-instance shapes into a :class:`Program`.
+
+    Its lazy values (the block's inputs and the outputs of its steps) are indexed by
+    ``self.values``: ``("in", j)``, ``("ragged", r)`` (one entry per ragged list, shared by its
+    members) or ``("val", k, s)``, with their descriptor ids and ``requires_grad`` flags.
+    """
+
+    is_tracer = True
+    lazy_type = LazyTensor
 
     def __init__(self, block, parent):
         self.block = block
         self.parent = parent
-        self.steps: list[_Step] = []
-        self.instance = getattr(parent, "instance", -1)
+        self.steps: list[Step] = []
+        self.values: list = []   # node id -> (ref, did, rg)
         self.shape_dependent = False
+        self.ragged_unsafe = None
+        self.instance = getattr(parent, "instance", -1)
         self.blocks_checked = getattr(parent, "blocks_checked", set())
+        self.options = getattr(parent, "options", None)
 
-    def _ref(self, x):
-        if type(x) is LazyTensor:
-            nd = x.node
-            if type(nd) is _Input:
-                return ("in", nd.index), True
-            if type(nd) is _Step and nd.owner is self:
-                return ("val", nd.index, x.slot), nd.batched
-            raise AutobatchError(
-                f"static block {self.block.name!r} uses a lazy value that was not passed to it as an argument",
-                hint="pass every per-instance tensor the block reads as an argument of the block call",
-            )
-        return ("const", x), False
+    # -- lazy protocol ---------------------------------------------------------------------------
+    def note_shape(self, x=None) -> None:
+        self.shape_dependent = True
 
-    def record(self, func, args, kwargs):
-        leaves: list = []
-        struct = (flatten(args, leaves), flatten(kwargs, leaves) if kwargs else None)
-        refs, descs, shapes, mask = [], [], [], []
-        device = None
-        for x in leaves:
-            ref, batched = self._ref(x)
-            refs.append(ref)
-            mask.append(batched)
-            if type(x) is LazyTensor:
-                descs.append(x.desc)
-                shapes.append(x.desc[0])
-                device = device or x.desc[2]
-            else:
-                descs.append(("shared", id(x), x.shape, x.dtype, x.device))
-                shapes.append(tuple(x.shape))
-                device = device or x.device
-        grad = torch.is_grad_enabled()
-        key = (func, struct, tuple(descs), grad)
-        info = _rec._META_CACHE.get(key)
-        if info is None:
-            if isinstance(func, StaticBlock):
-                info = func.trace(struct, leaves, device, key, parent=self)
-            else:
-                try:
-                    info = _rec.infer_outputs(func, struct, leaves, device or torch.device("cpu"))
-                except (NotImplementedError, RuntimeError, TypeError) as exc:
-                    raise AutobatchError(
-                        f"static block {self.block.name!r}: {getattr(func, '__name__', func)} cannot be "
-                        f"traced at per-instance shapes ({exc})",
-                        hint="operations whose output shape depends on tensor values cannot be in a static block",
-                    ) from exc
-                info = _rec._META_CACHE[key] = SigInfo(key, *info)
-        out_struct, out_descs = info.out_struct, info.out_descs
-        step = _Step(len(self.steps), func, struct, refs, shapes, any(mask), len(out_descs), self, grad)
-        step.mask_static = tuple(mask)
-        step.out_descs = out_descs
-        step.info = info
-        self.steps.append(step)
-        outs = [LazyTensor(step, i, d) for i, d in enumerate(out_descs)]
-        return outs[0] if out_struct is LEAF else rebuild(out_struct, iter(outs))
+    def node_name(self, node) -> str:
+        ref = self.values[node][0]
+        return ref[0] if ref[0] != "val" else self.steps[ref[1]].name
+
+    def requires_grad_of(self, x) -> bool:
+        return bool(self.values[x.node][2][x.slot] if self.values[x.node][0][0] == "val" else self.values[x.node][2])
+
+    def is_leaf_of(self, x) -> bool:
+        return not self.requires_grad_of(x)
+
+    def grad_fn_of(self, x):
+        return None
+
+    def set_requires_grad(self, x, value):
+        raise AutobatchError(f"static block {self.block.name!r}: requires_grad_() inside a static block is not supported",
+                             hint="change requires_grad outside the block")
+
+    def register_hook(self, x, hook):
+        raise AutobatchError(f"static block {self.block.name!r}: register_hook inside a static block is not supported",
+                             hint="register the hook on the block's output, outside the block")
+
+    def inplace(self, x, func, args, kwargs):
+        raise AutobatchError(f"static block {self.block.name!r}: in-place .{getattr(func, '__name__', func)}() "
+                             f"inside a static block is not supported",
+                             hint="write the block out of place (y = f(y)); in-place updates work outside blocks")
+
+    def setitem(self, x, key, value):
+        raise AutobatchError(f"static block {self.block.name!r}: item assignment inside a static block is not "
+                             f"supported", hint="write the block out of place, e.g. with torch.where or torch.cat")
 
     def materialize(self, x, why):
         raise AutobatchError(
             f"static block {self.block.name!r} tried to {why}; static blocks must not branch on tensor values",
-            hint="move the value-dependent branch out of the block, or do not mark this code static_block",
-        )
+            hint="move the value-dependent branch out of the block, or do not mark this code static_block")
 
-    def leaf(self, value, pyvalue=None):  # pragma: no cover - not used in traces
-        return value
+    def mode_call(self, func, args, kwargs):
+        return self.record(func, args, kwargs or {})
+
+    def check_owner(self, x, func):
+        if x.rec is not self:
+            raise AutobatchError(
+                f"static block {self.block.name!r} uses a lazy value that was not passed to it as an argument "
+                f"(in {getattr(func, '__name__', func)})",
+                hint="pass every per-instance tensor the block reads as an argument of the block call")
+
+    # -- values ----------------------------------------------------------------------------------
+    def new_value(self, ref, did, rg):
+        self.values.append((ref, did, rg))
+        return len(self.values) - 1
+
+    def placeholder(self, ref, did, rg):
+        node = self.new_value(ref, did, rg)
+        return _Lazy(self, node, 0, did)
+
+    def _ref(self, x):
+        entry = self.values[x.node]
+        ref = entry[0]
+        if ref[0] == "val":
+            return ("val", ref[1], x.slot)
+        return ref
+
+    # -- recording ---------------------------------------------------------------------------------
+    def record(self, func, args, kwargs):
+        leaves: list = []
+        struct = (flatten(args, leaves, _Lazy), flatten(kwargs, leaves, _Lazy) if kwargs else None)
+        refs, dids, batched, specs = [], [], [], []
+        for x in leaves:
+            if type(x) is _Lazy:
+                self.check_owner(x, func)
+                ref = self._ref(x)
+                rg = self.requires_grad_of(x)
+                refs.append(ref)
+                dids.append(x.did)
+                batched.append(True)
+                specs.append(("lazy", x.did, rg))
+            else:
+                refs.append(("const", x))
+                dids.append(None)
+                batched.append(False)
+                specs.append(("shared", x))
+        state = op_state()
+        nested = None
+        if isinstance(func, StaticBlock) and any(batched):
+            nested = func.nested_info(struct, leaves, specs, state, self)
+            out_struct, out_dids, out_rg = nested.out_struct, nested.out_dids, nested.out_rg
+        else:
+            if isinstance(func, StaticBlock):
+                func = func.fn
+            try:
+                out_struct, out_dids, out_rg = infer_outputs(func, struct, specs, state, _Lazy)
+            except NeedsValues as exc:
+                raise AutobatchError(
+                    f"static block {self.block.name!r}: {getattr(func, '__name__', func)} cannot be traced at "
+                    f"per-instance shapes ({exc})",
+                    hint="operations whose output shape depends on tensor values cannot be in a static block",
+                ) from exc
+        if not out_dids:
+            return rebuild(out_struct, iter(()))
+        k = len(self.steps)
+        step = Step(k, func, struct, refs, dids, batched, out_struct, out_dids, out_rg, state, nested)
+        self.steps.append(step)
+        node = self.new_value(("val", k), None, out_rg)
+        outs = [_Lazy(self, node, s, d) for s, d in enumerate(out_dids)]
+        return outs[0] if out_struct is LEAF else rebuild(out_struct, iter(outs))
 
 
 class StaticBlock:
@@ -167,9 +207,10 @@ class StaticBlock:
         self.module = module
         self.name = name or getattr(fn, "__qualname__", None) or type(module).__name__
         self.__name__ = self.name
-        self._programs: dict = {}
         self._fingerprint = None
-        functools.update_wrapper(self, fn, updated=()) if not isinstance(fn, nn.Module) else None
+        self.ragged_ok: dict = {}   # list-argument pattern -> bool (None: not traced yet)
+        if not isinstance(fn, nn.Module):
+            functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
         rec = _current()
@@ -177,18 +218,95 @@ class StaticBlock:
             return self.fn(*args, **kwargs)
         return self.record_in(rec, args, kwargs)
 
+    def __get__(self, obj, objtype=None):  # decorating a method
+        if obj is None:
+            return self
+        return functools.partial(self.__call__, obj)
+
+    def __repr__(self) -> str:
+        return f"<static block {self.name}>"
+
+    # -- recording ---------------------------------------------------------------------------------
     def record_in(self, rec, args, kwargs):
         """Record one call of the block with the active recorder ``rec``."""
         if self not in rec.blocks_checked:
             self._check_fingerprint()
             rec.blocks_checked.add(self)
+        if getattr(rec, "is_tracer", False):
+            return rec.record(self, args, kwargs)
+        opts = rec.options
+        if opts is not None and opts.ragged and not kwargs:
+            out = self._record_ragged(rec, args)
+            if out is not NotImplemented:
+                return out
         # without lazy arguments the recorder runs the block now and makes its outputs leaves
         return rec.record(self, args, kwargs)
 
-    def __get__(self, obj, objtype=None):  # decorating a method
-        if obj is None:
-            return self
-        return functools.partial(self.__call__, obj)
+    def _record_ragged(self, rec, args):
+        """Record with list arguments keyed empty / non-empty (NotImplemented: not applicable)."""
+        pattern, leaves_single, lists = [], [], []
+        for a in args:
+            t = type(a)
+            if t is list and a and all(type(b) is _Lazy for b in a):
+                did = a[0].did
+                if any(b.did != did for b in a):
+                    return NotImplemented
+                pattern.append((RAGGED, True, did * 2 + rec.rg_bit(a[0].node, a[0].slot)))
+                if any(rec.rg_bit(b.node, b.slot) != rec.rg_bit(a[0].node, a[0].slot) for b in a):
+                    return NotImplemented
+                lists.append(a)
+            elif t is list and not a:
+                pattern.append((RAGGED, False, 0))
+                lists.append(a)
+            elif t is _Lazy:
+                pattern.append(a.did * 2 + rec.rg_bit(a.node, a.slot))
+                leaves_single.append(a)
+            elif t is float:
+                pattern.append((float, a.hex()))
+            elif t in SCALAR_TYPES:
+                pattern.append((t, a))
+            else:
+                return NotImplemented
+        if not any(p[1] for p in pattern if type(p) is tuple and p and p[0] is RAGGED):
+            return NotImplemented  # no non-empty list: the ordinary path (lists of length 0 key the same)
+        for a in leaves_single:
+            rec.check_owner(a, self)
+        for lst in lists:
+            for b in lst:
+                rec.check_owner(b, self)
+        # lists with equal lengths in this node share a length class (and segment ids)
+        lens = [len(lst) for lst in lists if lst]
+        classes, first_of = [], {}
+        for ln in lens:
+            classes.append(first_of.setdefault(ln, len(first_of)))
+        state = op_state()
+        key = (self, tuple(pattern), tuple(classes), state)
+        info = SIGNATURES.get(key)
+        if info is None:
+            if self.ragged_ok.get((tuple(pattern), tuple(classes))) is False:
+                return NotImplemented
+            info = self._trace_ragged(key, args, pattern, classes, state, rec)
+            if info is None:
+                self.ragged_ok[(tuple(pattern), tuple(classes))] = False
+                return NotImplemented
+        members = [b for lst in lists if lst for b in lst]
+        return rec.append(info, leaves_single + members, tuple(lens))
+
+    def nested_info(self, struct, leaves, specs, state, tracer):
+        """SigInfo of a block called inside another block's trace (per-length lists)."""
+        dkey = tuple(s[1] * 2 + s[2] if s[0] == "lazy" else shared_descriptor(s[1]) for s in specs)
+        key = (self, struct, dkey, state)
+        info = SIGNATURES.get(key)
+        if info is None:
+            info = self.trace(key, struct, leaves, specs, state, tracer)
+        return info
+
+    def _check_fingerprint(self) -> None:
+        fp = self._fingerprint_now()
+        if fp != self._fingerprint:
+            SIGNATURES.drop_func(self)
+            self.ragged_ok.clear()
+            self._fingerprint = fp
 
     def _fingerprint_now(self):
         if self.module is None:
@@ -197,78 +315,93 @@ class StaticBlock:
                         for t in list(self.module.parameters()) + list(self.module.buffers()))
         return tensors + tuple(m.training for m in self.module.modules())
 
-    def _check_fingerprint(self) -> None:
-        fp = self._fingerprint_now()
-        if fp != self._fingerprint:
-            for key in self._programs:
-                _rec._META_CACHE.pop(key, None)
-            for fkey in [k for k in _rec._FAST_CACHE if k[0] is self]:
-                del _rec._FAST_CACHE[fkey]
-            self._programs.clear()
-            self._fingerprint = fp
-
-    def program(self, key) -> Program:
-        return self._programs[key]
-
-    def trace(self, struct, leaves, device, key, parent=None):
-        """Trace the body at per-instance shapes; cache and return (out_struct, out_descs)."""
-        tracer = TraceRecorder(self, parent if parent is not None else _rec.current())
-        placeholders = []
-        j = 0
-        for x in leaves:
-            if type(x) is LazyTensor:
-                placeholders.append(LazyTensor(_Input(j), 0, x.desc))
-            else:
-                placeholders.append(x)
-            j += 1
-        it = iter(placeholders)
-        args = rebuild(struct[0], it)
-        kwargs = rebuild(struct[1], it) if struct[1] is not None else {}
-        _rec.push(tracer)
+    # -- tracing -----------------------------------------------------------------------------------
+    def _run_body(self, tracer, args, kwargs):
+        stack.push(tracer)
         try:
-            out = self.fn(*args, **kwargs)
+            return self.fn(*args, **kwargs)
         finally:
-            _rec.pop()
+            stack.pop()
+
+    def _finish(self, tracer, out, key, ragged_dids=(), classes=(), rec=None, n_in=None):
         out_leaves: list = []
-        out_struct = flatten(out, out_leaves)
-        out_refs, out_descs = [], []
+        out_struct = flatten(out, out_leaves, _Lazy)
+        out_refs, out_dids, out_rg = [], [], []
         for x in out_leaves:
-            if type(x) is LazyTensor:
-                out_refs.append(tracer._ref(x)[0])
-                out_descs.append(x.desc)
+            if type(x) is _Lazy:
+                tracer.check_owner(x, self)
+                out_refs.append(tracer._ref(x))
+                out_dids.append(x.did)
+                out_rg.append(tracer.requires_grad_of(x))
             elif isinstance(x, torch.Tensor):
                 out_refs.append(("const", x))
-                out_descs.append((tuple(x.shape), x.dtype, device))
+                dev = DESCS[tracer.values[0][1]][2] if tracer.values and tracer.values[0][1] else x.device
+                from batchcraft.autobatching.descs import desc_id
+
+                out_dids.append(desc_id((tuple(x.shape), x.dtype, dev)))
+                out_rg.append(bool(x.requires_grad))
             else:
                 raise AutobatchError(f"static block {self.name!r} returned a non-tensor inside its outputs "
                                      f"({type(x).__name__})")
-        direct = not tracer.shape_dependent and all(_step_transparent(st) for st in tracer.steps) \
-            and all(r[0] != "const" for r in out_refs)
-        if isinstance(self.module, _RNN_CELLS) and all(
-                len(x.desc[0]) == 1 for x in leaves if type(x) is LazyTensor):
-            # these cells read input.dim() but accept a batch of 1-D inputs as written
-            direct = all(r[0] != "const" for r in out_refs)
-        prog = Program(tracer.steps, out_struct, out_refs, out_descs, direct)
-        self._programs[key] = prog
-        info = _rec._META_CACHE[key] = SigInfo(key, out_struct, tuple(out_descs), prog)
-        return info
+        n_single = n_in if n_in is not None else sum(1 for v in tracer.values if v[0][0] == "in")
+        prog = Program(tracer.steps, out_refs, out_struct, out_dids, out_rg, n_single, len(ragged_dids), classes,
+                       tracer.shape_dependent, name=self.name)
+        return prog
 
+    def trace(self, key, struct, leaves, specs, state, rec):
+        """Trace the body at per-instance shapes (lists by length); register and return its SigInfo."""
+        tracer = BlockTracer(self, rec)
+        placeholders, j = [], 0
+        for x, spec in zip(leaves, specs):
+            if spec[0] == "lazy":
+                placeholders.append(tracer.placeholder(("in", j), spec[1], spec[2]))
+                j += 1
+            else:
+                placeholders.append(x)
+        it = iter(placeholders)
+        args = rebuild(struct[0], it)
+        kwargs = rebuild(struct[1], it) if struct[1] is not None else {}
+        out = self._run_body(tracer, args, kwargs)
+        prog = self._finish(tracer, out, key, n_in=j)
+        return SIGNATURES.add(key, lambda sid: SigInfo(sid, key, self, struct, leaves, _Lazy, state[0], state,
+                                                       prog.out_struct, prog.out_dids, prog.out_rg, program=prog))
 
-_RNN_CELLS = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
+    def _trace_ragged(self, key, args, pattern, classes, state, rec):
+        """Trace with ragged lists (2 placeholder members each); None if the trace is not ragged-safe."""
+        from batchcraft.autobatching import ragged
 
-
-def _step_transparent(step) -> bool:
-    if not step.batched:
-        return True
-    if isinstance(step.func, StaticBlock):
-        return step.info.program is not None and step.info.program.direct
-    from batchcraft.autobatching.rules import is_transparent
-
-    return is_transparent(step.func, step.struct, step.mask_static, step.shapes)
-
-
-class _BlockModuleMixin:
-    """Makes ``module(...)`` a static-block call (used by ``static_block`` on modules)."""
+        tracer = BlockTracer(self, rec)
+        new_args, j, r = [], 0, 0
+        ragged_dids = []
+        for a, p in zip(args, pattern):
+            if type(a) is _Lazy:
+                new_args.append(tracer.placeholder(("in", j), a.did, bool(rec.rg_bit(a.node, a.slot))))
+                j += 1
+            elif type(a) is list:
+                lst = TracedList()
+                lst.tracer = tracer
+                if a:
+                    did, rg = a[0].did, bool(rec.rg_bit(a[0].node, a[0].slot))
+                    node = tracer.new_value(("ragged", r), did, rg)
+                    list.extend(lst, [_Lazy(tracer, node, 0, did), _Lazy(tracer, node, 0, did)])
+                    ragged_dids.append(did)
+                    r += 1
+                new_args.append(lst)
+            else:
+                new_args.append(a)
+        try:
+            out = self._run_body(tracer, new_args, {})
+        except AutobatchError:
+            return None  # e.g. the body indexes the list: per-length tracing will say what is wrong
+        if tracer.ragged_unsafe is not None:
+            return None
+        prog = self._finish(tracer, out, key, ragged_dids, classes, n_in=j)
+        if not ragged.analyse(prog):
+            return None
+        leaves = [a for a in args if type(a) is _Lazy]
+        return SIGNATURES.add(key, lambda sid: SigInfo(sid, key, self, ("ragged", tuple(pattern)), leaves, _Lazy,
+                                                       state[0], state, prog.out_struct, prog.out_dids, prog.out_rg,
+                                                       program=prog, ragged=ragged_dids, lens_classes=classes))
 
 
 def static_block(obj):
@@ -276,8 +409,8 @@ def static_block(obj):
 
     A static block contains no control flow that depends on tensor values. Inside
     :func:`batchcraft.autobatch` each call is one scheduled node, and the calls of all
-    instances with the same signature run as one batched replay of the block (ACRoBat
-    §4.1, grain-size coarsening). Outside ``autobatch`` the block runs as usual.
+    instances with the same signature run as one batched program (ACRoBat §4.1, grain-size
+    coarsening). Outside ``autobatch`` the block runs as usual.
 
     Args:
         obj: a function, a module instance, or a module class (decorator use).
@@ -300,15 +433,14 @@ def static_block(obj):
             rec = _current()
             if rec is None:
                 return blk.fn(*args, **kwargs)
-            return blk.record_in(rec, args, kwargs)  # the hot path: no extra call frame
+            return blk.record_in(rec, args, kwargs)
 
         return type(obj.__name__, (obj,), {"__call__": __call__, "__module__": obj.__module__,
                                            "__qualname__": obj.__qualname__, "__doc__": obj.__doc__})
     if isinstance(obj, nn.Module):
         blk = StaticBlock(nn.Module.__call__.__get__(obj), module=obj, name=type(obj).__name__)
         obj.__dict__["_batchcraft_block"] = blk
-        cls = _block_class(type(obj))
-        obj.__class__ = cls
+        obj.__class__ = _block_class(type(obj))
         return obj
     if callable(obj):
         return StaticBlock(obj)

@@ -1,250 +1,300 @@
 """Lazy values: placeholders for per-instance tensors whose computation is recorded.
 
-A :class:`LazyTensor` is a plain Python object (not a ``torch.Tensor``
-subclass: that keeps recording at a few microseconds per operation). Torch
-functions reach the recorder through the recording ``TorchFunctionMode`` or
-the class's ``__torch_function__``; Tensor methods and operators are forwarded
-here explicitly. Shape, dtype and device are known at record time (inferred per
-signature), so instance code may read them freely; reading a *value*
-(``bool``, ``item``, ``tolist``, ``int``, indexing Python lists with it) asks
-the runtime to materialise it.
+A :class:`LazyTensor` is not a ``torch.Tensor`` (a plain object keeps recording cheap). It
+names one output slot of one recorded node of its recorder: ``(rec, node, slot, did)``,
+with ``did`` the interned ``(shape, dtype, device)`` descriptor (:mod:`descs`), so shape,
+dtype and device are known at record time and instance code may read them freely. Reading a
+*value* (``bool``, ``item``, ``int``, indexing a Python list with it) asks the recorder to
+materialise it: the instance's fiber waits while pending work runs batched.
+
+Operators, common Tensor methods and ``__torch_function__`` live in the base class: the C
+core's ``LazyBase`` when it was built (about 40 ns an operator), else :class:`_PyLazyBase`.
+Both send the call to the *active* recorder (``stack.current()``), which checks that the
+value is its own. In-place methods and item assignment are functionalised by the recorder
+(issue 15): the handle is re-pointed at the out-of-place result.
 """
 
 from __future__ import annotations
 
 import torch
 
-from batchcraft.errors import AutobatchError, UnsupportedOperationError
+from batchcraft.autobatching import _native, stack
+from batchcraft.autobatching.descs import DESCS, SIZES
+from batchcraft.errors import AutobatchError
 
-_state = None  # set by batchcraft.autobatching.recorder (avoids an import cycle)
+_current = stack.current
+
+#: Tensor methods and operators the base class forwards without ``__getattr__`` (hot paths).
+FAST_METHODS = (
+    "sigmoid", "tanh", "relu", "exp", "log", "sum", "mean", "view", "reshape", "unsqueeze",
+    "squeeze", "transpose", "t", "permute", "contiguous", "float", "to", "clone", "detach",
+    "softmax", "log_softmax", "max", "min", "argmax", "expand", "flatten", "chunk", "split",
+    "index_select", "narrow", "masked_fill", "matmul", "mm", "abs", "pow", "sqrt", "clamp",
+    "add", "sub", "mul", "div", "neg", "type_as", "new_zeros", "new_ones", "new_full",
+    "new_tensor", "norm", "select", "gather", "repeat", "long", "int", "double", "bool", "half",
+    "expand_as", "view_as", "reshape_as", "amax", "amin", "cumsum",
+)
+BINARY_OPS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+              "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__pow__", "__rpow__",
+              "__matmul__", "__rmatmul__", "__and__", "__or__", "__xor__", "__lt__", "__le__",
+              "__gt__", "__ge__", "__eq__", "__ne__", "__getitem__", "__lshift__", "__rshift__")
+UNARY_OPS = ("__neg__", "__abs__", "__invert__", "__pos__")
+INPLACE_OPS = ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+               "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__")
 
 
-def _record(func, args, kwargs=None):
-    rec = _state.current()
+def _active():
+    rec = _current()
     if rec is None:
         raise AutobatchError(
-            f"a lazy value was used outside batchcraft.autobatch (in {getattr(func, '__name__', func)})",
-            hint="return lazy values from the per-instance function; they come back as tensors",
-        )
-    return rec.record(func, args, kwargs or {})
+            "a lazy value was used outside batchcraft.autobatch",
+            hint="return lazy values from the per-instance function; they come back as tensors")
+    return rec
 
 
-def _materialize(x, why: str):
-    rec = _state.current()
-    if rec is None:
-        raise AutobatchError(f"cannot {why}: the lazy value escaped its batchcraft.autobatch call")
-    return rec.materialize(x, why)
+class _PyLazyBase:
+    """Pure-Python operators of lazy values (used when the C core was not built)."""
 
+    __slots__ = ("rec", "node", "slot", "did", "base", "__weakref__")
 
-_DESC_IDS: dict = {}
-
-
-def desc_id(desc: tuple) -> int:
-    """Interned small int for a (shape, dtype, device) descriptor: cheap to hash in signatures."""
-    i = _DESC_IDS.get(desc)
-    if i is None:
-        i = _DESC_IDS[desc] = len(_DESC_IDS) + 1
-    return i
-
-
-def _note_shape():
-    """Tell a static-block tracer that the block reads shapes (so it cannot be called directly)."""
-    rec = _state.current()
-    if rec is not None and rec.__class__.__name__ == "TraceRecorder":
-        rec.shape_dependent = True
-
-
-class LazyTensor:
-    """A per-instance tensor inside ``batchcraft.autobatch``: one output slot of a recorded node.
-
-    Attributes:
-        node: the recorded operation (or leaf) that produces it.
-        slot (int): which output of that operation.
-        desc (tuple): ``(shape, dtype, device)`` of the per-instance value.
-    """
-
-    __slots__ = ("node", "slot", "desc", "did", "__weakref__")
-
-    def __init__(self, node, slot: int, desc: tuple, did: int | None = None):
+    def __init__(self, rec, node: int, slot: int, did: int):
+        self.rec = rec
         self.node = node
         self.slot = slot
-        self.desc = desc
-        self.did = desc_id(desc) if did is None else did
+        self.did = did
+        self.base = None
 
-    # -- metadata: known at record time, free to read --------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _active().record(func, args, kwargs or {})
+
+
+def _py_method(func):
+    def meth(self, *args, **kwargs):
+        return _active().record(func, (self, *args), kwargs)
+
+    meth.__name__ = func.__name__
+    return meth
+
+
+def _py_binary(func):
+    def op(self, other):
+        return _active().record(func, (self, other), {})
+
+    op.__name__ = func.__name__
+    return op
+
+
+def _py_unary(func):
+    def op(self):
+        return _active().record(func, (self,), {})
+
+    op.__name__ = func.__name__
+    return op
+
+
+def _py_inplace(name):
+    func = getattr(torch.Tensor, name)
+
+    def op(self, other):
+        return _active().inplace(self, func, (self, other), {})
+
+    op.__name__ = name
+    return op
+
+
+for _n in BINARY_OPS:
+    setattr(_PyLazyBase, _n, _py_binary(getattr(torch.Tensor, _n)))
+for _n in UNARY_OPS:
+    setattr(_PyLazyBase, _n, _py_unary(getattr(torch.Tensor, _n)))
+for _n in FAST_METHODS:
+    setattr(_PyLazyBase, _n, _py_method(getattr(torch.Tensor, _n)))
+for _n in INPLACE_OPS:
+    setattr(_PyLazyBase, _n, _py_inplace(_n))
+
+if _native.core is not None:
+    _Base = _native.core.LazyBase
+else:
+    _Base = _PyLazyBase
+
+
+class LazyTensor(_Base):
+    """A per-instance tensor inside ``batchcraft.autobatch``: one output of a recorded node.
+
+    Attributes:
+        rec: the recorder that owns the node.
+        node (int): the node's index in that recorder's graph.
+        slot (int): which output of the node.
+        did (int): descriptor id; ``desc`` is ``(shape, dtype, device)``.
+        base: the lazy value this one is a view of (None if it is not a view).
+    """
+
+    __slots__ = ()
+
+    # -- metadata: known at record time ------------------------------------------------------
+    @property
+    def desc(self) -> tuple:
+        return DESCS[self.did]
+
     @property
     def shape(self) -> torch.Size:
-        _note_shape()
-        return torch.Size(self.desc[0])
+        self.rec.note_shape()
+        return SIZES[self.did]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.desc[1]
+        return DESCS[self.did][1]
 
     @property
     def device(self) -> torch.device:
-        return self.desc[2]
+        return DESCS[self.did][2]
 
     @property
     def ndim(self) -> int:
-        _note_shape()
-        return len(self.desc[0])
+        self.rec.note_shape()
+        return len(DESCS[self.did][0])
 
     @property
     def is_cuda(self) -> bool:
-        return self.desc[2].type == "cuda"
+        return DESCS[self.did][2].type == "cuda"
+
+    @property
+    def is_meta(self) -> bool:
+        return DESCS[self.did][2].type == "meta"
+
+    @property
+    def layout(self):
+        return torch.strided
 
     @property
     def requires_grad(self) -> bool:
-        return self.node.requires_grad
+        return self.rec.requires_grad_of(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.rec.set_requires_grad(self, bool(value))
 
     @property
-    def is_floating_point_(self):  # pragma: no cover - alias guard
-        return self.desc[1].is_floating_point
+    def is_leaf(self) -> bool:
+        return self.rec.is_leaf_of(self)
+
+    @property
+    def grad_fn(self):
+        return self.rec.grad_fn_of(self)
+
+    @property
+    def grad(self):
+        return None
+
+    def requires_grad_(self, requires_grad: bool = True):
+        self.rec.set_requires_grad(self, bool(requires_grad))
+        return self
+
+    def register_hook(self, hook):
+        return self.rec.register_hook(self, hook)
 
     def is_floating_point(self) -> bool:
-        return self.desc[1].is_floating_point
+        return DESCS[self.did][1].is_floating_point
+
+    def is_complex(self) -> bool:
+        return DESCS[self.did][1].is_complex
 
     def size(self, dim: int | None = None):
-        _note_shape()
-        shape = self.desc[0]
-        return torch.Size(shape) if dim is None else shape[dim]
+        self.rec.note_shape()
+        s = SIZES[self.did]
+        return s if dim is None else s[dim]
 
     def dim(self) -> int:
-        _note_shape()
-        return len(self.desc[0])
+        self.rec.note_shape()
+        return len(DESCS[self.did][0])
 
     def numel(self) -> int:
-        _note_shape()
+        self.rec.note_shape()
         n = 1
-        for d in self.desc[0]:
+        for d in DESCS[self.did][0]:
             n *= d
         return n
 
+    nelement = numel
+
+    def element_size(self) -> int:
+        return DESCS[self.did][1].itemsize
+
     def __len__(self) -> int:
-        _note_shape()
-        if not self.desc[0]:
+        self.rec.note_shape()
+        shape = DESCS[self.did][0]
+        if not shape:
             raise TypeError("len() of a 0-d tensor")
-        return self.desc[0][0]
+        return shape[0]
 
     def __repr__(self) -> str:
-        op = getattr(self.node, "name", "?")
-        return f"LazyTensor(shape={tuple(self.desc[0])}, dtype={self.desc[1]}, op={op})"
+        shape, dtype, _ = DESCS[self.did]
+        return f"LazyTensor(shape={tuple(shape)}, dtype={dtype}, op={self.rec.node_name(self.node)})"
 
     __hash__ = object.__hash__
 
-    # -- torch functions ---------------------------------------------------------------------
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _record(func, args, kwargs)
-
-    # -- value access: needs concrete values -------------------------------------------------
+    # -- value access: needs concrete values --------------------------------------------------
     def __bool__(self):
-        return bool(_materialize(self, "use a tensor as a Python bool"))
+        return bool(self.rec.materialize(self, "use a tensor as a Python bool"))
 
     def item(self):
-        return _materialize(self, "call .item()").item()
+        return self.rec.materialize(self, "call .item()").item()
 
     def tolist(self):
-        return _materialize(self, "call .tolist()").tolist()
+        return self.rec.materialize(self, "call .tolist()").tolist()
 
     def __int__(self):
-        return int(_materialize(self, "convert a tensor to int"))
+        return int(self.rec.materialize(self, "convert a tensor to int"))
 
     def __float__(self):
-        return float(_materialize(self, "convert a tensor to float"))
+        return float(self.rec.materialize(self, "convert a tensor to float"))
 
     def __index__(self):
-        return _materialize(self, "use a tensor as a Python index").__index__()
+        return self.rec.materialize(self, "use a tensor as a Python index").__index__()
 
     def numpy(self):
-        return _materialize(self, "call .numpy()").numpy()
+        return self.rec.materialize(self, "call .numpy()").numpy()
 
     def __iter__(self):
-        _note_shape()
-        if not self.desc[0]:
+        self.rec.note_shape()
+        shape = DESCS[self.did][0]
+        if not shape:
             raise TypeError("iteration over a 0-d tensor")
-        return iter([self[i] for i in range(self.desc[0][0])])
+        return iter([self[i] for i in range(shape[0])])
 
-    # -- in-place updates are not supported on lazy values -----------------------------------
+    # -- in-place updates: functionalised by the recorder ------------------------------------
     def __setitem__(self, key, value):
-        raise UnsupportedOperationError(
-            "in-place assignment x[...] = v on a lazy value is not supported inside batchcraft.autobatch",
-            hint="build the tensor out of place, e.g. with torch.where, torch.cat or index_put",
-        )
+        _active().setitem(self, key, value)
 
     def __getattr__(self, name: str):
-        # Tensor methods not spelled out below: forward to the recorder.
+        # Tensor methods not spelled out in the base class go through the recorder.
         if name.startswith("__"):
             raise AttributeError(name)
-        if name == "requires_grad_":
-            raise UnsupportedOperationError(
-                ".requires_grad_() on a lazy value is not supported inside batchcraft.autobatch",
-                hint="make the tensor require grad before the call and pass it in the instance "
-                     "(or capture it from outside); results are differentiable as usual",
-            )
-        if name.endswith("_") and not name.endswith("__") and hasattr(torch.Tensor, name):
-            raise UnsupportedOperationError(
-                f"in-place method .{name}() on a lazy value is not supported inside batchcraft.autobatch",
-                hint=f"use the out-of-place form .{name[:-1]}()",
-            )
         method = getattr(torch.Tensor, name, None)
         if method is None:
             raise AttributeError(f"'LazyTensor' (a Tensor inside batchcraft.autobatch) has no attribute {name!r}")
+        if name.endswith("_") and not name.endswith("__"):
+            def inplace(*args, **kwargs):
+                return _active().inplace(self, method, (self, *args), kwargs)
+
+            inplace.__name__ = name
+            return inplace
         if not callable(method):
-            # properties such as .T, .mT, .H: compute through the recorder
-            prop = getattr(torch.Tensor, name)
-            if isinstance(prop, property) or hasattr(prop, "__get__"):
-                return _record(prop.__get__, (self,))
+            # properties such as .T, .mT, .H: computed through the recorder
+            if hasattr(method, "__get__"):
+                return _active().record(method.__get__, (self,), {})
             raise AttributeError(name)
 
         def bound(*args, **kwargs):
-            return _record(method, (self, *args), kwargs)
+            return _active().record(method, (self, *args), kwargs)
 
         bound.__name__ = name
         return bound
 
 
-def _binary(name):
-    method = getattr(torch.Tensor, name)
+if _native.core is not None:
+    # the C base creates instances of this class and forwards these methods by table
+    _native.core.setup_lazy(LazyTensor, {n: getattr(torch.Tensor, n) for n in FAST_METHODS + BINARY_OPS + UNARY_OPS},
+                            {n: getattr(torch.Tensor, n) for n in INPLACE_OPS})
 
-    def op(self, other):
-        return _record(method, (self, other))
-
-    op.__name__ = name
-    return op
-
-
-def _unary(name):
-    method = getattr(torch.Tensor, name)
-
-    def op(self):
-        return _record(method, (self,))
-
-    op.__name__ = name
-    return op
-
-
-for _n in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
-           "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__pow__", "__rpow__",
-           "__matmul__", "__rmatmul__", "__and__", "__or__", "__xor__", "__lt__", "__le__",
-           "__gt__", "__ge__", "__eq__", "__ne__", "__getitem__", "__lshift__", "__rshift__"):
-    setattr(LazyTensor, _n, _binary(_n))
-for _n in ("__neg__", "__abs__", "__invert__", "__pos__"):
-    setattr(LazyTensor, _n, _unary(_n))
-for _n in ("sigmoid", "tanh", "relu", "exp", "log", "sum", "mean", "view", "reshape", "unsqueeze",
-           "squeeze", "transpose", "t", "permute", "contiguous", "float", "to", "clone", "detach",
-           "softmax", "log_softmax", "max", "min", "argmax", "expand", "flatten", "chunk", "split",
-           "index_select", "narrow", "masked_fill", "matmul", "mm", "abs", "pow", "sqrt", "clamp",
-           "add", "sub", "mul", "div", "neg", "type_as", "new_zeros", "new_ones", "new_full",
-           "new_tensor", "norm", "select", "gather", "repeat", "long", "int", "double", "bool", "half"):
-    _m = getattr(torch.Tensor, _n)
-
-    def _make(m):
-        def meth(self, *args, **kwargs):
-            return _record(m, (self, *args), kwargs)
-
-        meth.__name__ = m.__name__
-        return meth
-
-    setattr(LazyTensor, _n, _make(_m))
+__all__ = ["LazyTensor", "FAST_METHODS"]

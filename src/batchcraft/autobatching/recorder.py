@@ -1,355 +1,51 @@
-"""Recording of per-instance operations on lazy values.
+"""Recording of per-instance operations: the pure-Python core and the slow paths of both cores.
 
-:class:`Recorder` is the hot path: every torch call made by instance code on a
-lazy value costs one :meth:`Recorder.record` (a few microseconds: flatten the
-arguments, build the signature, look up the inferred output shape, append the
-node to its (phase, depth, signature) bucket).
+A recorder owns the graph of one ``autobatch`` call. Every torch call that instance code
+makes on a lazy value reaches :meth:`PyRecorder.record` (through the lazy class's
+``__torch_function__``, its operators, or the recording mode for calls such as
+``torch.tensor(word_id)``). The fast path spells the arguments with interned descriptor ids,
+finds the :class:`~batchcraft.autobatching.signature.SigInfo` in one dict lookup and appends
+a node: its depth is 1 + the deepest pending input (ACRoBat §4.2, inline depth), and it goes
+straight into its (phase, depth, signature) bucket, so scheduling needs no pass over the graph.
 
-Output shapes are inferred once per signature by running the operation on
-``meta`` tensors and cached, so instance code can read ``.shape`` of any lazy
-value. Calls with no lazy argument run at once; tensors they return (e.g.
-``torch.tensor(word_id)``) become per-instance *leaves* that are batched like
-any other per-instance value.
+The graph is kept in flat per-node lists (signature id, depth, phase, instance, inputs,
+location once executed), the layout the C core (:mod:`ccore`) keeps in C arrays; both cores
+share :class:`RecorderBase` for everything off the hot path: full signatures, output
+inference, concrete and value-dependent calls, leaves, value requests, in-place writes,
+hooks. The Python core is the reference the fuzzer compares the C core against.
 """
 
 from __future__ import annotations
 
-import threading
+from collections import defaultdict
+from weakref import ref as _weakref
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from batchcraft.autobatching import lazy as _lazy
-from batchcraft.autobatching.graph import Graph, LeafNode, Node
+from batchcraft.autobatching import functional as _functional
+from batchcraft.autobatching.descs import DESCS, desc_id
+from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.lazy import LazyTensor
-from batchcraft.autobatching.signature import _SCALARS, LEAF, SigInfo, flatten, flatten_args, rebuild
-from batchcraft.errors import AutobatchError, UnsupportedOperationError
+from batchcraft.autobatching.plan import plan_rows
+from batchcraft.autobatching.signature import (SCALAR_TYPES, SIGNATURES, SigInfo, flatten, rebuild,
+                                               shared_descriptor)
+from batchcraft.autobatching.threadstate import op_state
+from batchcraft.errors import AutobatchError, StepLimitError, UnsupportedOperationError
 
-_tls = threading.local()
-
-
-def current():
-    """The innermost active recorder of this thread, or None."""
-    stack = getattr(_tls, "stack", None)
-    return stack[-1] if stack else None
-
-
-def push(rec) -> None:
-    if not hasattr(_tls, "stack"):
-        _tls.stack = []
-    _tls.stack.append(rec)
-
-
-def pop() -> None:
-    _tls.stack.pop()
-
-
-class _State:
-    current = staticmethod(current)
-
-
-_lazy._state = _State
-
-# Per-signature output inference: key -> (out_struct, out_descs). Keys hold ids of shared tensors,
-# so the cache is bounded and cleared when it grows (a stale id only costs a re-inference).
-_META_CACHE: dict = {}
-_FAST_CACHE: dict = {}  # (func, interned arg signature, grad mode) -> SigInfo
-_META_CACHE_MAX = 200_000
-_grad_enabled = torch.is_grad_enabled
-_CPU = torch.device("cpu")
-
-
-def infer_outputs(func, struct, leaves, device):
-    """Run ``func`` on meta tensors; return (out_struct, out_descs)."""
-    with torch._C.DisableTorchFunction(), torch.no_grad():
-        metas = []
-        for x in leaves:
-            if type(x) is LazyTensor:
-                shape, dtype, _ = x.desc
-                metas.append(torch.empty(shape, dtype=dtype, device="meta"))
-            else:
-                metas.append(x.to("meta"))
-        it = iter(metas)
-        args = rebuild(struct[0], it)
-        kwargs = rebuild(struct[1], it) if struct[1] is not None else {}
-        out = func(*args, **kwargs)
-    out_leaves: list = []
-    out_struct = flatten(out, out_leaves)
-    descs = tuple((tuple(t.shape), t.dtype, device) for t in out_leaves)
-    return out_struct, descs
-
-
+_Lazy = LazyTensor
+_StaticBlock = None  # set below (blocks import this module)
+_Tensor = torch.Tensor
 _torch_tensor = torch.tensor
 _PY_SCALARS = (int, float, bool)
 _SCALAR_KW = frozenset({"dtype", "device"})
 _I64 = 2 ** 63
-_SCALAR_SPECS: dict = {}  # (dtype, device argument) -> (dtype, torch.device, desc, desc id)
-
-
-class _RecordingMode(TorchFunctionMode):
-    """Routes every torch call of instance code to the active recorder."""
-
-    def __init__(self, recorder):
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        rec = current()
-        if (func is _torch_tensor and len(args) == 1 and type(args[0]) in _PY_SCALARS
-                and (not kwargs or kwargs.keys() <= _SCALAR_KW)
-                and (type(args[0]) is not int or -_I64 <= args[0] < _I64)):  # else: fails now, here
-            leaf = getattr(rec, "scalar_leaf", None)  # fast path: no tensor is made until needed
-            if leaf is not None:
-                return leaf(args[0], **(kwargs or {}))
-        return rec.record(func, args, kwargs or {})
-
-
-class Recorder:
-    """Records the operations of the instances of one ``autobatch`` call.
-
-    Args:
-        runtime: the owning runtime (executes pending work on ``materialize``).
-    """
-
-    def __init__(self, runtime):
-        self.runtime = runtime
-        self.graph = Graph()
-        self.instance = -1
-        self.phase = 0
-        self.ops_recorded = 0
-        self.eager_ops = 0  # ops that could not be recorded lazily and ran on concrete values
-        self.blocks_checked: set = set()
-        self.mode = _RecordingMode(self)
-        self.max_pending = getattr(runtime, "max_pending", None)
-        self.max_steps = getattr(runtime, "max_steps", None)
-        self.inst_steps = 0  # operations + synchronisations of the running instance
-
-    # -- the hot path --------------------------------------------------------------------------
-    def record(self, func, args, kwargs):
-        # Fast path: arguments are lazy values, lists/tuples of them and plain scalars. The
-        # signature is then spelled with interned descriptor ids, and the argument structure
-        # comes from the cache instead of being rebuilt.
-        if not kwargs:
-            sig = []
-            leaves: list = []
-            for a in args:
-                t = type(a)
-                if t is LazyTensor:
-                    leaves.append(a)
-                    sig.append(a.did)
-                elif t is list or t is tuple:
-                    ids = []
-                    for b in a:
-                        if type(b) is not LazyTensor:
-                            break
-                        leaves.append(b)
-                        ids.append(b.did)
-                    else:
-                        sig.append((t, tuple(ids)))
-                        continue
-                    break
-                elif t is float:
-                    sig.append((float, a.hex()))
-                elif t in _SCALARS:
-                    sig.append((t, a))
-                else:
-                    break
-            else:
-                if leaves:
-                    fkey = (func, tuple(sig), _grad_enabled())
-                    info = _FAST_CACHE.get(fkey)
-                    if info is not None:
-                        return self._add(info, func, info.struct, leaves)
-                    info = self.signature_info(func, args, kwargs)
-                    if info is None:  # ran concretely (no lazy input) or needs values
-                        return self.record_general(func, args, kwargs)
-                    _FAST_CACHE[fkey] = info
-                    return self._add(info, func, info.struct, leaves)
-        return self.record_general(func, args, kwargs)
-
-    def step_limit(self):
-        from batchcraft.errors import StepLimitError
-
-        raise StepLimitError(f"instance {self.instance} exceeded max_steps={self.max_steps} "
-                             f"(operations + synchronisations) without finishing",
-                             hint="raise max_steps, or check the instance's loop condition")
-
-    def signature_info(self, func, args, kwargs):
-        """The SigInfo of a call with lazy arguments (inferred on a miss), or None."""
-        _refuse(func)
-        leaves: list = []
-        struct = (flatten_args(args, leaves), flatten(kwargs, leaves) if kwargs else None)
-        descs = []
-        device = None
-        for x in leaves:
-            if type(x) is LazyTensor:
-                descs.append(x.desc)
-                if device is None:
-                    device = x.desc[2]
-            else:
-                descs.append(("shared", id(x), x.shape, x.dtype, x.device))
-        if device is None:
-            return None
-        key = (func, struct, tuple(descs), _grad_enabled())
-        info = _META_CACHE.get(key)
-        if info is None:
-            try:
-                info = self.infer(func, struct, leaves, device, key)
-            except _NeedsValues:
-                return None
-        return info
-
-    def record_general(self, func, args, kwargs):
-        """Record any call: flatten the arguments, build the full signature, infer outputs."""
-        _refuse(func)
-        leaves: list = []
-        struct = (flatten_args(args, leaves), flatten(kwargs, leaves) if kwargs else None)
-        has_lazy = False
-        descs = []
-        device = None
-        for x in leaves:
-            if type(x) is LazyTensor:
-                has_lazy = True
-                descs.append(x.desc)
-                if device is None:
-                    device = x.desc[2]
-            else:
-                descs.append(("shared", id(x), x.shape, x.dtype, x.device))
-        if not has_lazy:
-            return self.run_concrete(func, args, kwargs)
-        key = (func, struct, tuple(descs), _grad_enabled())
-        info = _META_CACHE.get(key)
-        if info is None:
-            try:
-                info = self.infer(func, struct, leaves, device, key)
-            except _NeedsValues as nv:
-                return self.run_on_values(func, struct, leaves, nv)
-        return self._add(info, func, struct, leaves)
-
-    def _add(self, info, func, struct, leaves):
-        """Append a node for ``info`` with inputs ``leaves``; return its lazy outputs."""
-        depth = 0
-        rg = False
-        phase = self.phase
-        for x in leaves:
-            if type(x) is LazyTensor:
-                nd = x.node
-                if nd.outs is None:
-                    ph = nd.phase
-                    if ph > phase:  # an input from a later phase (values shared across instances)
-                        phase, depth = ph, nd.depth
-                    elif ph == phase and nd.depth > depth:
-                        depth = nd.depth
-                if nd.requires_grad:
-                    rg = True
-            elif x.requires_grad:
-                rg = True
-        if self.max_steps is not None:
-            self.inst_steps += 1
-            if self.inst_steps > self.max_steps:
-                self.step_limit()
-        node = Node(info, func, struct, leaves, depth + 1, self.instance, phase,
-                    (rg or info.const_grad) and info.key[3])
-        graph = self.graph
-        graph.buckets[(phase, depth + 1, info.sid)].append(node)  # Graph.add, inlined (hot)
-        graph.n_pending += 1
-        self.ops_recorded += 1
-        if self.max_pending is not None and graph.n_pending >= self.max_pending:
-            self.runtime.pending_limit()
-        if info.single:
-            return LazyTensor(node, 0, info.out_descs[0], info.out_dids[0])
-        outs = [LazyTensor(node, i, d, di) for i, d, di in info.out_specs]
-        if info.flat_tuple:
-            return tuple(outs)
-        return rebuild(info.out_struct, iter(outs))
-
-    # -- slower paths --------------------------------------------------------------------------
-    def infer(self, func, struct, leaves, device, key):
-        from batchcraft.autobatching.blocks import StaticBlock
-
-        if isinstance(func, StaticBlock):
-            return func.trace(struct, leaves, device, key)
-        try:
-            out_struct, out_descs = infer_outputs(func, struct, leaves, device)
-        except (NotImplementedError, RuntimeError, TypeError) as exc:
-            # e.g. data-dependent output shapes (nonzero, unique): needs concrete values
-            raise _NeedsValues(exc) from None
-        if len(_META_CACHE) > _META_CACHE_MAX:
-            _META_CACHE.clear()
-            _FAST_CACHE.clear()
-        info = _META_CACHE[key] = SigInfo(key, out_struct, out_descs)
-        return info
-
-    def run_concrete(self, func, args, kwargs):
-        """A call without lazy arguments: run it now; its tensors become per-instance leaves."""
-        func = getattr(func, "fn", func) if func.__class__.__name__ == "StaticBlock" else func
-        with torch._C.DisableTorchFunction():
-            out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor):
-            scalar = (func is torch.tensor and args and type(args[0]) in (int, float, bool)
-                      and not out.requires_grad)
-            return self.leaf(out, args[0] if scalar else None)
-        if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
-            leaves: list = []
-            st = flatten(out, leaves)
-            return rebuild(st, iter([self.leaf(t) if isinstance(t, torch.Tensor) else t for t in leaves]))
-        return out
-
-    def scalar_leaf(self, v, dtype=None, device=None) -> LazyTensor:
-        """``torch.tensor(v[, dtype=, device=])`` for a Python scalar: a leaf whose tensor is made lazily."""
-        if dtype is None:
-            t = type(v)
-            dtype = torch.int64 if t is int else (torch.bool if t is bool else torch.get_default_dtype())
-        spec = _SCALAR_SPECS.get((dtype, device))  # (dtype, device, desc, desc id), interned
-        if spec is None:
-            dev = _CPU if device is None else torch.device(device)
-            desc = ((), dtype, dev)
-            spec = _SCALAR_SPECS[(dtype, device)] = (dtype, dev, desc, _lazy.desc_id(desc))
-        node = LeafNode(None, v, self.instance, spec[0], spec[1])
-        return LazyTensor(node, 0, spec[2], spec[3])
-
-    def leaf(self, value: torch.Tensor, pyvalue=None) -> LazyTensor:
-        node = LeafNode(value, pyvalue, self.instance)
-        return LazyTensor(node, 0, (tuple(value.shape), value.dtype, value.device))
-
-    def run_on_values(self, func, struct, leaves, nv):
-        """Run an op whose output shape depends on values (nonzero, unique, ...) eagerly.
-
-        Its lazy inputs are materialised (a fiber yields until they are computed);
-        the op runs per instance, is counted in ``eager_ops``, and its outputs become leaves.
-        """
-        name = getattr(func, "__name__", repr(func))
-        values = [self.materialize(x, f"run {name} (output shape depends on values)")
-                  if type(x) is LazyTensor else x for x in leaves]
-        it = iter(values)
-        a = rebuild(struct[0], it)
-        k = rebuild(struct[1], it) if struct[1] is not None else {}
-        self.eager_ops += 1
-        with torch._C.DisableTorchFunction():
-            try:
-                out = func(*a, **k)
-            except Exception as exc:
-                raise exc from nv.cause
-        out_leaves: list = []
-        st = flatten(out, out_leaves)
-        return rebuild(st, iter([self.leaf(t) if isinstance(t, torch.Tensor) else t for t in out_leaves]))
-
-    def materialize(self, x: LazyTensor, why: str) -> torch.Tensor:
-        """Concrete value of ``x``; runs pending work first if needed (fibers yield here)."""
-        node = x.node
-        if type(node) is LeafNode:
-            return node.value
-        if node.outs is None:
-            self.runtime.wait_for(x, why)
-        # the recording mode may be active here (a call through a LazyTensor method): index
-        # the batched result as a plain tensor, not as a new recorded op
-        with torch._C.DisableTorchFunction():
-            v = node.outs[x.slot][node.row]
-            # the batched result requires grad if any instance's does; this one's may not (#19)
-            return v.detach() if (v.requires_grad and not node.requires_grad) else v
-
-
+_CPU = torch.device("cpu")
 _NO_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+_SCALAR_SPECS: dict = {}  # (dtype, device argument) -> (dtype, torch.device, did)
+
+
+def _mask(flags) -> int:
+    return sum(1 << s for s, r in enumerate(flags) if r)
 
 
 def _refuse(func):
@@ -361,13 +57,624 @@ def _refuse(func):
                  "(summed) results after the autobatch call")
 
 
-class _NeedsValues(Exception):
-    """Raised when an operation's output cannot be inferred without concrete inputs."""
+def scalar_spec(v, dtype, device):
+    """(dtype, device, did) of ``torch.tensor(v, dtype=, device=)`` for a Python scalar ``v``."""
+    if dtype is None:
+        t = type(v)
+        dtype = torch.int64 if t is int else (torch.bool if t is bool else torch.get_default_dtype())
+    spec = _SCALAR_SPECS.get((dtype, device))
+    if spec is None:
+        dev = _CPU if device is None else torch.device(device)
+        spec = _SCALAR_SPECS[(dtype, device)] = (dtype, dev, desc_id(((), dtype, dev)))
+    return spec
 
-    def __init__(self, cause):
-        super().__init__(str(cause))
-        self.cause = cause
+
+class _PendingGradFn:
+    """``grad_fn`` of a lazy value that requires grad: its node has not run yet."""
+
+    name = "pending (batchcraft: runs batched later)"
+
+    def __repr__(self):
+        return "<batchcraft pending grad_fn>"
 
 
-__all__ = ["Recorder", "current", "push", "pop", "infer_outputs", "AutobatchError",
-           "UnsupportedOperationError"]
+PENDING_GRAD_FN = _PendingGradFn()
+
+
+class RecorderBase:
+    """What both cores share: the slow paths of recording, and value requests.
+
+    Subclasses provide the graph: ``append(info, leaves, lens)``, ``add_leaf(value, pyvalue,
+    did, rg)``, ``node_sid``, ``node_inputs``, ``location``, ``rg_bit``, ``take_buckets``,
+    ``plan_group``, ``place`` and ``n_pending``.
+    """
+
+    core = "?"
+    lazy_type = LazyTensor
+
+    def setup(self, runtime, options) -> None:
+        self.runtime = runtime
+        self.options = options
+        self.instance = -1
+        self.phase = 0
+        self.inst_steps = 0
+        self.max_steps = options.max_steps
+        self.max_pending = options.max_pending
+        self.eager_ops = 0
+        self.blocks_checked: set = set()
+        self.buffers: list = []
+        self.hooks: dict = {}
+        self.writebacks: list = []
+        self.deferred: list = []
+        self.keepalive: list = []
+        self.views: dict = {}
+        self.input_leaves: dict = {}
+        self.hooked: set = set()
+
+    # -- protocol used by lazy values --------------------------------------------------------
+    def note_shape(self) -> None:
+        """A lazy value's shape was read (only block tracing cares)."""
+
+    def node_name(self, node: int) -> str:
+        sid = self.node_sid(node)
+        return "leaf" if sid == 0 else SIGNATURES.by_sid[sid].name
+
+    def requires_grad_of(self, x) -> bool:
+        return bool(self.rg_bit(x.node, x.slot))
+
+    def is_leaf_of(self, x) -> bool:
+        return self.node_sid(x.node) == 0 or not self.rg_bit(x.node, x.slot) or self._made_leaf(x)
+
+    def _made_leaf(self, x) -> bool:
+        sid = self.node_sid(x.node)
+        return sid != 0 and SIGNATURES.by_sid[sid].func is _functional.make_leaf
+
+    def grad_fn_of(self, x):
+        return None if self.is_leaf_of(x) else PENDING_GRAD_FN
+
+    def set_requires_grad(self, x, value: bool) -> None:
+        _functional.set_requires_grad(self, x, value)
+
+    def register_hook(self, x, hook):
+        return _functional.register_hook(self, x, hook)
+
+    def inplace(self, x, func, args, kwargs):
+        return _functional.inplace(self, x, func, args, kwargs)
+
+    def setitem(self, x, key, value) -> None:
+        _functional.setitem(self, x, key, value)
+
+    # -- factory calls seen by the recording mode ---------------------------------------------
+    def mode_call(self, func, args, kwargs):
+        """A torch call seen by the recording mode (any arguments)."""
+        if (func is _torch_tensor and len(args) == 1 and type(args[0]) in _PY_SCALARS
+                and (not kwargs or kwargs.keys() <= _SCALAR_KW)
+                and (type(args[0]) is not int or -_I64 <= args[0] < _I64)):  # else: fails now, here
+            return self.scalar_leaf(args[0], kwargs.get("dtype"), kwargs.get("device"))
+        return self.record(func, args, kwargs or {})
+
+    def scalar_leaf(self, v, dtype=None, device=None):
+        """``torch.tensor(v)`` for a Python scalar: a leaf whose tensor is made only if needed."""
+        dt, dev, did = scalar_spec(v, dtype, device)
+        node = self.add_leaf(None, v, did, False)
+        return _Lazy(self, node, 0, did)
+
+    def input_leaf(self, value: torch.Tensor):
+        """A tensor of the instance itself (in-place updates of it are copied back after the call)."""
+        x = self.leaf(value)
+        self.input_leaves[x.node] = value
+        return x
+
+    def leaf(self, value: torch.Tensor, pyvalue=None):
+        """A per-instance concrete tensor (an instance input or a tensor made by instance code)."""
+        did = desc_id((tuple(value.shape), value.dtype, value.device))
+        node = self.add_leaf(value, pyvalue, did, bool(value.requires_grad))
+        return _Lazy(self, node, 0, did)
+
+    # -- the general path --------------------------------------------------------------------
+    def check_owner(self, x, func) -> None:
+        if x.rec is not self:
+            name = getattr(func, "__name__", func)
+            if getattr(x.rec, "is_tracer", False) and not getattr(self, "is_tracer", False):
+                raise AutobatchError(f"a value traced inside a static block escaped the block (in {name})",
+                                     hint="return every value the rest of the instance needs from the block")
+            if getattr(self, "is_tracer", False):
+                raise AutobatchError(
+                    f"static block {self.block.name!r} uses a lazy value that was not passed to it as an "
+                    f"argument (in {name})",
+                    hint="pass every per-instance tensor the block reads as an argument of the block call")
+            raise AutobatchError(f"a lazy value escaped its batchcraft.autobatch call (in {name})",
+                                 hint="return lazy values from the per-instance function; they come back as tensors")
+
+    def record_general(self, func, args, kwargs):
+        """Record any call: flatten the arguments, build the full signature, infer outputs."""
+        return self.general(func, args, kwargs)[0]
+
+    def general(self, func, args, kwargs):
+        """:meth:`record_general`, also returning the SigInfo used (None: no node was recorded)."""
+        _refuse(func)
+        if kwargs and kwargs.get("out") is not None:
+            raise UnsupportedOperationError(
+                f"{getattr(func, '__name__', func)}(..., out=...) inside batchcraft.autobatch is not supported",
+                hint="use the result of the out-of-place call instead")
+        if _functional.is_inplace_call(func, args, kwargs, self.lazy_type):
+            return self.inplace(args[0], func, args, kwargs), None
+        leaves: list = []
+        struct = (flatten(args, leaves, self.lazy_type), flatten(kwargs, leaves, self.lazy_type) if kwargs else None)
+        lazies = []
+        specs = []
+        dkey = []
+        block = func.__class__ is _StaticBlock  # blocks key their inputs' requires_grad (see SigInfo)
+        for x in leaves:
+            if type(x) is self.lazy_type:
+                self.check_owner(x, func)
+                lazies.append(x)
+                rg = self.rg_bit(x.node, x.slot)
+                specs.append(("lazy", x.did, bool(rg)))
+                dkey.append(x.did * 2 + rg if block else x.did)
+            else:
+                specs.append(("shared", x))
+                dkey.append(shared_descriptor(x))
+        if not lazies:
+            return self.run_concrete(func, args, kwargs), None
+        if _functional.is_inplace_call(func, args, kwargs, _Tensor) or (args and isinstance(args[0], _Tensor)
+                                                                         and _functional.writes_first(func, kwargs)):
+            raise UnsupportedOperationError(
+                f"in-place {getattr(func, '__name__', func)} writes per-instance values into a shared tensor "
+                f"(a parameter or a tensor captured from outside the instance)",
+                hint="compute a new tensor instead (y = x + v); to change a shared tensor, do it after the call")
+        state = op_state()
+        key = (func, struct, tuple(dkey), state)
+        info = SIGNATURES.get(key)
+        if info is None:
+            try:
+                info = self.new_signature(key, func, struct, leaves, specs, state)
+            except NeedsValues as nv:
+                return self.run_on_values(func, struct, leaves, nv), None
+        if info.n_out == 0:
+            return rebuild(info.out_struct, iter(())), None
+        return self.append(info, lazies, None), info
+
+    def new_signature(self, key, func, struct, leaves, specs, state):
+        from batchcraft.autobatching.blocks import StaticBlock
+
+        if isinstance(func, StaticBlock):
+            return func.trace(key, struct, leaves, specs, state, self)
+        # requires_grad of the outputs as a function of the inputs' flags (which are not part of the
+        # key, so that instances whose inputs differ only in requires_grad still batch together):
+        # the outputs' flags with no per-instance input requiring grad, then with each one alone
+        base = [("lazy", s[1], False) if s[0] == "lazy" else s for s in specs]
+        out_struct, out_dids, out_rg = infer_outputs(func, struct, base, state, self.lazy_type)
+        lazy_pos = [i for i, s in enumerate(specs) if s[0] == "lazy"]
+        deps = [0] * len(lazy_pos)
+        if state[0] and not state[1] and out_dids:
+            if len(lazy_pos) <= 6:
+                for j, i in enumerate(lazy_pos):
+                    one = list(base)
+                    one[i] = ("lazy", specs[i][1], True)
+                    deps[j] = _mask(infer_outputs(func, struct, one, state, self.lazy_type)[2])
+            else:
+                every = [("lazy", s[1], True) if s[0] == "lazy" else s for s in specs]
+                deps = [_mask(infer_outputs(func, struct, every, state, self.lazy_type)[2])] * len(lazy_pos)
+
+        def make(sid):
+            info = SigInfo(sid, key, func, struct, leaves, self.lazy_type, state[0], state, out_struct, out_dids,
+                           out_rg)
+            info.rg_dep = tuple(deps)
+            info.dep_any = any(deps)
+            return info
+
+        return SIGNATURES.add(key, make)
+
+    def run_concrete(self, func, args, kwargs):
+        """A call without lazy arguments: run it now; tensors it returns become per-instance leaves."""
+        from batchcraft.autobatching.blocks import StaticBlock
+
+        if isinstance(func, StaticBlock):
+            func = func.fn
+        with torch._C.DisableTorchFunction():
+            out = func(*args, **kwargs)
+        if isinstance(out, _Tensor):
+            scalar = (func is _torch_tensor and args and type(args[0]) in _PY_SCALARS and not out.requires_grad)
+            return self.leaf(out, args[0] if scalar else None)
+        if isinstance(out, (tuple, list)) and any(isinstance(o, _Tensor) for o in out):
+            leaves: list = []
+            st = flatten(out, leaves, self.lazy_type)
+            return rebuild(st, iter([self.leaf(t) if isinstance(t, _Tensor) else t for t in leaves]))
+        return out
+
+    def run_on_values(self, func, struct, leaves, nv):
+        """An op whose output shape depends on values (nonzero, unique, ...): run it eagerly.
+
+        Its lazy inputs are materialised (the fiber waits until they are computed); the op runs
+        for this instance on the values, is counted in ``eager_ops``, and its outputs become
+        leaves (with their autograd history: gradients flow back into the batched work).
+        """
+        name = getattr(func, "__name__", repr(func))
+        values = [self.materialize(x, f"run {name} (output shape depends on values)")
+                  if type(x) is self.lazy_type else x for x in leaves]
+        it = iter(values)
+        a = rebuild(struct[0], it)
+        k = rebuild(struct[1], it) if struct[1] is not None else {}
+        self.eager_ops += 1
+        self.runtime.stats.note_eager(name)
+        with torch._C.DisableTorchFunction():
+            try:
+                out = func(*a, **k)
+            except Exception as exc:
+                raise exc from nv.cause
+        out_leaves: list = []
+        st = flatten(out, out_leaves, self.lazy_type)
+        return rebuild(st, iter([self.leaf(t) if isinstance(t, _Tensor) else t for t in out_leaves]))
+
+    def step_limit(self):
+        raise StepLimitError(f"instance {self.instance} exceeded max_steps={self.max_steps} "
+                             f"(operations + synchronisations) without finishing",
+                             hint="raise max_steps, or check the instance's loop condition")
+
+    # -- values -------------------------------------------------------------------------------
+    def value_of(self, node: int, slot: int):
+        """The concrete value of an executed node's output (a row of a batched result)."""
+        buf, row = self.location(node)
+        v = self.buffers[buf + slot][row]
+        # the batched result requires grad if any instance's does; this one's may not
+        return v.detach() if (v.requires_grad and not self.rg_bit(node, slot)) else v
+
+    def materialize(self, x, why: str) -> torch.Tensor:
+        """Concrete value of ``x``; runs pending work first if needed (its fiber waits here)."""
+        if x.rec is not self:
+            if getattr(x.rec, "is_tracer", False) or getattr(self, "is_tracer", False):
+                return x.rec.materialize(x, why)
+            raise AutobatchError(f"cannot {why}: the lazy value escaped its batchcraft.autobatch call")
+        node = x.node
+        if self.node_sid(node) == 0:
+            return self.leaf_value(node)
+        if not self.is_done(node):
+            self.runtime.wait_for(x, why)
+        with torch._C.DisableTorchFunction():
+            return self.value_of(node, x.slot)
+
+    def resolve(self, x):
+        """Output of the call for lazy value ``x`` (after the final flush)."""
+        node = x.node
+        if self.node_sid(node) == 0:
+            return self.leaf_value(node)
+        if not self.is_done(node):  # pragma: no cover - the final flush runs everything
+            raise AutobatchError(f"internal error: output node {node} was not computed")
+        return self.value_of(node, x.slot)
+
+    # -- views, writes, hooks (see functional.py) -------------------------------------------
+    def register_view(self, out, base) -> None:
+        out.base = base
+        views = self.views
+        lst = views.get(id(base))
+        if lst is None:
+            lst = views[id(base)] = []
+        lst.append(_weakref(out))
+
+    def view_base(self, x):
+        return x.base
+
+    def node_leaves(self, node: int, first=None) -> list:
+        """A node's tensor arguments in its signature's leaf order (``first`` replaces leaf 0)."""
+        info = SIGNATURES.by_sid[self.node_sid(node)]
+        lazies = iter(self.replay_inputs(node))
+        out = [next(lazies) if k else sh for k, sh in zip(info.leaf_kinds, info.shared)]
+        if first is not None:
+            out[0] = first
+        return out
+
+    def view_scatter(self, x, base, new):
+        from batchcraft.autobatching import views
+
+        info = SIGNATURES.by_sid[self.node_sid(x.node)]
+        leaves = self.node_leaves(x.node, first=base)
+        return views.view_scatter(info.func, info.struct, leaves, x.slot, base, new, DESCS[base.did][0])
+
+    def view_rederive(self, v, base) -> None:
+        from batchcraft.autobatching.signature import call_with
+
+        info = SIGNATURES.by_sid[self.node_sid(v.node)]
+        out = call_with(info.func, info.struct, self.node_leaves(v.node, first=base))
+        if not isinstance(out, self.lazy_type):
+            flat: list = []
+            flatten(out, flat, self.lazy_type)
+            out = flat[v.slot]
+        _functional.rebind(self, v, out)
+
+    def note_rebind(self, x) -> None:
+        """``x`` is about to be re-pointed: remember instance inputs for the write-back."""
+        t = self.input_leaves.get(x.node)
+        if t is not None and self.node_sid(x.node) == 0:
+            self.writebacks.append((self.instance, t, x))
+
+    def is_input_leaf_requiring_grad(self, x) -> bool:
+        return self.node_sid(x.node) == 0 and bool(self.rg_bit(x.node, x.slot))
+
+    def attach_hooks(self, nodes) -> None:
+        """Hook the rows of executed ``nodes`` that have hooks (see ``functional.register_hook``)."""
+        hooks = self.hooks
+        for nd in nodes:
+            entries = hooks.get(nd)
+            if not entries:
+                continue
+            buf, row = self.location(nd)
+            for slot in sorted({s for s, _ in entries}):
+                if (nd, slot) in self.hooked:
+                    continue
+                self.hooked.add((nd, slot))
+                t = self.buffers[buf + slot]
+                t.register_hook(_functional.row_hook(row, entries, slot))
+
+    def replay_inputs(self, node: int):
+        """The lazy input handles of a recorded node (for per-instance replays)."""
+        return [_Lazy(self, p, s, self._out_did(p, s)) for p, s in self.node_inputs(node)]
+
+    def _out_did(self, node: int, slot: int) -> int:
+        sid = self.node_sid(node)
+        if sid == 0:
+            return self.leaf_did(node)
+        return SIGNATURES.by_sid[sid].out_dids[slot]
+
+
+class PyRecorder(RecorderBase):
+    """The pure-Python core: the graph in per-node Python lists."""
+
+    core = "python"
+
+    def __init__(self, runtime, options):
+        self.setup(runtime, options)
+        self.sid: list = []       # signature id (0: leaf)
+        self.depth: list = []
+        self.nphase: list = []
+        self.inst: list = []
+        self.rgbits: list = []    # bit s: output s requires grad
+        self.ins: list = []       # tuple of (node, slot) per node; ragged members after the singles
+        self.lens: list = []      # None, or the lengths of the ragged list arguments
+        self.loc_buf: list = []   # -1 while pending; else the buffer id of output 0
+        self.loc_row: list = []
+        self.leaves: dict = {}    # leaf node -> [tensor or None, python scalar or None, did]
+        self.pending_leaves: dict = defaultdict(list)  # did -> leaf nodes without a location
+        self.buckets: dict = defaultdict(list)
+        self.n_pending = 0
+        self.ops_recorded = 0
+        from batchcraft.autobatching.mode import RecordingMode
+
+        self.mode = RecordingMode(self)
+
+    # -- graph --------------------------------------------------------------------------------
+    def node_sid(self, node):
+        return self.sid[node]
+
+    def node_inst(self, node):
+        return self.inst[node]
+
+    def node_inputs(self, node):
+        return self.ins[node]
+
+    def node_lens(self, node):
+        return self.lens[node]
+
+    def rg_bit(self, node, slot):
+        return (self.rgbits[node] >> slot) & 1
+
+    def set_rg_bit(self, node, slot, value):
+        if value:
+            self.rgbits[node] |= 1 << slot
+        else:
+            self.rgbits[node] &= ~(1 << slot)
+
+    def is_done(self, node):
+        return self.loc_buf[node] >= 0
+
+    def location(self, node):
+        return self.loc_buf[node], self.loc_row[node]
+
+    def leaf_did(self, node):
+        return self.leaves[node][2]
+
+    def leaf_set_requires_grad(self, node, value: bool) -> None:
+        t = self.leaf_value(node)
+        t.requires_grad_(value)
+        self.leaves[node][1] = None  # a scalar leaf now batches by stacking (keeps autograd)
+        self.set_rg_bit(node, 0, t.requires_grad)
+
+    def leaf_value(self, node):
+        rec = self.leaves[node]
+        if rec[0] is None:
+            dtype, dev, _ = scalar_spec(rec[1], DESCS[rec[2]][1], DESCS[rec[2]][2])
+            with torch._C.DisableTorchFunction():
+                rec[0] = torch.tensor(rec[1], dtype=dtype, device=dev)
+        return rec[0]
+
+    def add_leaf(self, value, pyvalue, did, rg):
+        node = len(self.sid)
+        self.sid.append(0)
+        self.depth.append(0)
+        self.nphase.append(-1)
+        self.inst.append(self.instance)
+        self.rgbits.append(1 if rg else 0)
+        self.ins.append(())
+        self.lens.append(None)
+        self.loc_buf.append(-1)
+        self.loc_row.append(-1)
+        self.leaves[node] = [value, pyvalue, did]
+        self.pending_leaves[did].append(node)
+        return node
+
+    # -- the hot path --------------------------------------------------------------------------
+    def record(self, func, args, kwargs):
+        if not kwargs:
+            key = [func]
+            leaves = []
+            rgbits = self.rgbits
+            rgk = 0
+            for a in args:
+                t = type(a)
+                if t is _Lazy:
+                    if a.rec is not self:
+                        break
+                    rgk = rgk * 2 + ((rgbits[a.node] >> a.slot) & 1)
+                    leaves.append(a)
+                    key.append(a.did)
+                elif t is list or t is tuple:
+                    ids = [t]
+                    for b in a:
+                        if type(b) is not _Lazy or b.rec is not self:
+                            break
+                        rgk = rgk * 2 + ((rgbits[b.node] >> b.slot) & 1)
+                        leaves.append(b)
+                        ids.append(b.did)
+                    else:
+                        key.append(tuple(ids))
+                        continue
+                    break
+                elif t is float:
+                    key.append((float, a.hex()))
+                elif t in SCALAR_TYPES:
+                    key.append((t, a))
+                elif isinstance(a, _Tensor):
+                    key.append((_Tensor, id(a), a.requires_grad))
+                else:
+                    break
+            else:
+                if leaves:
+                    fkey = (tuple(key), rgk if func.__class__ is _StaticBlock else 0, op_state())
+                    info = SIGNATURES.fast.get(fkey)
+                    if info is not None and info.validated:
+                        return self.append(info, leaves, None)
+                    out, info = self.general(func, args, kwargs)
+                    if info is not None:
+                        SIGNATURES.fast[fkey] = info
+                    return out
+        return self.record_general(func, args, kwargs)
+
+    def append(self, info, leaves, lens):
+        """Append a node of signature ``info`` with lazy inputs ``leaves``; return its outputs."""
+        depth = 0
+        phase = self.phase
+        nphase, ndepth, loc_buf = self.nphase, self.depth, self.loc_buf
+        ins = []
+        bits = info.rg_mask
+        deps = info.rg_dep if info.dep_any else None
+        rgbits = self.rgbits
+        for j, x in enumerate(leaves):
+            p = x.node
+            ins.append((p, x.slot))
+            if deps is not None and (rgbits[p] >> x.slot) & 1:
+                bits |= deps[j]
+            if loc_buf[p] < 0 and self.sid[p] != 0:
+                ph = nphase[p]
+                if ph > phase:  # an input from a later phase (values shared across instances)
+                    phase, depth = ph, ndepth[p]
+                elif ph == phase and ndepth[p] > depth:
+                    depth = ndepth[p]
+        if self.max_steps is not None:
+            self.inst_steps += 1
+            if self.inst_steps > self.max_steps:
+                self.step_limit()
+        node = len(self.sid)
+        self.sid.append(info.sid)
+        self.depth.append(depth + 1)
+        self.nphase.append(phase)
+        self.inst.append(self.instance)
+        self.rgbits.append(bits)
+        self.ins.append(tuple(ins))
+        self.lens.append(lens)
+        self.loc_buf.append(-1)
+        self.loc_row.append(-1)
+        self.buckets[(phase, depth + 1, info.sid)].append(node)
+        self.n_pending += 1
+        self.ops_recorded += 1
+        if self.max_pending is not None and self.n_pending >= self.max_pending:
+            self.runtime.pending_limit()
+        if info.single:
+            out = _Lazy(self, node, 0, info.out_dids[0])
+            if info.view:
+                self.register_view(out, leaves[0])
+            return out
+        outs = [_Lazy(self, node, i, d) for i, d in enumerate(info.out_dids)]
+        if info.view:
+            for o in outs:
+                self.register_view(o, leaves[0])
+        if info.flat_tuple:
+            return tuple(outs)
+        return rebuild(info.out_struct, iter(outs))
+
+    # -- execution support ---------------------------------------------------------------------
+    def take_buckets(self):
+        """Remove and return the pending buckets: ``[((phase, depth, sid), nodes), ...]``."""
+        b, self.buckets = self.buckets, defaultdict(list)
+        self.n_pending = 0
+        return list(b.items())
+
+    def materialize_leaves(self, did: int) -> None:
+        """Give every pending leaf with descriptor ``did`` a row of one new buffer."""
+        nodes = self.pending_leaves.pop(did, None)
+        if not nodes:
+            return
+        from batchcraft.autobatching.gather import stack_leaves
+
+        vals = [self.leaves[nd] for nd in nodes]
+        t = stack_leaves(vals, DESCS[did], self.leaf_value, nodes)
+        buf = len(self.buffers)
+        self.buffers.append(t)
+        for r, nd in enumerate(nodes):
+            self.loc_buf[nd] = buf
+            self.loc_row[nd] = r
+
+    def _refs_rows(self, refs):
+        bufs, rows = [], []
+        loc_buf, loc_row = self.loc_buf, self.loc_row
+        for p, s in refs:
+            b = loc_buf[p]
+            if b < 0:
+                self.materialize_leaves(self.leaves[p][2])
+                b = loc_buf[p]
+            bufs.append(b + s)
+            rows.append(loc_row[p])
+        return bufs, rows
+
+    def plan_group(self, nodes, n_single: int, n_ragged: int):
+        """Where each input of the group's nodes is: one plan per input slot (see :mod:`plan`)."""
+        plans = []
+        ins = self.ins
+        for j in range(n_single):
+            bufs, rows = self._refs_rows([ins[nd][j] for nd in nodes])
+            plans.append(plan_rows(bufs, rows))
+        for r in range(n_ragged):
+            refs, seg, cnt = [], [], []
+            for i, nd in enumerate(nodes):
+                lens = self.lens[nd]
+                off = n_single + sum(lens[:r])
+                refs.extend(ins[nd][off:off + lens[r]])
+                seg.extend([i] * lens[r])
+                cnt.append(lens[r])
+            bufs, rows = self._refs_rows(refs)
+            plans.append((plan_rows(bufs, rows), seg, cnt))
+        return plans
+
+    def place(self, nodes, buf: int, base: int) -> None:
+        """The outputs of ``nodes`` are rows ``base, base+1, ...`` of buffers ``buf, buf+1, ...``."""
+        loc_buf, loc_row = self.loc_buf, self.loc_row
+        for r, nd in enumerate(nodes):
+            loc_buf[nd] = buf
+            loc_row[nd] = base + r
+
+    def group_instances(self, nodes):
+        return [self.inst[nd] for nd in nodes]
+
+    def group_lens(self, nodes):
+        return [self.lens[nd] for nd in nodes]
+
+
+def _late_imports():
+    global _StaticBlock
+    from batchcraft.autobatching.blocks import StaticBlock
+
+    _StaticBlock = StaticBlock
+
+
+_late_imports()
+
+__all__ = ["RecorderBase", "PyRecorder", "scalar_spec", "PENDING_GRAD_FN"]

@@ -1,16 +1,18 @@
 """Batching rules: run one operation for ``n`` instances at once.
 
-A rule receives the operation, its argument structure, the argument tensors
-(per-instance ones already gathered into one tensor with a leading batch
-dimension of size ``n``; shared ones as they are), which of them are batched,
-and each one's per-instance shape. It returns the batched result, whose every
-output has shape ``(n, *per-instance shape)``.
+A rule function receives the operation, its argument structure, the argument tensors
+(per-instance ones already gathered into one tensor with a leading batch dimension of size
+``n``; shared ones as they are), which of them are batched, and each one's per-instance shape.
+It returns the batched result, whose every output has shape ``(n, *per-instance shape)``.
 
-Hand-written rules cover the common operations (elementwise maths, linear
-algebra on a shared weight, embeddings, normalisation, reductions and shape
-operations with a dimension argument, indexing, RNN cells); everything else
-goes through ``torch.func.vmap`` (the general rule). The executor checks each
-result's shape and falls back to per-instance eager execution if a rule fails.
+Each registered operation has a :class:`Rule`: the function above plus, for the hot
+operations, a *lowering* that writes the batched call as one Python expression with the
+dimension arguments already shifted (:mod:`lower` compiles a whole program from these), and
+the operation's ragged form (:mod:`ragged`). Hand-written rules cover elementwise maths,
+linear algebra on a shared weight, embeddings, normalisation, reductions and shape operations
+with a dimension argument, indexing and RNN cells; everything else goes through
+``torch.func.vmap`` (the general rule). The executor checks each step's result and runs a step
+one instance at a time when its rule fails (counted in ``RunStats.fallbacks``, with the reason).
 
 Source: DyNet auto-batching (Neubig et al. 2017) for the per-op batched kernels;
 ``torch.func.vmap`` (functorch) for the general rule.
@@ -21,16 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchcraft.autobatching.signature import rebuild
+from batchcraft.autobatching.signature import call_with, rebuild
 
-RULES: dict = {}
-
-
-def _call(func, struct, leaves):
-    it = iter(leaves)
-    args = rebuild(struct[0], it)
-    kwargs = rebuild(struct[1], it) if struct[1] is not None else {}
-    return func(*args, **kwargs)
+_call = call_with
 
 
 def _args(struct, leaves):
@@ -153,11 +148,9 @@ def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):
             kwargs[name] = nd
         return func(*args, **kwargs)
 
-    _DIM_RULES.add(rule)
     return rule
 
 
-_DIM_RULES: set = set()  # rules made by make_dim_rule (see is_transparent)
 _BATCHED_OTHER_OK: set = set()
 
 
@@ -307,6 +300,38 @@ def rule_split(func, struct, leaves, mask, shapes, n):
     return func(args[0], args[1], _shift(d, len(shapes[0])), **kwargs)
 
 
+# -- the registry: rule objects ----------------------------------------------------------------
+
+
+class Rule:
+    """How one family of operations is batched.
+
+    Attributes:
+        name (str): shown in ``RunStats.groups_by_rule``.
+        fn: ``fn(func, struct, leaves, mask, shapes, n) -> batched output`` (always correct or raises).
+        lower: optional ``lower(func, args, kwargs, lw) -> expression | None``, the batched call as
+            one Python expression (``lw`` is the :class:`~batchcraft.autobatching.lower.StepView`),
+            or None to use ``fn``.
+        ragged: optional ragged form (see :mod:`ragged`), by family name.
+    """
+
+    __slots__ = ("name", "fn", "lower", "ragged")
+
+    def __init__(self, name, fn, lower=None, ragged=None):
+        self.name = name
+        self.fn = fn
+        self.lower = lower
+        self.ragged = ragged
+
+    def __repr__(self) -> str:
+        return f"Rule({self.name})"
+
+
+RULES: dict = {}
+VMAP = Rule("vmap", rule_vmap)
+_NO_RULE: dict = {}
+
+
 def _register(funcs, rule):
     for f in funcs:
         if f is not None:
@@ -321,6 +346,99 @@ def _torch_funcs(*names):
     return [getattr(torch, n, None) for n in names]
 
 
+# -- lowerings: the batched call written out (dims shifted, ranks aligned) ------------------------
+
+def _lower_elementwise(func, args, kwargs, lw):
+    rank = max((len(s) for s in lw.shapes if s is not None), default=0)
+    for j, (b, s) in enumerate(zip(lw.batched, lw.shapes)):
+        if b and len(s) < rank:
+            lw.wrap(j, lambda e, s=s: f"{e}.reshape((n,) + {(1,) * (rank - len(s)) + tuple(s)!r})")
+    return lw.call(func, args, kwargs)
+
+
+def _lower_direct(func, args, kwargs, lw):
+    return lw.call(func, args, kwargs)
+
+
+def _lower_weight(func, args, kwargs, lw):
+    if not (lw.batched[0] and not any(lw.batched[1:])):
+        return None
+    if func is F.linear and lw.kernels is not None:
+        return lw.call(lw.kernels.linear_for(lw, lw.shapes), args, kwargs)
+    return lw.call(func, args, kwargs)
+
+
+def _dim_lowering(pos: int, name: str = "dim", default=None, full=None):
+    def lower(func, args, kwargs, lw):
+        if not lw.batched[0] or (any(lw.batched[1:]) and func not in _BATCHED_OTHER_OK):
+            return None
+        rank = len(lw.shapes[0])
+        if name in kwargs:
+            d, where = kwargs[name], "kw"
+        elif len(args) > pos:
+            d, where = args[pos], "pos"
+        else:
+            d, where = default, "kw"
+        if d is None:
+            if full != "tuple":
+                return None
+            if rank == 0:
+                return lw.expr(args[0])
+            nd = tuple(range(1, rank + 1))
+        elif type(d) is int:
+            nd = _shift(d, rank)
+        elif isinstance(d, (tuple, list)) and all(type(i) is int for i in d):
+            nd = tuple(_shift(i, rank) for i in d)
+        else:
+            return None
+        if where == "pos":
+            args[pos] = nd
+        else:
+            kwargs[name] = nd
+        return lw.call(func, args, kwargs)
+
+    return lower
+
+
+def _lower_shape_args(prepend_n: bool):
+    def lower(func, args, kwargs, lw):
+        if not lw.batched[0] or any(lw.batched[1:]) or "size" in kwargs or "shape" in kwargs:
+            return None
+        rest = args[1:]
+        if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+            rest = list(rest[0])
+        if not all(type(s) is int for s in rest):
+            return None
+        return lw.call(func, [args[0], (lw.N if prepend_n else 1, *rest)], kwargs)
+
+    return lower
+
+
+def _lower_unsqueeze(func, args, kwargs, lw):
+    d = kwargs.pop("dim", args[1] if len(args) > 1 else None)
+    if type(d) is not int or any(lw.batched[1:]):
+        return None
+    rank = len(lw.shapes[0])
+    d = d if d >= 0 else d + rank + 1
+    return f"{lw.expr(args[0])}.unsqueeze({d + 1})"
+
+
+def _lower_getitem(func, args, kwargs, lw):
+    if len(lw.batched) != 1 or not _is_plain_index(args[1]):
+        return None
+    idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return f"{lw.expr(args[0])}[{lw.value((slice(None),) + tuple(idx))}]"
+
+
+def _lower_split(func, args, kwargs, lw):
+    d = kwargs.pop("dim", args[2] if len(args) > 2 else 0)
+    if any(lw.batched[1:]) or type(d) is not int:
+        return None
+    return lw.call(func, [args[0], args[1], _shift(d, len(lw.shapes[0]))], kwargs)
+
+
+# -- registrations --------------------------------------------------------------------------------
+
 _ELEMENTWISE = ("add", "sub", "mul", "div", "true_divide", "neg", "sigmoid", "tanh", "relu", "exp",
                 "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "pow", "maximum", "minimum", "where",
                 "clamp", "clamp_min", "clamp_max", "sin", "cos", "reciprocal", "square", "sign", "floor",
@@ -328,108 +446,60 @@ _ELEMENTWISE = ("add", "sub", "mul", "div", "true_divide", "neg", "sigmoid", "ta
                 "logical_not", "masked_fill", "zeros_like", "ones_like", "full_like", "rand_like",
                 "randn_like", "empty_like", "lerp", "addcmul", "addcdiv", "erf", "atan2", "fmod",
                 "remainder", "floor_divide", "bitwise_and", "bitwise_or", "isnan", "isinf", "isfinite",
-                "nan_to_num", "sub", "rsub", "mul", "logaddexp", "hypot", "trunc", "frac")
+                "nan_to_num", "rsub", "logaddexp", "hypot", "trunc", "frac", "tan", "asin", "acos",
+                "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "log2", "log10", "exp2", "sgn",
+                "bitwise_not", "bitwise_xor", "logical_xor", "xlogy", "copysign", "float_power")
 _DUNDERS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
             "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__pow__", "__rpow__",
             "__and__", "__or__", "__xor__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__",
             "__ne__", "__neg__", "__abs__", "__invert__", "__pos__", "__lshift__", "__rshift__")
 _CONVERSIONS = ("float", "double", "half", "long", "int", "bool", "to", "type_as", "contiguous",
-                "clone", "detach", "bfloat16", "cpu", "cuda")
+                "clone", "detach", "bfloat16", "cpu", "cuda", "requires_grad_")
 
-_register(_torch_funcs(*_ELEMENTWISE) + _tensor_methods(*_ELEMENTWISE, *_DUNDERS), rule_elementwise)
+_ELEM = Rule("elementwise", rule_elementwise, _lower_elementwise, ragged="elementwise")
+_register(_torch_funcs(*_ELEMENTWISE) + _tensor_methods(*_ELEMENTWISE, *_DUNDERS), _ELEM)
 _register([F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.softplus, F.hardtanh, F.relu6, F.dropout,
            F.sigmoid, F.tanh, F.mish, F.selu, F.logsigmoid, F.hardswish, F.hardsigmoid, torch.selu,
-           torch.dropout, torch.celu], rule_elementwise)
-_register(_tensor_methods(*_CONVERSIONS) + [torch.clone, torch.detach], rule_direct)
-_register([F.linear, F.embedding, F.layer_norm, torch.layer_norm, torch.embedding, F.rms_norm], rule_weight)
-_register([torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell], rule_rnn_cell)
+           torch.dropout, torch.celu, F.celu, F.softsign, F.tanhshrink, F.threshold, F.softshrink,
+           F.hardshrink, torch.nn.functional.relu6], _ELEM)
+_register(_tensor_methods(*_CONVERSIONS) + [torch.clone, torch.detach], Rule("direct", rule_direct, _lower_direct,
+                                                                              ragged="elementwise"))
+_register([F.linear, F.embedding, F.layer_norm, torch.layer_norm, torch.embedding, F.rms_norm],
+          Rule("weight", rule_weight, _lower_weight, ragged="rowwise"))
+_register([torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell], Rule("rnn_cell", rule_rnn_cell))
 _register([torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__,
-           torch.Tensor.__rmatmul__], rule_matmul)
-_dim1 = make_dim_rule(1)
+           torch.Tensor.__rmatmul__], Rule("matmul", rule_matmul, ragged="matmul"))
+_DIM1 = Rule("dim", make_dim_rule(1), _dim_lowering(1), ragged="reduce")
 _register(_torch_funcs("softmax", "log_softmax", "cumsum", "cumprod", "logsumexp", "argmax", "argmin",
-                       "amax", "amin", "index_select", "narrow", "select", "gather")
+                       "amax", "amin", "index_select", "narrow", "select", "gather", "prod")
           + _tensor_methods("softmax", "log_softmax", "cumsum", "cumprod", "logsumexp", "argmax", "argmin",
-                            "amax", "amin", "index_select", "narrow", "select", "gather")
-          + [F.softmax, F.log_softmax], _dim1)
-_sum_like = make_dim_rule(1, full="tuple")
-_register(_torch_funcs("prod") + _tensor_methods("prod"), _dim1)
-_register(_torch_funcs("sum", "mean", "std", "var", "all", "any")
-          + _tensor_methods("sum", "mean", "all", "any"), _sum_like)
-_register(_torch_funcs("max", "min") + _tensor_methods("max", "min"), make_dim_rule(1))
+                            "amax", "amin", "index_select", "narrow", "select", "gather", "prod")
+          + [F.softmax, F.log_softmax], _DIM1)
+_register(_torch_funcs("sum", "mean", "std", "var", "all", "any") + _tensor_methods("sum", "mean", "all", "any"),
+          Rule("sum", make_dim_rule(1, full="tuple"), _dim_lowering(1, full="tuple"), ragged="reduce"))
+_register(_torch_funcs("max", "min") + _tensor_methods("max", "min"), Rule("max", make_dim_rule(1), _dim_lowering(1),
+                                                                           ragged="reduce"))
 _BATCHED_OTHER_OK.update([torch.gather, torch.Tensor.gather])
-_register([torch.cat, torch.concat, torch.concatenate, torch.stack], rule_seq_dim)
-_register(_tensor_methods("view", "reshape", "expand") + [torch.reshape], rule_shape_args(True))
-_register(_tensor_methods("repeat"), rule_shape_args(False))
-_register([torch.permute, torch.Tensor.permute], rule_permute)
-_register([torch.t, torch.Tensor.t], rule_t)
-_register([torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes], rule_transpose)
-_register([torch.flatten, torch.Tensor.flatten], rule_flatten)
-_register([torch.squeeze, torch.Tensor.squeeze], rule_squeeze)
-_register([torch.unsqueeze, torch.Tensor.unsqueeze], rule_unsqueeze)
-_register([torch.Tensor.__getitem__], rule_getitem)
-_register(_tensor_methods("new_zeros", "new_ones", "new_empty", "new_full"), rule_new_factory)
-_register([torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk], rule_split)
-
-
-_NO_RULE: dict = {}
-
-# -- transparency: can the op be called on batched arguments exactly as written? -------------
-# Used for static blocks: a block whose every step is transparent (and that never reads a
-# shape while traced) is called directly on batched inputs instead of replayed step by step.
-
-
-def _dims_negative(d) -> bool:
-    if isinstance(d, int):
-        return d < 0
-    if isinstance(d, (tuple, list)):
-        return all(isinstance(i, int) and i < 0 for i in d)
-    return False
-
-
-def _dim_arg(struct, n_leaves, pos, name="dim", default=None):
-    args, kwargs = _args(struct, [None] * n_leaves)
-    if name in kwargs:
-        return kwargs[name]
-    return args[pos] if len(args) > pos else default
-
-
-def is_transparent(func, struct, mask, shapes) -> bool:
-    """True when ``func`` called unchanged on batched arguments gives the batched result."""
-    rule = RULES.get(func)
-    nl = len(mask)
-    if rule is None:
-        return False
-    if rule is rule_direct:
-        return True
-    if rule is rule_elementwise:
-        rank = max((len(s) for s in shapes), default=0)
-        return all(len(s) == rank for s, m in zip(shapes, mask) if m)
-    if rule is rule_weight:
-        return bool(mask[0]) and not any(mask[1:])
-    if rule is rule_matmul:
-        if nl != 2 or getattr(func, "__name__", "") == "__rmatmul__":
-            return False
-        (ma, mb), (sa, sb) = mask, shapes
-        return (ma and not mb and len(sb) == 2 and len(sa) >= 1) or (ma and mb and len(sa) >= 2 and len(sb) >= 2)
-    if rule is rule_seq_dim:
-        return all(mask) and _dims_negative(_dim_arg(struct, nl, 1, default=0))
-    if rule is rule_split:
-        return mask[0] and not any(mask[1:]) and _dims_negative(_dim_arg(struct, nl, 2, default=0))
-    if rule in _DIM_RULES or rule is rule_unsqueeze or rule is rule_squeeze:
-        return mask[0] and not any(mask[1:]) and _dims_negative(_dim_arg(struct, nl, 1))
-    if rule is rule_transpose:
-        return mask[0] and not any(mask[1:]) and _dims_negative(
-            (_dim_arg(struct, nl, 1, "dim0"), _dim_arg(struct, nl, 2, "dim1")))
-    if rule is rule_getitem:
-        if nl != 1:
-            return False
-        idx = _args(struct, [None])[0][1]
-        return isinstance(idx, tuple) and len(idx) > 0 and idx[0] is Ellipsis and _is_plain_index(idx)
-    return False
+_register([torch.cat, torch.concat, torch.concatenate, torch.stack], Rule("seq", rule_seq_dim, ragged="seq"))
+_register(_tensor_methods("view", "reshape", "expand") + [torch.reshape],
+          Rule("shape", rule_shape_args(True), _lower_shape_args(True)))
+_register(_tensor_methods("repeat"), Rule("repeat", rule_shape_args(False), _lower_shape_args(False)))
+_register([torch.permute, torch.Tensor.permute], Rule("permute", rule_permute, ragged="permute"))
+_register([torch.t, torch.Tensor.t], Rule("t", rule_t))
+_register([torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes],
+          Rule("transpose", rule_transpose, ragged="transpose"))
+_register([torch.flatten, torch.Tensor.flatten], Rule("flatten", rule_flatten))
+_register([torch.squeeze, torch.Tensor.squeeze], Rule("squeeze", rule_squeeze, ragged="squeeze"))
+_register([torch.unsqueeze, torch.Tensor.unsqueeze], Rule("unsqueeze", rule_unsqueeze, _lower_unsqueeze,
+                                                          ragged="unsqueeze"))
+_register([torch.Tensor.__getitem__], Rule("getitem", rule_getitem, _lower_getitem, ragged="getitem"))
+_register(_tensor_methods("new_zeros", "new_ones", "new_empty", "new_full"), Rule("new_factory", rule_new_factory))
+_register([torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk], Rule("split", rule_split, _lower_split,
+                                                                                  ragged="split"))
 
 
 def rule_for(func):
-    """The batching rule of ``func``: a registered rule, else vmap, else None (run per instance).
+    """The :class:`Rule` of ``func``: a registered rule, else vmap, else None (run per instance).
 
     Custom operators (``torch.library``) without a vmap rule of their own get None: vmap would
     only loop over the instances inside, so batchcraft runs them per instance and counts it.
@@ -443,7 +513,7 @@ def rule_for(func):
         if not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "FuncTorchBatched"):
             _NO_RULE[func] = True
             return None
-    return rule_vmap
+    return VMAP
 
 
 def register_rule(func, rule=None):
@@ -456,9 +526,9 @@ def register_rule(func, rule=None):
     """
     if rule is None:
         return lambda r: register_rule(func, r)
-    RULES[func] = rule
+    RULES[func] = Rule(getattr(rule, "__name__", "user"), rule)
     _NO_RULE.pop(func, None)
     return rule
 
 
-call_with = _call
+__all__ = ["Rule", "RULES", "rule_for", "register_rule", "call_with", "rule_vmap"]

@@ -1,20 +1,25 @@
 """The auto-batching runtime: run instances as fibers, record, schedule, execute.
 
-Each instance runs in its own fiber (a ``greenlet``). Instance code records
-operations on lazy values; when it needs a concrete value (``bool(t)``,
-``t.item()``, a tensor used as a Python index, an operation whose output shape
-depends on values) its fiber yields. When every live fiber is waiting or
-finished, all pending work runs as batched groups, and the waiting fibers
-resume. Work is never executed twice (executed nodes keep their results) and
-there is no deadlock: a waiting fiber only waits for work that is already
-recorded, and all recorded work runs at every synchronisation.
+Each instance runs in its own fiber (a ``greenlet``). Instance code records operations on lazy
+values; when it needs a concrete value (``bool(t)``, ``t.item()``, a tensor used as a Python
+index, an operation whose output shape depends on values) its fiber yields. When every live
+fiber is waiting or finished, all pending work runs as batched groups, and the waiting fibers
+resume. Work is never executed twice (executed nodes keep their results) and there is no
+deadlock: a waiting fiber only waits for work that is already recorded, and all recorded work
+runs at every synchronisation.
 
-Source: ACRoBat (Fegade et al. 2023) §5, fibers for tensor-dependent control
-flow; DyNet (Neubig et al. 2017) for lazy recording and depth/agenda batching.
+Every switch saves the fiber's thread state (grad mode, inference mode, autocast, default
+dtype, torch-function modes; :mod:`threadstate`) and gives the scheduler its own back; each
+fiber runs in a copy of the caller's ``contextvars`` context. The caller's state after the call
+equals its state before, also when an instance raises.
+
+Source: ACRoBat (Fegade et al. 2024) §5, fibers for tensor-dependent control flow; DyNet
+(Neubig et al. 2017) for lazy recording and depth/agenda batching.
 """
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import time
 from typing import Any, Callable, Sequence
@@ -22,13 +27,14 @@ from typing import Any, Callable, Sequence
 import greenlet
 import torch
 
-from batchcraft.autobatching import recorder as _rec
+from batchcraft.autobatching import core as _core
+from batchcraft.autobatching import stack
 from batchcraft.autobatching.execute import Executor
-from batchcraft.autobatching.graph import LeafNode
 from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.schedule import make_scheduler
 from batchcraft.autobatching.signature import flatten, rebuild
 from batchcraft.autobatching.stats import RunStats
+from batchcraft.autobatching.threadstate import FiberState
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
@@ -51,38 +57,37 @@ _WAIT = _Wait()
 class Runtime:
     """State of one call of an auto-batched function over a sequence of instances."""
 
-    def __init__(self, fn: Callable, *, scheduler: str = "depth", fibers: bool = True,
-                 max_steps: int | None = None, max_pending: int | None = None,
-                 direct_blocks: bool = True, compile_blocks: bool = False):
+    def __init__(self, fn: Callable, options):
         self.fn = fn
-        self.scheduler = make_scheduler(scheduler)
-        self.use_fibers = fibers
-        self.max_steps = max_steps
-        self.max_pending = max_pending
+        self.options = options
+        self.scheduler = make_scheduler(options.scheduler)
         self.stats = RunStats()
-        self.executor = Executor(self.stats, direct_blocks=direct_blocks, compile_blocks=compile_blocks)
-        self.rec = _rec.Recorder(self)
+        self.rec = _core.make_recorder(self, options)
+        self.stats.core = self.rec.core
+        from batchcraft.autobatching import kernels
+
+        self.executor = Executor(self.rec, self.stats, options, kernels.selector(options.kernels))
         self.main = None
         self.exec_time = 0.0
+        self.main_state: FiberState | None = None
 
     # -- execution of pending work ------------------------------------------------------------
     def flush(self) -> None:
         """Run every pending node, in batched groups, in scheduler order."""
-        graph = self.rec.graph
-        if not graph.n_pending:
+        rec = self.rec
+        if not rec.n_pending:
             return
-        if graph.n_pending > self.stats.peak_pending:
-            self.stats.peak_pending = graph.n_pending
+        if rec.n_pending > self.stats.peak_pending:
+            self.stats.peak_pending = rec.n_pending
         t0 = _perf()
-        # no recorder is active while batched calls run: a static block called inside another
-        # block's direct call must execute, not record (flushes also happen mid-recording: syncs,
-        # max_pending)
-        _rec.push(None)
+        # no recorder is active while batched programs run: a static block called from batched
+        # code must execute, not record (flushes also happen mid-recording: syncs, max_pending)
+        stack.push(None)
         try:
             with torch._C.DisableTorchFunction():
-                self.scheduler.run(graph, self.executor, self.stats)
+                self.scheduler.run(rec, self.executor, self.stats)
         finally:
-            _rec.pop()
+            stack.pop()
         self.exec_time += _perf() - t0
 
     def pending_limit(self) -> None:
@@ -102,29 +107,20 @@ class Runtime:
             self.stats.syncs += 1
             self.flush()
             return
-        # Inside a TorchFunctionMode handler torch has stashed our mode; put it back while other
-        # fibers run, so that their calls are still intercepted, and take it out again after.
-        stashed = torch._C._len_torch_function_stack() == 0
-        if stashed:
-            torch._C._push_on_torch_function_stack(self.rec.mode)
-        try:
-            self.main.switch(_WAIT)
-        finally:
-            if stashed:
-                torch._C._pop_torch_function_stack()
-        if x is not None and x.node.outs is None:  # pragma: no cover - would be a scheduler bug
+        self.main.switch(_WAIT)
+        if x is not None and not rec.is_done(x.node):  # pragma: no cover - would be a scheduler bug
             raise AutobatchError(f"internal error: value needed to {why} was not computed")
 
     # -- instances ----------------------------------------------------------------------------
     def _wrap_instance(self, inst):
+        rec = self.rec
         if isinstance(inst, torch.Tensor):
-            return self.rec.leaf(inst)
+            return rec.input_leaf(inst)
         if isinstance(inst, (tuple, list, dict)):
             leaves: list = []
-            st = flatten(inst, leaves)
+            st = flatten(inst, leaves, LazyTensor)
             if leaves:
-                return rebuild(st, iter([self.rec.leaf(t) if isinstance(t, torch.Tensor) else t
-                                         for t in leaves]))
+                return rebuild(st, iter([rec.input_leaf(t) if isinstance(t, torch.Tensor) else t for t in leaves]))
         return inst
 
     def _body(self, i: int, inst):
@@ -149,22 +145,39 @@ class Runtime:
 
     def _run(self, instances, t_start):
         st = self.stats
-        _rec.push(self.rec)
-        mode = self.rec.mode
+        rec = self.rec
+        stack.push(rec)
+        mode = rec.mode
         mode.__enter__()
         try:
-            if self.use_fibers:
+            self.main_state = FiberState.capture()
+            if self.options.fibers:
                 outputs = self._run_fibers(instances)
             else:
                 outputs = self._run_sequential(instances)
         finally:
-            mode.__exit__(None, None, None)
-            _rec.pop()
+            try:
+                if self.main_state is not None:
+                    self.main_state._apply(True)
+            finally:
+                mode.__exit__(None, None, None)
+                stack.pop()
         self.flush()
         st.record_s = _perf() - t_start - self.exec_time
-        st.ops_recorded = self.rec.ops_recorded
-        st.eager_ops = self.rec.eager_ops
-        return [self._resolve(o, i) for i, o in enumerate(outputs)]
+        st.ops_recorded = rec.ops_recorded
+        st.eager_ops = rec.eager_ops
+        with torch._C.DisableTorchFunction():
+            results = [self._resolve(o, i) for i, o in enumerate(outputs)]
+            self._write_back()
+        return results
+
+    def _write_back(self) -> None:
+        """Copy in-place updates of instance inputs back into the caller's tensors (as eager)."""
+        rec = self.rec
+        for inst, tensor, handle in sorted(rec.writebacks, key=lambda w: w[0]):
+            value = rec.resolve(handle)
+            with torch.set_grad_enabled(value.requires_grad or tensor.requires_grad):
+                tensor.copy_(value)
 
     def _run_sequential(self, instances):
         outputs = []
@@ -184,8 +197,15 @@ class Runtime:
     def _run_fibers(self, instances):
         n = len(instances)
         rec = self.rec
+        main_state = self.main_state
         self.main = greenlet.getcurrent()
-        fibers = [greenlet.greenlet(self._body) for _ in range(n)]
+        ctx = contextvars.copy_context()
+        fibers = []
+        for _ in range(n):
+            g = greenlet.greenlet(self._body)
+            g.gr_context = ctx.copy()  # instances see the caller's context variables
+            fibers.append(g)
+        states = [main_state.copy() for _ in range(n)]
         outputs: list[Any] = [None] * n
         phases = [0] * n
         steps = [0] * n
@@ -196,6 +216,8 @@ class Runtime:
                 waiting = []
                 for i in ready:
                     rec.instance, rec.phase, rec.inst_steps = i, phases[i], steps[i]
+                    fs = states[i]
+                    fs.enter(main_state)
                     try:
                         if started[i]:
                             res = fibers[i].switch()
@@ -203,13 +225,20 @@ class Runtime:
                             started[i] = True
                             res = fibers[i].switch(i, instances[i])
                     except BatchcraftError as exc:
+                        fs.leave(main_state)
                         _tag(exc, i)
                         raise
                     except Exception as exc:
+                        fs.leave(main_state)
                         raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
+                    except BaseException:
+                        fs.leave(main_state)
+                        raise
+                    fs.leave(main_state)
                     phases[i], steps[i] = rec.phase, rec.inst_steps
                     if fibers[i].dead:
                         outputs[i] = res
+                        fs.close()
                     else:
                         waiting.append(i)
                     self._check_pending()
@@ -221,37 +250,32 @@ class Runtime:
             self.main = None
             for j, f in enumerate(fibers):  # unwind fibers left suspended by an error
                 if started[j] and not f.dead:
+                    states[j].enter(main_state)
                     try:
                         f.throw(greenlet.GreenletExit)
-                    except Exception:
+                    except BaseException:
                         pass
+                    states[j].leave(main_state)
+                states[j].close()
         return outputs
 
     def _check_pending(self):
-        if self.max_pending is not None and self.rec.graph.n_pending >= self.max_pending:
+        if self.options.max_pending is not None and self.rec.n_pending >= self.options.max_pending:
             self.flush()
 
     def _resolve(self, out, i):
-        with torch._C.DisableTorchFunction():
-            return self._resolve_(out, i)
-
-    def _resolve_(self, out, i):
         t = type(out)
         if t is LazyTensor:
-            nd = out.node
-            if type(nd) is LeafNode:
-                return nd.value
-            if nd.outs is None:  # pragma: no cover
-                raise AutobatchError(f"internal error: output of instance {i} was not computed")
-            v = nd.outs[out.slot][nd.row]
-            # the batched result requires grad if any instance's does; this instance's may not
-            return v.detach() if (v.requires_grad and not nd.requires_grad) else v
+            if out.rec is not self.rec:
+                raise InstanceError(i, "the output holds a lazy value of another recorder (a static block's "
+                                       "traced value or another call's)")
+            return self.rec.resolve(out)
         if t is list:
-            return [self._resolve_(o, i) for o in out]
+            return [self._resolve(o, i) for o in out]
         if t is dict:
-            return {k: self._resolve_(v, i) for k, v in out.items()}
+            return {k: self._resolve(v, i) for k, v in out.items()}
         if isinstance(out, tuple):
-            items = [self._resolve_(o, i) for o in out]
+            items = [self._resolve(o, i) for o in out]
             if t is tuple:
                 return tuple(items)
             return t(*items) if hasattr(t, "_fields") else t(items)  # namedtuple / structseq

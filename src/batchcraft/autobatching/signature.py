@@ -1,36 +1,41 @@
 """Signatures: what makes two recorded operations batchable together.
 
-A signature is ``(op, argument structure, leaf descriptors)``:
+A signature is ``(op, argument structure, leaf descriptors, grad mode, thread state)``:
 
 * the operation (a torch function, a Tensor method, or a static block);
-* the structure of its arguments, with every non-tensor argument **by type and
-  value** (``add(x, 1)`` and ``add(x, 2)`` never share a signature; DyNet #555),
-  and slices, lists and dicts spelled out;
-* for each per-instance (lazy) tensor its own shape, dtype and device (keying on
-  inputs, not outputs; DyNet #622), and for each shared tensor (parameters,
-  tensors captured from outside the instance) its identity, shape and dtype, so
-  that it is passed once to the batched call and never gathered.
+* the structure of its arguments, with every non-tensor argument **by type and value**
+  (``add(x, 1)`` and ``add(x, 2)`` never share a signature; DyNet #555), floats by bit
+  pattern (-0.0 is not 0.0, NaN equals NaN), slices, lists and dicts spelled out;
+* for each per-instance (lazy) tensor its descriptor id (shape, dtype, device: keyed on
+  inputs, not outputs; DyNet #622), and for each shared tensor (parameters, tensors captured
+  from outside the instance) its identity, shape, dtype and ``requires_grad``, so that it is
+  passed once to the batched call and never gathered (ACRoBat §4.3, parameter reuse);
+* a list argument of a ragged-safe static block is keyed as *empty* or *non-empty* (with
+  its members' common descriptor), not by its length, so nodes with any number of children
+  run as one group (:mod:`ragged`).
 
-Source: DyNet auto-batching (Neubig et al. 2017, §3.1, "signatures");
-ACRoBat (Fegade et al. 2023, §4: parameter reuse).
+:class:`SignatureCache` owns every cache keyed by signatures; each distinct signature gets a
+:class:`SigInfo` with a small interned id. Source: DyNet auto-batching (Neubig et al. 2017,
+§3.1, "signatures"); ACRoBat (Fegade et al. 2024, §4).
 """
 
 from __future__ import annotations
 
 import torch
 
-from batchcraft.autobatching.lazy import LazyTensor, desc_id
+from batchcraft.autobatching.descs import DESCS, desc_id
 
 LEAF = "\x00leaf"  # marks a tensor position in a structure; the tensor is in the leaf list
+RAGGED = "\x00ragged"  # a ragged list argument: (RAGGED, nonempty, member did)
 
-_SCALARS = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype,
-                      torch.device, torch.layout, torch.memory_format})
+SCALAR_TYPES = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype,
+                          torch.device, torch.layout, torch.memory_format})
 _Tensor = torch.Tensor
 _Size = torch.Size
 
 
 class Opaque:
-    """An argument of unknown type, compared by identity (kept alive by the graph)."""
+    """An argument of unknown type, compared by identity (kept alive by the signature)."""
 
     __slots__ = ("obj",)
 
@@ -47,81 +52,33 @@ class Opaque:
         return f"Opaque({type(self.obj).__name__})"
 
 
-def flatten(obj, leaves: list):
-    """Return a hashable structure for ``obj``; append its tensors (lazy or real) to ``leaves``."""
+def flatten(obj, leaves: list, lazy_type):
+    """A hashable structure for ``obj``; its tensors (lazy or real) are appended to ``leaves``."""
     t = type(obj)
-    if t is LazyTensor:
+    if t is lazy_type:
         leaves.append(obj)
         return LEAF
     if t is tuple or t is list:
-        return (t, tuple([flatten(o, leaves) for o in obj]))
-    if t is float:  # by bit pattern: -0.0 differs from 0.0, and nan equals nan (bugs #9, #12)
+        return (t, tuple([flatten(o, leaves, lazy_type) for o in obj]))
+    if t is float:  # by bit pattern: -0.0 differs from 0.0, and nan equals nan
         return (float, obj.hex())
-    if t in _SCALARS:
+    if t in SCALAR_TYPES:
         return (t, obj)
     if t is slice:
-        return (slice, flatten(obj.start, leaves), flatten(obj.stop, leaves), flatten(obj.step, leaves))
+        return (slice, flatten(obj.start, leaves, lazy_type), flatten(obj.stop, leaves, lazy_type),
+                flatten(obj.step, leaves, lazy_type))
     if isinstance(obj, _Tensor):
         leaves.append(obj)
         return LEAF
     if t is _Size:
         return (tuple, tuple([(int, d) for d in obj]))
     if t is dict:
-        return (dict, tuple(obj.keys()), tuple([flatten(v, leaves) for v in obj.values()]))
+        return (dict, tuple(obj.keys()), tuple([flatten(v, leaves, lazy_type) for v in obj.values()]))
+    if isinstance(obj, list):  # a list subclass (e.g. a block's traced list): as a list
+        return (list, tuple([flatten(o, leaves, lazy_type) for o in list.__iter__(obj)]))
     if isinstance(obj, tuple):  # namedtuple, torch.return_types (structseq)
-        return (t, tuple([flatten(o, leaves) for o in obj]))
+        return (t, tuple([flatten(o, leaves, lazy_type) for o in obj]))
     return (Opaque, Opaque(obj))
-
-
-def flatten_args(args: tuple, leaves: list):
-    """:func:`flatten` for a top-level argument tuple, inlined for the common cases (hot path)."""
-    items = []
-    for a in args:
-        t = type(a)
-        if t is LazyTensor:
-            leaves.append(a)
-            items.append(LEAF)
-        elif t in _SCALARS and t is not float:
-            items.append((t, a))
-        else:
-            items.append(flatten(a, leaves))
-    return (tuple, tuple(items))
-
-
-class SigInfo:
-    """What is known about one signature: a small id, output structure and descriptors.
-
-    Attributes:
-        sid (int): interned id, cheap to hash (buckets are keyed by it).
-        out_struct: structure of the outputs (``LEAF`` for a single tensor).
-        out_descs (tuple): (shape, dtype, device) of each output tensor, per instance.
-        program: the traced program, for static blocks.
-    """
-
-    __slots__ = ("sid", "key", "out_struct", "out_descs", "out_dids", "single", "flat_tuple", "program",
-                 "const_grad", "struct", "out_specs")
-    _next = 0
-
-    def __init__(self, key, out_struct, out_descs, program=None):
-        SigInfo._next += 1
-        self.sid = SigInfo._next
-        self.key = key
-        self.out_struct = out_struct
-        self.out_descs = out_descs
-        self.out_dids = tuple(desc_id(d) for d in out_descs)
-        self.out_specs = tuple((i, d, di) for i, (d, di) in enumerate(zip(out_descs, self.out_dids)))
-        self.struct = key[1] if key is not None else None
-        self.single = out_struct is LEAF
-        # outputs that are a plain tuple of tensors (e.g. (h, c)) are built without rebuild()
-        self.flat_tuple = (type(out_struct) is tuple and out_struct[0] is tuple
-                           and all(s is LEAF for s in out_struct[1]))
-        self.program = program
-        # a static block whose body uses tensors that require grad (its parameters)
-        self.const_grad = program is not None and any(
-            r[0] == "const" and getattr(r[1], "requires_grad", False)
-            for st in program.steps for r in st.refs) or (program is not None and any(
-                st.info is not None and st.info.const_grad for st in program.steps
-                if st.info is not None and st.info.program is not None))
 
 
 def rebuild(struct, it):
@@ -147,13 +104,155 @@ def rebuild(struct, it):
     return struct[1]
 
 
-def leaf_descriptor(x):
-    """Per-instance leaves are described by (shape, dtype, device); shared ones by identity too."""
-    if type(x) is LazyTensor:
-        return x.desc
-    return ("shared", id(x), x.shape, x.dtype, x.device)
+def call_with(func, struct, leaves):
+    """``func(*args, **kwargs)`` with the arguments rebuilt from ``struct`` and ``leaves``."""
+    it = iter(leaves)
+    args = rebuild(struct[0], it)
+    kwargs = rebuild(struct[1], it) if struct[1] is not None else {}
+    return func(*args, **kwargs)
 
 
-def describe_tensor(t: torch.Tensor) -> tuple:
-    """Descriptor of a per-instance value: (shape, dtype, device)."""
-    return (tuple(t.shape), t.dtype, t.device)
+def shared_descriptor(t: torch.Tensor) -> tuple:
+    """Key part of a shared tensor: identity plus what may change under the same identity."""
+    return ("shared", id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+class SigInfo:
+    """What is known about one signature.
+
+    Attributes:
+        sid (int): interned id, cheap to hash (buckets are keyed by it).
+        key (tuple): the full signature.
+        func: the operation or static block.
+        struct: argument structure (ragged lists as ``(RAGGED, nonempty, did)``).
+        leaf_kinds (tuple[bool]): per leaf of ``struct``: per-instance (True) or shared.
+        shared (tuple): the shared tensors, in leaf order (``None`` at per-instance positions).
+        in_dids (tuple[int]): descriptor ids of the per-instance leaves (single ones).
+        ragged (tuple[int]): for each ragged list argument, its member descriptor id.
+        lens_classes (tuple[int]): per ragged list argument, its length class (equal lengths).
+        grad (bool): grad mode when recorded; ``state``: other thread state (autocast) or None.
+        out_struct, out_dids: structure and descriptor ids of the outputs.
+        out_rg (tuple[bool]): per output: requires grad when no per-instance input does
+            (``rg_mask`` as bits); ``rg_dep[j]``: the outputs that require grad when input ``j``
+            does. Blocks key their inputs' flags instead (``rg_dep`` empty).
+        view (bool): the output is a view of the first argument (``views.py``).
+        shared_rg (bool): a shared leaf, or the block body, uses tensors requiring grad.
+        program: the :class:`~batchcraft.autobatching.program.Program` executed for a group.
+    """
+
+    __slots__ = ("sid", "key", "func", "struct", "leaf_kinds", "shared", "in_dids", "ragged", "grad",
+                 "state", "out_struct", "out_dids", "single", "flat_tuple", "shared_rg", "program",
+                 "n_out", "name", "stats_key", "validated", "out_rg", "rg_mask", "view", "lens_classes", "rg_dep",
+                 "dep_any",
+                 "__weakref__")
+
+    def __init__(self, sid, key, func, struct, leaves, lazy_type, grad, state, out_struct, out_dids,
+                 out_rg=None, program=None, ragged=(), lens_classes=()):
+        self.sid = sid
+        self.key = key
+        self.func = func
+        self.struct = struct
+        kinds, shared, in_dids = [], [], []
+        shared_rg = False
+        for x in leaves:
+            if type(x) is lazy_type:
+                kinds.append(True)
+                shared.append(None)
+                in_dids.append(x.did)
+            else:
+                kinds.append(False)
+                shared.append(x)
+                shared_rg = shared_rg or bool(x.requires_grad)
+        self.leaf_kinds = tuple(kinds)
+        self.shared = tuple(shared)
+        self.in_dids = tuple(in_dids)
+        self.ragged = tuple(ragged)
+        self.grad = grad
+        self.state = state
+        self.out_struct = out_struct
+        self.out_dids = tuple(out_dids)
+        self.n_out = len(self.out_dids)
+        self.single = out_struct is LEAF
+        self.flat_tuple = (type(out_struct) is tuple and out_struct[0] is tuple
+                           and all(s is LEAF for s in out_struct[1]))
+        self.program = program
+        self.shared_rg = shared_rg or (program is not None and program.uses_grad_consts)
+        self.name = getattr(func, "__name__", type(func).__name__)
+        self.stats_key = None
+        self.validated = True
+        self.out_rg = tuple(out_rg) if out_rg is not None else (False,) * self.n_out
+        self.rg_mask = sum(1 << s for s, r in enumerate(self.out_rg) if r)
+        self.rg_dep = ()      # per per-instance input: outputs that require grad when it does
+        self.dep_any = False
+        self.lens_classes = tuple(lens_classes)
+        from batchcraft.autobatching.views import is_view_call
+
+        self.view = bool(kinds) and kinds[0] and not ragged and is_view_call(func, struct)
+
+    @property
+    def out_descs(self) -> tuple:
+        return tuple(DESCS[d] for d in self.out_dids)
+
+    def __repr__(self) -> str:
+        return f"SigInfo(sid={self.sid}, {self.name}, in={self.in_dids}, out={self.out_dids})"
+
+
+class SignatureCache:
+    """Every cache keyed by signatures, owned by one object (one per process).
+
+    * ``by_key``: full signature -> :class:`SigInfo` (output inference is done once per key);
+    * ``fast``: the recorder's cheap key (op, interned argument spelling, grad mode) -> SigInfo;
+    * ``by_sid``: interned id -> SigInfo (the C core stores only ids).
+
+    Keys hold ids of shared tensors; a SigInfo keeps those tensors alive, so an id cannot be
+    reused while its entry exists. The cache is cleared when it grows past ``max_entries``
+    (a stale entry only costs a new inference).
+    """
+
+    def __init__(self, max_entries: int = 200_000):
+        self.by_key: dict = {}
+        self.fast: dict = {}
+        self.by_sid: list = [None]
+        self.max_entries = max_entries
+        self.generation = 0
+        self._listeners: list = []
+
+    def get(self, key):
+        return self.by_key.get(key)
+
+    def add(self, key, make) -> SigInfo:
+        """Register a new signature: ``make(sid)`` builds its SigInfo."""
+        if len(self.by_key) >= self.max_entries:
+            self.clear()
+        info = make(len(self.by_sid))
+        self.by_sid.append(info)
+        self.by_key[key] = info
+        return info
+
+    def on_clear(self, fn) -> None:
+        """Call ``fn()`` whenever the cache is cleared (the C core drops its mirror)."""
+        self._listeners.append(fn)
+
+    def clear(self) -> None:
+        self.by_key.clear()
+        self.fast.clear()
+        self.generation += 1
+        for fn in self._listeners:
+            fn()
+
+    def drop_func(self, func) -> None:
+        """Forget every signature of ``func`` (a static block whose module changed)."""
+        for k in [k for k, v in self.by_key.items() if v.func is func]:
+            del self.by_key[k]
+        for k in [k for k, v in self.fast.items() if v.func is func]:
+            del self.fast[k]
+        for fn in self._listeners:
+            fn()
+
+
+SIGNATURES = SignatureCache()
+
+
+def intern_desc(t) -> int:
+    """Descriptor id of a concrete tensor."""
+    return desc_id((tuple(t.shape), t.dtype, t.device))

@@ -1,4 +1,4 @@
-"""Statistics of the last ``autobatch`` run."""
+"""Statistics of the last ``autobatch`` call."""
 
 from __future__ import annotations
 
@@ -11,22 +11,28 @@ class RunStats:
 
     Attributes:
         instances (int): instances run.
+        core (str): the recording core that ran (``"c"`` or ``"python"``).
         ops_recorded (int): per-instance operations recorded (static-block calls count once).
         batched_calls (int): batched executions of a (depth, signature) group; one per group.
-        fallbacks (int): nodes run one instance at a time because no batching rule applied.
+        fallbacks (int): node-steps run one instance at a time because no batching rule applied.
+        fallback_reasons (dict[str, int]): why, per operation, and how many node-steps.
         eager_ops (int): operations run on concrete values at record time (value-dependent shapes).
+        eager_reasons (dict[str, int]): those operations by name.
         syncs (int): times pending work was executed because instance code needed a value.
         peak_pending (int): most nodes waiting at once (the recorded graph's size bound).
-        groups_by_rule (dict[str, int]): batched calls per rule kind (direct rules, vmap, block).
+        groups_by_rule (dict[str, int]): batched calls per kind (block, ragged_block, rule names).
         record_s, schedule_s, gather_s, kernel_s (float): seconds spent recording instance code,
-            ordering groups, gathering per-instance arguments, and in batched calls.
+            ordering groups, gathering per-instance arguments, and in batched programs.
     """
 
     instances: int = 0
+    core: str = ""
     ops_recorded: int = 0
     batched_calls: int = 0
     fallbacks: int = 0
+    fallback_reasons: dict = field(default_factory=dict)
     eager_ops: int = 0
+    eager_reasons: dict = field(default_factory=dict)
     syncs: int = 0
     peak_pending: int = 0
     groups_by_rule: dict = field(default_factory=dict)
@@ -34,6 +40,12 @@ class RunStats:
     schedule_s: float = 0.0
     gather_s: float = 0.0
     kernel_s: float = 0.0
+
+    def note_fallback(self, reason: str, count: int = 1) -> None:
+        self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + count
+
+    def note_eager(self, name: str) -> None:
+        self.eager_reasons[name] = self.eager_reasons.get(name, 0) + 1
 
     @property
     def mean_batch(self) -> float:
@@ -50,8 +62,11 @@ class RunStats:
         return d
 
     def summary(self) -> str:
-        return (f"{self.instances} instances: {self.ops_recorded} ops recorded -> {self.batched_calls} "
-                f"batched calls (mean {self.mean_batch:.1f} per call), {self.fallbacks} fallbacks, "
+        text = (f"{self.instances} instances ({self.core or '?'} core): {self.ops_recorded} ops recorded -> "
+                f"{self.batched_calls} batched calls (mean {self.mean_batch:.1f} per call), {self.fallbacks} fallbacks, "
                 f"{self.eager_ops} eager ops, {self.syncs} syncs; time: record {self.record_s * 1e3:.1f} ms, "
                 f"schedule {self.schedule_s * 1e3:.1f} ms, gather {self.gather_s * 1e3:.1f} ms, "
                 f"kernels {self.kernel_s * 1e3:.1f} ms")
+        if self.fallback_reasons:
+            text += "; fallbacks: " + "; ".join(f"{k} (x{v})" for k, v in sorted(self.fallback_reasons.items()))
+        return text

@@ -1,0 +1,44 @@
+"""Descriptors of per-instance values: (shape, dtype, device), interned to small ints.
+
+Signatures and lazy values carry the small int (``did``), so that keys hash and compare
+as integers; :data:`DESCS` maps it back. The C core copies ``did`` without looking inside.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DESCS: list = [None]     # did -> (shape tuple, dtype, device); 0 is unused
+SIZES: list = [None]     # did -> torch.Size, made once
+_IDS: dict = {}
+
+
+def desc_id(desc: tuple) -> int:
+    """Interned small int (>= 1) for a ``(shape, dtype, device)`` descriptor."""
+    i = _IDS.get(desc)
+    if i is None:
+        shape, dtype, device = desc
+        desc = (tuple(int(d) for d in shape), dtype, device)
+        i = _IDS.get(desc)
+        if i is None:
+            i = _IDS[desc] = len(DESCS)
+            DESCS.append(desc)
+            SIZES.append(torch.Size(desc[0]))
+    return i
+
+
+def describe(t: torch.Tensor) -> tuple:
+    """Descriptor of a concrete tensor."""
+    return (tuple(t.shape), t.dtype, t.device)
+
+
+def row_bytes(dids) -> int:
+    """Bytes of one row of the outputs with descriptor ids ``dids``."""
+    total = 0
+    for did in dids:
+        shape, dtype, _ = DESCS[did]
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * dtype.itemsize
+    return total

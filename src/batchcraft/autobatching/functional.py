@@ -1,0 +1,273 @@
+"""In-place writes, ``requires_grad`` changes and tensor hooks inside instance code.
+
+**Functionalisation.** A lazy value is a handle to one recorded output. An in-place update of
+it (``y.add_(1)``, ``y[i] = v``, ``y[mask] = 0``, ``x += h``, ``F.relu(y, inplace=True)``) is
+recorded as the out-of-place operation, and the handle is re-pointed at the result: every
+Python reference to that handle sees the new value, and work recorded before the write keeps
+reading the old one, as in eager. A write *through a view* (``x[0].add_(1)``, ``v = x.t();
+v.mul_(2)``) writes the updated view back into its base with the inverse of the view
+(``select_scatter``, ``slice_scatter``, a functional ``__setitem__``, the inverse permutation)
+and re-derives the base's other live views. In-place updates of an instance's own input are
+copied back into the caller's tensor after the call (as eager would have changed it). Writes
+into *shared* tensors (parameters, tensors captured from outside the instance) with
+per-instance values are refused with a clear error.
+
+**Autograd.** ``requires_grad_()`` on a value that does not require grad makes it a leaf
+(batched: one leaf tensor whose rows are the instances' values); ``requires_grad`` reads are
+exact per signature (inferred with each input's flag); hooks are kept per node and applied to
+the instance's row of the batched gradient, so each instance's hook sees its own gradient,
+summed over all uses, as in eager.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchcraft.errors import UnsupportedOperationError
+
+_INPLACE_KW_FUNCS = None
+
+
+def _inplace_kw_funcs():
+    global _INPLACE_KW_FUNCS
+    if _INPLACE_KW_FUNCS is None:
+        F = torch.nn.functional
+        _INPLACE_KW_FUNCS = {getattr(F, n) for n in (
+            "relu", "relu6", "elu", "selu", "celu", "leaky_relu", "hardtanh", "threshold", "silu",
+            "mish", "hardswish", "hardsigmoid", "rrelu", "dropout", "alpha_dropout", "dropout1d",
+            "dropout2d", "dropout3d", "feature_alpha_dropout") if hasattr(F, n)}
+    return _INPLACE_KW_FUNCS
+
+
+def _is_inplace_method(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name.startswith("__i") and name.endswith("__") and name[3:-2] in (
+            "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
+            "matmul"):
+        return True
+    return name.endswith("_") and not name.endswith("__") and (
+        getattr(torch.Tensor, name, None) is func or getattr(torch, name, None) is func)
+
+
+def writes_first(func, kwargs) -> bool:
+    """True when ``func`` (with ``kwargs``) updates its first argument in place."""
+    if kwargs and kwargs.get("inplace") is True and func in _inplace_kw_funcs():
+        return True
+    return _is_inplace_method(func)
+
+
+def is_inplace_call(func, args, kwargs, lazy_type) -> bool:
+    """True when ``func(*args, **kwargs)`` updates ``args[0]`` (a lazy value) in place."""
+    if not args or type(args[0]) is not lazy_type:
+        return False
+    if kwargs and kwargs.get("inplace") is True and func in _inplace_kw_funcs():
+        return True
+    return _is_inplace_method(func)
+
+
+def _out_of_place(func, kwargs):
+    """(function, kwargs) computing the new value of ``args[0]`` without writing it."""
+    name = getattr(func, "__name__", "")
+    if kwargs and kwargs.get("inplace") is True:
+        return func, dict(kwargs, inplace=False)
+    if name.startswith("__i") and name.endswith("__"):
+        return getattr(torch.Tensor, "__" + name[3:]), kwargs
+    special = _SPECIAL.get(name)
+    if special is not None:
+        return special, kwargs
+    base = getattr(torch.Tensor, name[:-1], None) or getattr(torch, name[:-1], None)
+    if base is None:
+        raise UnsupportedOperationError(
+            f"in-place method .{name}() has no out-of-place form batchcraft knows",
+            hint=f"write the update out of place, e.g. y = f(y)")
+    return base, kwargs
+
+
+def _copy(x, src, non_blocking=False):
+    return src.expand_as(x).to(x.dtype)
+
+
+def _zero(x):
+    return torch.zeros_like(x)
+
+
+def _fill(x, value):
+    if isinstance(value, (int, float, bool)):
+        return torch.full_like(x, value)
+    return value.expand_as(x).to(x.dtype)
+
+
+def _uniform(x, a=0.0, b=1.0, generator=None):
+    return torch.rand_like(x) * (b - a) + a
+
+
+def _normal(x, mean=0.0, std=1.0, generator=None):
+    return torch.randn_like(x) * std + mean
+
+
+def _bernoulli(x, p=0.5, generator=None):
+    return torch.bernoulli(torch.full_like(x, p) if isinstance(p, (int, float)) else p.expand_as(x))
+
+
+_SPECIAL = {"copy_": _copy, "zero_": _zero, "fill_": _fill, "uniform_": _uniform, "normal_": _normal,
+            "bernoulli_": _bernoulli}
+_METADATA_ONLY = {"unsqueeze_", "squeeze_", "t_", "transpose_", "detach_", "resize_", "as_strided_",
+                  "swapaxes_", "swapdims_"}
+
+
+def setitem_functional(x, key, value):
+    """``y = x.clone(); y[key] = value; return y``: ``x[key] = value`` as a pure function."""
+    y = x.clone()
+    y[key] = value
+    return y
+
+
+def make_leaf(x):
+    """``x.detach().requires_grad_()``: the value as a new leaf that requires grad."""
+    return x.detach().requires_grad_(True)
+
+
+def rebind(rec, x, new) -> None:
+    """Point handle ``x`` at ``new``'s output and re-derive the live views of ``x``."""
+    rec.note_rebind(x)
+    x.node, x.slot, x.did = new.node, new.slot, new.did
+    views = getattr(rec, "views", None)
+    if not views:
+        return
+    for v in list(views.get(id(x), ())):
+        v_obj = v()
+        if v_obj is None:
+            continue
+        rec.view_rederive(v_obj, x)
+
+
+def write(rec, x, new) -> None:
+    """Make handle ``x`` hold ``new`` (a lazy value of x's shape and dtype), through its base."""
+    base = rec.view_base(x)
+    if base is None:
+        rebind(rec, x, new)
+        return
+    new_base = rec.view_scatter(x, base, new)
+    write(rec, base, new_base)  # re-derives x (a live view of base) too
+
+
+def _check_result(x, new, name):
+    from batchcraft.autobatching.descs import DESCS
+
+    shape, dtype, _ = DESCS[x.did]
+    nshape, ndtype, _ = DESCS[new.did]
+    if tuple(nshape) != tuple(shape):
+        raise RuntimeError(f"{name}: output with shape {list(shape)} doesn't match the broadcast shape "
+                           f"{list(nshape)}")
+    return ndtype != dtype and not torch.can_cast(ndtype, dtype), dtype, ndtype
+
+
+def inplace(rec, x, func, args, kwargs):
+    """Record ``func(x, ...)`` (an in-place update) out of place and re-point ``x``."""
+    name = getattr(func, "__name__", str(func))
+    rec.check_owner(x, func)
+    if name == "requires_grad_":
+        set_requires_grad(rec, x, bool(args[1]) if len(args) > 1 else kwargs.get("requires_grad", True))
+        return x
+    if rec.is_input_leaf_requiring_grad(x):
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    oop, kw = _out_of_place(func, kwargs)
+    new = rec.record(oop, args, kw or {})
+    if name in _METADATA_ONLY:
+        rebind(rec, x, new)
+        return x
+    if type(new) is not type(x):
+        raise UnsupportedOperationError(f"in-place {name} on a lazy value returned {type(new).__name__}")
+    bad, dtype, ndtype = _check_result(x, new, name)
+    if bad:
+        raise RuntimeError(f"result type {ndtype} can't be cast to the desired output type {dtype}")
+    if ndtype != dtype:
+        new = rec.record(torch.Tensor.to, (new, dtype), {})
+    write(rec, x, new)
+    return x
+
+
+def setitem(rec, x, key, value) -> None:
+    """``x[key] = value`` on a lazy value: a functional ``__setitem__`` and a re-pointed handle."""
+    rec.check_owner(x, setitem)
+    if rec.is_input_leaf_requiring_grad(x):
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    new = rec.record(setitem_functional, (x, key, value), {})
+    write(rec, x, new)
+
+
+def set_requires_grad(rec, x, value: bool) -> None:
+    """``x.requires_grad_(value)`` / ``x.requires_grad = value`` with eager's rules."""
+    rec.check_owner(x, set_requires_grad)
+    if rec.node_sid(x.node) == 0:
+        rec.leaf_set_requires_grad(x.node, value)
+        return
+    if rec.requires_grad_of(x):
+        if not value:
+            raise RuntimeError("you can only change requires_grad flags of leaf variables. If you want to use "
+                               "a computed variable in a subgraph that doesn't require differentiation use "
+                               "var_no_grad = var.detach().")
+        return
+    if not value:
+        return
+    if not (x.dtype.is_floating_point or x.dtype.is_complex):
+        raise RuntimeError("only Tensors of floating point and complex dtype can require gradients")
+    new = rec.record(make_leaf, (x,), {})
+    rebind(rec, x, new)
+
+
+class HookHandle:
+    """Returned by ``register_hook`` on a lazy value; ``remove()`` as in torch."""
+
+    def __init__(self, entries, entry, inner=None):
+        self._entries = entries
+        self._entry = entry
+        self._inner = inner
+
+    def remove(self) -> None:
+        if self._inner is not None:
+            self._inner.remove()
+        elif self._entry in self._entries:
+            self._entries.remove(self._entry)
+
+
+def register_hook(rec, x, hook):
+    """A hook on lazy value ``x``: called with this instance's gradient of ``x`` (its shape)."""
+    rec.check_owner(x, register_hook)
+    if not rec.requires_grad_of(x):
+        raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+    if rec.node_sid(x.node) == 0:
+        h = rec.leaf_value(x.node).register_hook(hook)  # a real tensor: eager's semantics as is
+        return HookHandle(None, None, h)
+    entries = rec.hooks.setdefault(x.node, [])
+    entry = (x.slot, hook)
+    entries.append(entry)
+    if rec.is_done(x.node):  # already computed (after a sync): hook its row of the result now
+        rec.attach_hooks([x.node])
+    return HookHandle(entries, entry)
+
+
+def row_hook(row: int, entries: list, slot: int):
+    """A hook on a batched gradient that applies the hooks of ``entries`` for output ``slot``
+    (this instance's, read when the hook fires so that ``remove()`` still works) to row ``row``."""
+
+    def h(grad):
+        g_row = grad[row]
+        new = None
+        for s, fn in list(entries):
+            if s != slot:
+                continue
+            r = fn(g_row if new is None else new)
+            if r is not None:
+                new = r
+        if new is None:
+            return None
+        out = grad.clone()
+        out[row] = new
+        return out
+
+    return h
+
+
+__all__ = ["is_inplace_call", "inplace", "setitem", "set_requires_grad", "register_hook", "make_leaf",
+           "setitem_functional", "write", "row_hook", "HookHandle"]

@@ -1,0 +1,373 @@
+"""Lowering: a :class:`~batchcraft.autobatching.program.Program` becomes one Python function.
+
+For each step the operation's :class:`~batchcraft.autobatching.rules.Rule` writes the batched
+call as an expression (dimension arguments shifted past the batch dimension, ranks aligned,
+the matrix-multiply kernel chosen), and the steps are emitted as straight-line source, compiled
+once per signature::
+
+    def run(n, I0, I1, R0, S0, C0):      # inputs (n, ...), ragged members, segment ids, counts
+        v0_0, v0_1 = K0(I0, W0, B0)
+        v1 = v0_0.sigmoid()
+        ...
+        return [v5, v6_1]
+
+so a group costs its torch calls and little else (ACRoBat generates its batched kernels and host
+code ahead of time; this is the same idea at Python level). The first run of a program checks
+every step's shape and dtype against the per-instance trace; a step whose rule fails or
+disagrees runs one instance at a time from then on (correct, counted, with the reason), and the
+program is compiled again without the checks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.rules import rule_for
+from batchcraft.autobatching.signature import LEAF, call_with, flatten, rebuild
+from batchcraft.errors import AutobatchError
+
+
+class _X:
+    """A leaf placeholder inside rebuilt arguments: stands for the Python expression ``expr``."""
+
+    __slots__ = ("expr",)
+
+    def __init__(self, expr):
+        self.expr = expr
+
+
+N = _X("n")
+
+
+class _LeafX(_X):
+    """A leaf placeholder whose expression is read when emitted (after a rule's ``wrap``)."""
+
+    __slots__ = ("j", "lw")
+
+    def __init__(self, j, lw):
+        self.j, self.lw = j, lw
+
+    @property
+    def expr(self):
+        e = self.lw.exprs[self.j]
+        w = self.lw._wrapped.get(self.j)
+        return w(e) if w is not None else e
+
+
+class Emitter:
+    """Names for the objects a generated function uses (its globals)."""
+
+    def __init__(self):
+        self.ns: dict = {"torch": torch}
+        self._ids: dict = {}
+
+    def name(self, obj, hint="g") -> str:
+        k = id(obj)
+        nm = self._ids.get(k)
+        if nm is None:
+            nm = self._ids[k] = f"{hint}{len(self._ids)}"
+            self.ns[nm] = obj
+        return nm
+
+    def value(self, v) -> str:
+        """A Python expression for ``v`` (a rebuilt argument that may contain placeholders)."""
+        t = type(v)
+        if t is _X or t is _LeafX:
+            return v.expr
+        if v is None or t is bool or t is int or t is str:
+            return repr(v)
+        if t is float:
+            return repr(v) if math.isfinite(v) else self.name(v, "f")
+        if t is tuple or t is torch.Size:
+            items = [self.value(x) for x in v]
+            return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+        if t is list:
+            return "[" + ", ".join(self.value(x) for x in v) + "]"
+        if t is dict:
+            return "{" + ", ".join(f"{k!r}: {self.value(x)}" for k, x in v.items()) + "}"
+        if t is slice:
+            return f"slice({self.value(v.start)}, {self.value(v.stop)}, {self.value(v.step)})"
+        if v is Ellipsis:
+            return "..."
+        return self.name(v, "c")
+
+    def call(self, func, args, kwargs) -> str:
+        parts = [self.value(a) for a in args]
+        parts += [f"{k}={self.value(x)}" for k, x in kwargs.items()]
+        return f"{self.name(func, 'F')}({', '.join(parts)})"
+
+
+def leaf_shapes(step) -> list:
+    """Per leaf of ``step``: its per-instance shape (a const's own shape)."""
+    return [tuple(r[1].shape) if r[0] == "const" else DESCS[d][0] for r, d in zip(step.refs, step.dids)]
+
+
+class StepView:
+    """What a rule's lowering sees of one step: masks, shapes, and how to write expressions."""
+
+    def __init__(self, em, step, exprs, batched, kernels):
+        self.em = em
+        self.step = step
+        self.exprs = list(exprs)
+        self.batched = batched
+        self.shapes = leaf_shapes(step)
+        self.kernels = kernels
+        self.N = N
+        self._wrapped = {}
+
+    def wrap(self, j, fn) -> None:
+        """Emit leaf ``j`` as ``fn(expression)`` (e.g. a reshape that aligns ranks)."""
+        self._wrapped[j] = fn
+
+    def expr(self, v) -> str:
+        return self.em.value(v)
+
+    def value(self, v) -> str:
+        return self.em.value(v)
+
+    def call(self, func, args, kwargs) -> str:
+        return self.em.call(func, args, kwargs)
+
+
+class StepFailed(Exception):
+    def __init__(self, index, reason):
+        super().__init__(reason)
+        self.index = index
+        self.reason = reason
+
+
+def _per_instance(func, struct, batched):
+    """A step run one instance at a time on the rows of its batched arguments, stacked."""
+
+    def run(*leaves):
+        n = next(x.shape[0] for x, b in zip(leaves, batched) if b)
+        per_slot = None
+        out_struct = None
+        for i in range(n):
+            li = [x[i] if b else x for x, b in zip(leaves, batched)]
+            out = call_with(func, struct, li)
+            flat: list = []
+            out_struct = flatten(out, flat, _NoLazy)
+            if per_slot is None:
+                per_slot = [[] for _ in flat]
+            for s, t in enumerate(flat):
+                per_slot[s].append(t)
+        stacked = [torch.stack(ts) for ts in per_slot]
+        return rebuild(out_struct, iter(stacked))
+
+    return run
+
+
+class _NoLazy:
+    pass
+
+
+def _check(expected, n, value, batched):
+    shape, dtype, _ = DESCS[expected]
+    if batched == "ragged":  # flat member rows: (members, *shape[1:])
+        if not isinstance(value, torch.Tensor) or tuple(value.shape[1:]) != tuple(shape[1:]):
+            return f"ragged shape {tuple(getattr(value, 'shape', ()))}, expected (members, *{tuple(shape[1:])})"
+        return None if value.dtype == dtype else f"batched dtype {value.dtype}, expected {dtype}"
+    want = (n, *shape) if batched else tuple(shape)
+    if not isinstance(value, torch.Tensor):
+        return f"returned {type(value).__name__}, expected a tensor"
+    if tuple(value.shape) != want:
+        return f"batched shape {tuple(value.shape)}, expected {want}"
+    if value.dtype != dtype:
+        return f"batched dtype {value.dtype}, expected {dtype}"
+    return None
+
+
+class Runner:
+    """The compiled form of one program (dense, or ragged with :mod:`ragged`'s plan).
+
+    Call: ``runner(n, inputs, ragged_members, segments, counts) -> list`` of the program's
+    outputs, each ``(n, *per-instance shape)``.
+    Attributes:
+        fallbacks (dict[int, str]): steps run one instance at a time, with the reason.
+        rules (Counter): which rule each batched step used (for ``RunStats.groups_by_rule``).
+    """
+
+    def __init__(self, program, kernels=None, ragged_plan=None):
+        self.program = program
+        self.kernels = kernels
+        self.ragged_plan = ragged_plan
+        self.fallbacks: dict = {}
+        self.rules: Counter = Counter()
+        self._fast = None
+        self._checked = None
+        self.source = ""
+        self.compiled = None
+
+    def _build(self, checked: bool):
+        prog = self.program
+        em = Emitter()
+        lines = []
+        rules = Counter()
+        n_in = prog.n_in
+        params = ["n"] + [f"I{j}" for j in range(n_in)]
+        if self.ragged_plan is not None:
+            params += [f"R{r}" for r in range(prog.n_ragged)]
+            params += [f"S{c}" for c in sorted(set(prog.ragged_classes))]
+            params += [f"C{c}" for c in sorted(set(prog.ragged_classes))]
+        vals = {}   # (step, slot) -> (expr, batched)
+        if checked:
+            em.ns["_chk"] = _check
+            em.ns["_StepFailed"] = StepFailed
+
+        def leaf_expr(ref):
+            kind = ref[0]
+            if kind == "in":
+                return f"I{ref[1]}", True
+            if kind == "ragged":
+                return f"R{ref[1]}", True
+            if kind == "val":
+                return vals[(ref[1], ref[2])]
+            return em.name(ref[1], "C"), False
+
+        for st in prog.steps:
+            ex, bt = zip(*[leaf_expr(r) for r in st.refs]) if st.refs else ((), ())
+            batched = list(bt)
+            var = f"v{st.index}"
+            if not any(batched):
+                expr = em.call(st.func if not hasattr(st.func, "record_in") else st.func.fn,
+                               *self._rebuilt(st, ex))
+                any_b = False
+            else:
+                expr, rname = self._lower_step(em, st, ex, batched)
+                rules[rname] += 1
+                any_b = True
+            n_out = len(st.out_dids)
+            indent = ""
+            if checked:
+                lines.append("    try:")
+                indent = "    "
+            if st.out_struct is LEAF:
+                lines.append(f"    {indent}{var}_0 = {expr}")
+            else:
+                fl = em.name(_flat_outputs, "flat")
+                lines.append(f"    {indent}{var} = {fl}({expr})")
+                for s in range(n_out):
+                    lines.append(f"    {indent}{var}_{s} = {var}[{s}]")
+            if checked:
+                lines.append(f"    except Exception as e:\n        raise _StepFailed({st.index}, "
+                             f"f'{{type(e).__name__}}: {{e}}') from e")
+                rplan = self.ragged_plan.get(st.index) if self.ragged_plan is not None else None
+                for s in range(n_out):
+                    exp = st.out_dids[s]
+                    kind = "'ragged'" if rplan is not None and rplan[2][s] is not None else any_b
+                    lines.append(f"    r = _chk({exp}, n, {var}_{s}, {kind})")
+                    lines.append(f"    if r is not None: raise _StepFailed({st.index}, r)")
+            for s in range(n_out):
+                vals[(st.index, s)] = (f"{var}_{s}", any_b)
+        outs = []
+        for ref, did in zip(prog.out_refs, prog.out_dids):
+            e, b = leaf_expr(ref)
+            if not b:
+                shape = DESCS[did][0]
+                e = f"{e}.unsqueeze(0).expand((n,) + {tuple(shape)!r})"
+            outs.append(e)
+        lines.append(f"    return [{', '.join(outs)}]")
+        src = f"def run({', '.join(params)}):\n" + "\n".join(lines) + "\n"
+        code = compile(src, f"<batchcraft program {prog.name}>", "exec")
+        exec(code, em.ns)
+        return em.ns["run"], src, rules
+
+    @staticmethod
+    def _rebuilt(st, exprs):
+        it = iter([_X(e) for e in exprs])
+        args = list(rebuild(st.struct[0], it))
+        kwargs = rebuild(st.struct[1], it) if st.struct[1] is not None else {}
+        return args, kwargs
+
+    def _lower_step(self, em, st, exprs, batched):
+        """(expression, rule name) of one batched step."""
+        if self.ragged_plan is not None and st.index in self.ragged_plan:
+            from batchcraft.autobatching import ragged
+
+            return ragged.lower_step(self, em, st, exprs, batched, self.ragged_plan[st.index]), "ragged"
+        if st.index in self.fallbacks:
+            fn = _per_instance(st.func.fn if hasattr(st.func, "record_in") else st.func, st.struct, batched)
+            return f"{em.name(fn, 'P')}({', '.join(exprs)})", "fallback"
+        if st.info is not None and st.info.program is not None:  # a nested static block
+            nested = Runner(st.info.program, self.kernels)
+            ins = []
+            for e, b, d in zip(exprs, batched, st.dids):
+                if d is None:
+                    continue  # consts are inside the nested trace
+                ins.append(e if b else f"{e}.unsqueeze(0).expand((n,) + {tuple(DESCS[d][0])!r})")
+            return f"{em.name(nested, 'B')}.dense(n, {', '.join(ins)})", "block"
+        rule = rule_for(st.func)
+        if rule is None:
+            self.fallbacks[st.index] = "no batching rule (custom operator without a vmap rule)"
+            return self._lower_step(em, st, exprs, batched)
+        if rule.lower is not None:
+            lw = StepView(em, st, exprs, batched, self.kernels)
+            args, kwargs = self._rebuilt_wrapped(st, lw)
+            try:
+                e = rule.lower(st.func, args, kwargs, lw)
+            except Exception:  # the rule function below is always available
+                e = None
+            if e is not None:
+                return e, rule.name
+        shapes = leaf_shapes(st)
+        fn = _rule_call(rule.fn, st.func, st.struct, batched, shapes)
+        return f"{em.name(fn, 'R')}({', '.join(exprs)})", rule.name
+
+    @staticmethod
+    def _rebuilt_wrapped(st, lw):
+        it = iter([_LeafX(j, lw) for j in range(len(lw.exprs))])
+        args = list(rebuild(st.struct[0], it))
+        kwargs = rebuild(st.struct[1], it) if st.struct[1] is not None else {}
+        return args, kwargs
+
+    # -- running -----------------------------------------------------------------------------------
+    def dense(self, n, *ins):
+        return self(n, ins, (), (), ())
+
+    def __call__(self, n, ins, rags=(), segs=(), cnts=()):
+        fast = self._fast
+        if fast is not None:
+            return fast(n, *ins, *rags, *segs, *cnts)
+        while True:
+            if self._checked is None:
+                self._checked, _, self.rules = self._build(checked=True)
+            try:
+                out = self._checked(n, *ins, *rags, *segs, *cnts)
+            except StepFailed as exc:
+                st = self.program.steps[exc.index]
+                if exc.index in self.fallbacks or (self.ragged_plan is not None and exc.index in self.ragged_plan):
+                    raise AutobatchError(f"step {st.name} of {self.program.name} failed one instance at a time too: "
+                                         f"{exc.reason}") from exc.__cause__
+                self.fallbacks[exc.index] = f"{st.name}: {exc.reason}"
+                self._checked = None
+                continue
+            self._fast, self.source, self.rules = self._build(checked=False)
+            return out
+
+    @property
+    def fallback_steps(self) -> int:
+        return len(self.fallbacks)
+
+
+def _flat_outputs(out) -> list:
+    flat: list = []
+    flatten(out, flat, _NoLazy)
+    return flat
+
+
+def _rule_call(rule_fn, func, struct, batched, shapes):
+    bidx = batched.index(True)
+    mask = list(batched)
+
+    def f(*leaves):
+        return rule_fn(func, struct, list(leaves), mask, shapes, leaves[bidx].shape[0])
+
+    return f
+
+
+__all__ = ["Runner", "Emitter", "StepView", "StepFailed"]

@@ -1,0 +1,59 @@
+"""Options of one auto-batched function: a frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+SCHEDULER_NAMES = ("depth", "agenda")
+CORE_NAMES = ("auto", "c", "python")
+KERNEL_NAMES = ("auto", "default", "onednn")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How :func:`batchcraft.autobatch` records, schedules and executes.
+
+    Attributes:
+        scheduler (str): ``"depth"`` (default) or ``"agenda"`` (DyNet §3.2).
+        fibers (bool): run each instance in a fiber (default True).
+        max_steps (int | None): per-instance bound on operations + synchronisations.
+        max_pending (int | None): run pending work once this many nodes wait.
+        core (str): recording core: ``"auto"`` (the C core when it was built), ``"c"`` or
+            ``"python"`` (the pure-Python reference core).
+        ragged (bool): key list arguments of static blocks as empty / non-empty and run nodes
+            with any number of list members as one group, where the block's trace allows it.
+        hoist (bool): run the parts of recurrent cells and static blocks that depend only on
+            early inputs (e.g. input projections) for all instances at once.
+        kernels (str): batched matrix multiplies: ``"auto"`` (the backend measured fastest on
+            this machine for the shape, cached), ``"default"`` (PyTorch's) or ``"onednn"``.
+        arenas (bool): write the outputs of one kind of group into shared buffers (inference).
+        compile_blocks (bool): run static blocks' batched programs through ``torch.compile``.
+    """
+
+    scheduler: str = "depth"
+    fibers: bool = True
+    max_steps: int | None = None
+    max_pending: int | None = None
+    core: str = "auto"
+    ragged: bool = True
+    hoist: bool = True
+    kernels: str = "auto"
+    arenas: bool = True
+    compile_blocks: bool = False
+
+    def __post_init__(self):
+        for name, allowed in (("scheduler", SCHEDULER_NAMES), ("core", CORE_NAMES), ("kernels", KERNEL_NAMES)):
+            v = getattr(self, name)
+            if v not in allowed:
+                raise ValueError(f"autobatch: {name} must be one of {sorted(allowed)}, got {v!r}")
+        for name in ("max_steps", "max_pending"):
+            v = getattr(self, name)
+            if v is not None and (type(v) is not int or v < 1):
+                raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
+        for name in ("fibers", "ragged", "hoist", "arenas", "compile_blocks"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"autobatch: {name} must be a bool, got {v!r}")
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

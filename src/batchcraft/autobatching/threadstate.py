@@ -1,0 +1,180 @@
+"""Thread-local state of torch that instance code can change, per fiber and per operation.
+
+Fibers (greenlets) share their thread, but grad mode, inference mode, autocast, the default
+dtype and the torch-function mode stack are per *thread* in torch: code that switches fibers
+inside ``torch.no_grad()`` would leave the next fiber, and the caller, with gradients off
+(greenlet #196, PyTorch PR #49017). The runtime therefore captures a fiber's state when it
+yields and restores it when it resumes, and gives the scheduler (and finally the caller) its
+own state back. Context variables follow each fiber through greenlet's ``gr_context``.
+
+:func:`op_state` is the part of the state that changes what an operation computes (grad
+mode, inference mode, autocast); it is part of every signature, and groups run under it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_grad = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
+_inference = torch.is_inference_mode_enabled
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+_InferenceMode = torch._C._InferenceMode
+_default_dtype = torch.get_default_dtype
+_tf_len = torch._C._len_torch_function_stack
+_tf_at = torch._C._get_function_stack_at
+_tf_push = torch._C._push_on_torch_function_stack
+_tf_pop = torch._C._pop_torch_function_stack
+
+
+def _autocast_devices() -> tuple:
+    try:
+        devs = list(torch._C._autocast_supported_devices())
+    except Exception:  # older torch: the two that always exist
+        devs = ["cpu", "cuda"]
+    ok = []
+    for d in devs:
+        try:
+            torch.is_autocast_enabled(d)
+            torch.get_autocast_dtype(d)
+            ok.append(d)
+        except Exception:  # device type without autocast support in this build
+            pass
+    return tuple(ok)
+
+
+AUTOCAST_DEVICES = _autocast_devices()
+
+
+def autocast_enabled_any() -> bool:
+    if _any_autocast is not None:
+        return _any_autocast()
+    return any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES)
+
+
+def autocast_state() -> tuple | None:
+    """``((device, enabled, dtype), ...)`` when any autocast is enabled, else None."""
+    if not autocast_enabled_any():
+        return None
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES) + (
+        ("cache", torch.is_autocast_cache_enabled()),)
+
+
+def set_autocast_state(state: tuple | None) -> None:
+    """Make the autocast flags and dtypes ``state`` (from :func:`autocast_state`) current."""
+    if state is None:
+        if autocast_enabled_any():
+            for d in AUTOCAST_DEVICES:
+                torch.set_autocast_enabled(d, False)
+        return
+    for item in state:
+        if item[0] == "cache":
+            torch.set_autocast_cache_enabled(item[1])
+        else:
+            d, enabled, dtype = item
+            torch.set_autocast_dtype(d, dtype)
+            torch.set_autocast_enabled(d, enabled)
+
+
+def op_state() -> tuple:
+    """What changes an operation's result: ``(grad, inference, autocast or None)``."""
+    inf = _inference()
+    return (_grad(), inf, autocast_state() if (_any_autocast is None or _any_autocast()) else None)
+
+
+class run_under:
+    """Context manager: run batched work under a recorded :func:`op_state` (cheap when equal)."""
+
+    __slots__ = ("state", "saved", "guard")
+
+    def __init__(self, state: tuple):
+        self.state = state
+
+    def __enter__(self):
+        grad, inf, ac = self.state
+        self.guard = _InferenceMode(True) if (inf and not _inference()) else None
+        self.saved = (_grad(), autocast_state() if ac is not None or autocast_enabled_any() else None)
+        if ac is not None or self.saved[1] is not None:
+            set_autocast_state(ac)
+        _set_grad(grad)
+        return self
+
+    def __exit__(self, *exc):
+        grad, ac = self.saved
+        if ac is not None or self.state[2] is not None:
+            set_autocast_state(ac)
+        _set_grad(grad)
+        self.guard = None  # leaving inference mode restores the state before it
+        return False
+
+
+class FiberState:
+    """The thread state of one fiber, captured when it yields (see module docstring).
+
+    ``enter()`` makes it current before the fiber resumes, ``leave()`` captures it when the
+    fiber yields and gives the scheduler ``main`` (a :class:`FiberState` of the caller) back.
+    Inference mode has no setter in torch, only a guard: the scheduler creates a guard only
+    while its own state is current and drops it after, so every guard restores what its
+    creator expects.
+    """
+
+    __slots__ = ("grad", "inference", "autocast", "dtype", "modes", "_in_guard", "_out_guard")
+
+    def __init__(self, grad, inference, autocast, dtype, modes):
+        self.grad = grad
+        self.inference = inference
+        self.autocast = autocast
+        self.dtype = dtype
+        self.modes = modes
+        self._in_guard = None
+        self._out_guard = None
+
+    @classmethod
+    def capture(cls) -> "FiberState":
+        n = _tf_len()
+        return cls(_grad(), _inference(), autocast_state(), _default_dtype(),
+                   tuple(_tf_at(i) for i in range(n)) if n else ())
+
+    def copy(self) -> "FiberState":
+        return FiberState(self.grad, self.inference, self.autocast, self.dtype, self.modes)
+
+    def _apply(self, inference_via_guard: bool) -> None:
+        cur_modes = _tf_len()
+        if cur_modes != len(self.modes) or (cur_modes and _tf_at(cur_modes - 1) is not self.modes[-1]):
+            for _ in range(cur_modes):
+                _tf_pop()
+            for m in self.modes:
+                _tf_push(m)
+        if _default_dtype() is not self.dtype:
+            torch.set_default_dtype(self.dtype)
+        if self.autocast is not None or autocast_enabled_any():
+            set_autocast_state(self.autocast)
+        _set_grad(self.grad)
+
+    def enter(self, main: "FiberState") -> None:
+        """Before resuming the fiber: make its state current (``main``'s is current)."""
+        if self._out_guard is not None:
+            self._out_guard = None  # restores the fiber's inference mode, saved at creation
+        elif self.inference != _inference():
+            self._in_guard = _InferenceMode(self.inference)
+        self._apply(True)
+
+    def leave(self, main: "FiberState") -> None:
+        """After the fiber yielded or finished: capture its state, make ``main``'s current."""
+        self.grad, self.inference = _grad(), _inference()
+        self.autocast, self.dtype = autocast_state(), _default_dtype()
+        n = _tf_len()
+        self.modes = tuple(_tf_at(i) for i in range(n)) if n else ()
+        if self._in_guard is not None:
+            self._in_guard = None  # restores the scheduler's inference mode
+        elif self.inference != main.inference:
+            self._out_guard = _InferenceMode(main.inference)
+        main._apply(True)
+
+    def close(self) -> None:
+        """Drop guards held for this fiber (it finished or was abandoned)."""
+        self._out_guard = None
+        self._in_guard = None
+
+
+__all__ = ["op_state", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
