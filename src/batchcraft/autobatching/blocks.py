@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import nn
 
-from batchcraft.autobatching import stack
+from batchcraft.autobatching import _native, stack
 from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.lazy import LazyTensor
@@ -234,13 +234,18 @@ class StaticBlock:
             rec.blocks_checked.add(self)
         if getattr(rec, "is_tracer", False):
             return rec.record(self, args, kwargs)
+        return self._record_slow(rec, args, kwargs)[0]
+
+    def _record_slow(self, rec, args, kwargs):
+        """Record one call off the C fast path: ``(outputs, SigInfo or None, ragged or None)``."""
         opts = rec.options
         if opts is not None and opts.ragged and not kwargs:
-            out = self._record_ragged(rec, args)
-            if out is not NotImplemented:
-                return out
+            res = self._record_ragged(rec, args)
+            if res is not NotImplemented:
+                return res[0], res[1], True
         # without lazy arguments the recorder runs the block now and makes its outputs leaves
-        return rec.record(self, args, kwargs)
+        out, info = rec.general(self, args, kwargs)
+        return out, info, (False if info is not None else None)
 
     def _record_ragged(self, rec, args):
         """Record with list arguments keyed empty / non-empty (NotImplemented: not applicable)."""
@@ -290,7 +295,7 @@ class StaticBlock:
                 self.ragged_ok[(tuple(pattern), tuple(classes))] = False
                 return NotImplemented
         members = [b for lst in lists if lst for b in lst]
-        return rec.append(info, leaves_single + members, tuple(lens))
+        return rec.append(info, leaves_single + members, tuple(lens)), info
 
     def nested_info(self, struct, leaves, specs, state, tracer):
         """SigInfo of a block called inside another block's trace (per-length lists)."""
@@ -404,6 +409,21 @@ class StaticBlock:
                                                        program=prog, ragged=ragged_dids, lens_classes=classes))
 
 
+def _python_call(self, *args, **kwargs):
+    rec = _current()
+    if rec is None:
+        return self.fn(*args, **kwargs)
+    return self.record_in(rec, args, kwargs)
+
+
+if _native.core is not None:
+    # a C method descriptor: a block call is recorded without a Python frame
+    StaticBlock.__call__ = _native.core.BlockCall()
+    _MODULE_CALL = _native.core.BlockCall()
+else:
+    _MODULE_CALL = None
+
+
 def static_block(obj):
     """Mark a function, an ``nn.Module`` instance or an ``nn.Module`` class as a static block.
 
@@ -424,19 +444,29 @@ def static_block(obj):
     """
     if isinstance(obj, type) and issubclass(obj, nn.Module):
         orig_call = obj.__call__
+        orig_init = obj.__init__
+
+        def __init__(self, *args, **kwargs):
+            orig_init(self, *args, **kwargs)
+            object.__setattr__(self, "_batchcraft_block",
+                               StaticBlock(functools.partial(orig_call, self), module=self, name=type(self).__name__))
 
         def __call__(self, *args, **kwargs):
-            blk = self.__dict__.get("_batchcraft_block")
-            if blk is None:
-                blk = StaticBlock(functools.partial(orig_call, self), module=self, name=type(self).__name__)
-                object.__setattr__(self, "_batchcraft_block", blk)
+            blk = self.__dict__["_batchcraft_block"]
             rec = _current()
             if rec is None:
                 return blk.fn(*args, **kwargs)
             return blk.record_in(rec, args, kwargs)
 
-        return type(obj.__name__, (obj,), {"__call__": __call__, "__module__": obj.__module__,
-                                           "__qualname__": obj.__qualname__, "__doc__": obj.__doc__})
+        def __reduce_ex__(self, protocol):
+            state = {k: v for k, v in self.__dict__.items() if k != "_batchcraft_block"}
+            return (_restore_decorated, (type(self), state))
+
+        return type(obj.__name__, (obj,), {"__init__": __init__,
+                                           "__call__": _MODULE_CALL if _MODULE_CALL is not None else __call__,
+                                           "__reduce_ex__": __reduce_ex__, "_orig_call": orig_call,
+                                           "__module__": obj.__module__, "__qualname__": obj.__qualname__,
+                                           "__doc__": obj.__doc__})
     if isinstance(obj, nn.Module):
         blk = StaticBlock(nn.Module.__call__.__get__(obj), module=obj, name=type(obj).__name__)
         obj.__dict__["_batchcraft_block"] = blk
@@ -445,6 +475,15 @@ def static_block(obj):
     if callable(obj):
         return StaticBlock(obj)
     raise TypeError(f"static_block: expected a function or an nn.Module, got {type(obj).__name__}")
+
+
+def _restore_decorated(cls, state):
+    """Unpickle an instance of a class decorated with ``static_block``."""
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    object.__setattr__(obj, "_batchcraft_block",
+                       StaticBlock(functools.partial(cls._orig_call, obj), module=obj, name=cls.__name__))
+    return obj
 
 
 def _restore_block_module(cls, state):
@@ -468,6 +507,7 @@ def _block_class(cls):
         state = {k: v for k, v in self.__dict__.items() if k != "_batchcraft_block"}
         return (_restore_block_module, (cls, state))
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__reduce_ex__": __reduce_ex__,
+    return type(cls.__name__, (cls,), {"__call__": _MODULE_CALL if _MODULE_CALL is not None else __call__,
+                                       "__reduce_ex__": __reduce_ex__,
                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                        "_batchcraft_static": True})

@@ -18,7 +18,7 @@ _int64 = torch.int64
 
 def index_tensor(rows, device) -> torch.Tensor:
     """int64 index tensor of ``rows`` (a list of ints or int64 bytes) on ``device``."""
-    if type(rows) is not bytes:
+    if type(rows) is not bytearray:
         rows = _array("q", rows)
     t = _frombuffer(rows, dtype=_int64)
     return t if device.type == "cpu" else t.to(device)
@@ -37,9 +37,9 @@ def take(buffers, plan) -> torch.Tensor:
     pieces = []
     for b, rows in plan[1]:
         t = buffers[b]
-        n = len(rows) if type(rows) is not bytes else len(rows) // 8
-        r0 = rows[0] if type(rows) is not bytes else int.from_bytes(rows[:8], "little", signed=True)
-        if type(rows) is not bytes and rows[-1] - r0 == n - 1 and rows == list(range(r0, r0 + n)):
+        n = len(rows) if type(rows) is not bytearray else len(rows) // 8
+        r0 = rows[0] if type(rows) is not bytearray else int.from_bytes(rows[:8], "little", signed=True)
+        if type(rows) is not bytearray and rows[-1] - r0 == n - 1 and rows == list(range(r0, r0 + n)):
             pieces.append(t[r0:r0 + n])
         else:
             pieces.append(t.index_select(0, index_tensor(rows, t.device)))

@@ -1,9 +1,15 @@
 """Output inference: what an operation returns per instance, found once per signature.
 
-The operation runs on ``meta`` tensors of the per-instance shapes (no data, no kernels),
-under the grad mode of the call and with each input's ``requires_grad``, so the result gives
-each output's shape, dtype and whether it requires grad exactly as eager would. Under autocast
-(whose casts apply to real devices only) small real tensors are used instead.
+The operation runs once on placeholders of the per-instance shapes, under the grad mode of the
+call and with each input's ``requires_grad``, so the result gives each output's shape, dtype,
+device and whether it requires grad exactly as eager would.
+
+Placeholders are real zero tensors for operations with a batching rule (their output shapes never
+depend on values, and one instance's worth of compute costs microseconds; the random state is
+restored), and ``meta`` tensors (no data) for everything else: an operation whose output shape
+depends on values fails on ``meta`` and is run on concrete values instead (:class:`NeedsValues`).
+Real placeholders also avoid the first ``meta`` call's import of torch's Python decompositions
+(about a second per process), and they see autocast, whose casts apply to real devices only.
 """
 
 from __future__ import annotations
@@ -31,7 +37,34 @@ def _placeholder(did: int, rg: bool, device_kind: str):
     return t
 
 
+def _real_ok(func, struct) -> bool:
+    from batchcraft.autobatching.rules import RULES
+    from batchcraft.autobatching.views import _is_basic
+
+    if func not in RULES:
+        return False
+    if func is torch.Tensor.__getitem__:
+        return _is_basic(struct[0][1][1])
+    if func is torch.where and len(struct[0][1]) == 1 and struct[1] is None:
+        return False  # torch.where(cond): nonzero
+    return True
+
+
 def infer_outputs(func, struct, leaf_specs, state, lazy_type):
+    """:func:`_infer` on real placeholders where safe (see the module docstring), else on meta."""
+    if state[2] is not None or _real_ok(func, struct):
+        rng = torch.get_rng_state()
+        try:
+            return _infer(func, struct, leaf_specs, state, lazy_type, "real")
+        except NeedsValues:
+            if state[2] is not None:
+                raise
+        finally:
+            torch.set_rng_state(rng)
+    return _infer(func, struct, leaf_specs, state, lazy_type, "meta")
+
+
+def _infer(func, struct, leaf_specs, state, lazy_type, kind):
     """Run ``func`` on placeholders; return ``(out_struct, out_dids, out_rg)``.
 
     An output without tensors (``x.numel()``, ``torch.is_floating_point(x)``) depends on shapes
@@ -44,7 +77,6 @@ def infer_outputs(func, struct, leaf_specs, state, lazy_type):
         NeedsValues: the operation cannot run on placeholders (value-dependent shapes, ...).
     """
     grad, inference, autocast = state
-    kind = "real" if autocast is not None else "meta"
     device = None
     with torch._C.DisableTorchFunction():
         vals = []
@@ -52,6 +84,8 @@ def infer_outputs(func, struct, leaf_specs, state, lazy_type):
             if spec[0] == "lazy":
                 if device is None:
                     device = DESCS[spec[1]][2]
+                if kind == "real" and DESCS[spec[1]][2].type == "meta":
+                    raise NeedsValues(TypeError("meta instance"))
                 vals.append(_placeholder(spec[1], spec[2] and grad, kind))
             else:
                 t = spec[1]
@@ -64,15 +98,15 @@ def infer_outputs(func, struct, leaf_specs, state, lazy_type):
                 out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise NeedsValues(exc) from None
-    out_leaves: list = []
-    out_struct = flatten(out, out_leaves, lazy_type)
-    dids, rgs = [], []
-    for t in out_leaves:
-        if not isinstance(t, torch.Tensor):  # pragma: no cover - flatten only collects tensors
-            raise NeedsValues(TypeError(f"output of type {type(t).__name__}"))
-        dev = device if device is not None else t.device
-        if kind == "meta" and t.device.type == "meta" and device is not None:
-            dev = device
-        dids.append(desc_id((tuple(t.shape), t.dtype, dev)))
-        rgs.append(bool(t.requires_grad))
+        # still without torch-function handling: reading .device or .shape of a tensor under the
+        # recording mode would itself be recorded
+        out_leaves: list = []
+        out_struct = flatten(out, out_leaves, lazy_type)
+        dids, rgs = [], []
+        for t in out_leaves:
+            if not isinstance(t, torch.Tensor):  # pragma: no cover - flatten only collects tensors
+                raise NeedsValues(TypeError(f"output of type {type(t).__name__}"))
+            dev = t.device if kind == "real" else (device if device is not None else t.device)
+            dids.append(desc_id((tuple(t.shape), t.dtype, dev)))
+            rgs.append(bool(t.requires_grad))
     return out_struct, tuple(dids), tuple(rgs)

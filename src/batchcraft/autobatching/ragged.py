@@ -245,7 +245,8 @@ def analyse(prog) -> bool:
 # -- execution helpers (bound into lowered programs) ---------------------------------------------
 
 def seg_sum(x, seg, n):
-    """Sum of the rows of ``x`` per segment: ``(n, *x.shape[1:])``."""
+    """Sum of the rows of ``x`` per segment: ``(n, *x.shape[1:])`` (``index_add_``: at one thread
+    3x faster than ``scatter_add_`` with an expanded index on this CPU)."""
     return x.new_zeros((n,) + tuple(x.shape[1:])).index_add_(0, seg, x)
 
 

@@ -107,7 +107,6 @@ class RecorderBase:
         self.writebacks: list = []
         self.deferred: list = []
         self.keepalive: list = []
-        self.views: dict = {}
         self.input_leaves: dict = {}
         self.hooked: set = set()
 
@@ -214,7 +213,8 @@ class RecorderBase:
                 dkey.append(x.did * 2 + rg if block else x.did)
             else:
                 specs.append(("shared", x))
-                dkey.append(shared_descriptor(x))
+                with torch._C.DisableTorchFunction():  # reading a tensor's metadata under the mode records it
+                    dkey.append(shared_descriptor(x))
         if not lazies:
             return self.run_concrete(func, args, kwargs), None
         if _functional.is_inplace_call(func, args, kwargs, _Tensor) or (args and isinstance(args[0], _Tensor)
@@ -431,6 +431,7 @@ class PyRecorder(RecorderBase):
         self.rgbits: list = []    # bit s: output s requires grad
         self.ins: list = []       # tuple of (node, slot) per node; ragged members after the singles
         self.lens: list = []      # None, or the lengths of the ragged list arguments
+        self.views: dict = {}     # id(base) -> weakrefs of its views (see functional.py)
         self.loc_buf: list = []   # -1 while pending; else the buffer id of output 0
         self.loc_row: list = []
         self.leaves: dict = {}    # leaf node -> [tensor or None, python scalar or None, did]

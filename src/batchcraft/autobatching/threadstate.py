@@ -25,6 +25,7 @@ _tf_len = torch._C._len_torch_function_stack
 _tf_at = torch._C._get_function_stack_at
 _tf_push = torch._C._push_on_torch_function_stack
 _tf_pop = torch._C._pop_torch_function_stack
+_NoTF = torch._C.DisableTorchFunction
 
 
 def _autocast_devices() -> tuple:
@@ -153,6 +154,10 @@ class FiberState:
 
     def enter(self, main: "FiberState") -> None:
         """Before resuming the fiber: make its state current (``main``'s is current)."""
+        with _NoTF():  # the recording mode would see these calls
+            self._enter(main)
+
+    def _enter(self, main):
         if self._out_guard is not None:
             self._out_guard = None  # restores the fiber's inference mode, saved at creation
         elif self.inference != _inference():
@@ -161,6 +166,10 @@ class FiberState:
 
     def leave(self, main: "FiberState") -> None:
         """After the fiber yielded or finished: capture its state, make ``main``'s current."""
+        with _NoTF():
+            self._leave(main)
+
+    def _leave(self, main):
         self.grad, self.inference = _grad(), _inference()
         self.autocast, self.dtype = autocast_state(), _default_dtype()
         n = _tf_len()

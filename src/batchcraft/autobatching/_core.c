@@ -1,0 +1,1870 @@
+/*
+ * batchcraft C recording core (optional; the pure-Python core in recorder.py is the reference).
+ *
+ * What lives here is the per-operation hot path of auto-batching and nothing else:
+ *   - LazyBase: the lazy value type (rec, node, slot, did, base), its Tensor operators, common
+ *     Tensor methods (a vectorcall method descriptor, no allocation per call) and
+ *     __torch_function__ as a C classmethod;
+ *   - Recorder: the graph of one call in flat C arrays (signature id, depth, phase, instance,
+ *     requires-grad bits, inputs, ragged list lengths, location once executed), the
+ *     (phase, depth, signature) buckets filled while recording, the fast signature table
+ *     (an argument spelling -> interned signature id), scalar leaves for torch.tensor(int),
+ *     static-block calls recorded in one C call, and the gather planner that emits index
+ *     buffers for the executor;
+ *   - Mode: the torch-function mode object whose __torch_function__ is a C method;
+ *   - BlockCall: the __call__ of static blocks and static-block modules.
+ * Anything unusual (a signature seen for the first time, keyword arguments the spelling does
+ * not cover, autocast, errors) calls back into the Python methods of the CRecorder subclass
+ * (ccore.py), which share recorder.RecorderBase with the Python core.
+ *
+ * Plain CPython C API only: no torch headers, so no ABI tie to a torch version.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------------------ */
+/* globals set by setup()                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+static PyObject *g_TensorType = NULL;      /* torch._C.TensorBase */
+static PyObject *g_DtypeType = NULL;       /* torch.dtype */
+static PyObject *g_torch_tensor = NULL;    /* torch.tensor */
+static PyObject *g_is_grad = NULL;         /* torch.is_grad_enabled */
+static PyObject *g_any_autocast = NULL;    /* torch._C._is_any_autocast_enabled */
+static PyObject *g_is_inference = NULL;    /* torch.is_inference_mode_enabled */
+static PyObject *g_tf_push = NULL;         /* torch._C._push_on_torch_function_stack */
+static PyObject *g_tf_pop = NULL;          /* torch._C._pop_torch_function_stack */
+static PyObject *g_get_default_dtype = NULL;
+static PyObject *g_rebuild = NULL;         /* signature.rebuild */
+static PyObject *g_escape = NULL;          /* callable(func) -> raises the "escaped lazy" error */
+static PyObject *g_StaticBlock = NULL;     /* blocks.StaticBlock */
+static PyTypeObject *g_LazyType = NULL;    /* lazy.LazyTensor (the Python subclass) */
+static int g_int_did = 0, g_bool_did = 0;
+static PyObject *g_float_dids = NULL;      /* dict dtype -> did for torch.tensor(float) */
+static PyObject *g_scalar_dids = NULL;     /* dict dtype -> did of a 0-d CPU tensor of that dtype */
+static PyObject *g_cpu_device = NULL;      /* torch.device("cpu") */
+static int g_ready = 0;                    /* setup() ran */
+
+static PyObject *s_record, *s_general, *s_requires_grad, *s_sig_entry, *s_materialize_leaves,
+    *s_pending_limit, *s_step_limit, *s_inplace, *s_mode_call, *s_block_slow, *s_check_fp,
+    *s_batchcraft_block, *s_fn, *s_register_view;
+
+static PyTypeObject LazyBaseType, RecorderType, ModeType, LazyMethodType, BlockCallType;
+
+/* ------------------------------------------------------------------------------------------ */
+/* the active recorder stack, one per thread                                                  */
+/* ------------------------------------------------------------------------------------------ */
+typedef struct { PyObject **items; Py_ssize_t n, cap; } RecStack;
+static Py_tss_t g_tss = Py_tss_NEEDS_INIT;
+
+static RecStack *rec_stack(void) {
+    RecStack *s = (RecStack *)PyThread_tss_get(&g_tss);
+    if (!s) {
+        s = (RecStack *)PyMem_RawCalloc(1, sizeof(RecStack));
+        if (!s) return NULL;
+        PyThread_tss_set(&g_tss, s);
+    }
+    return s;
+}
+
+static inline PyObject *current_rec(void) {  /* borrowed; NULL when none (or None pushed) */
+    RecStack *s = (RecStack *)PyThread_tss_get(&g_tss);
+    if (!s || s->n == 0) return NULL;
+    PyObject *r = s->items[s->n - 1];
+    return r == Py_None ? NULL : r;
+}
+
+static PyObject *py_current(PyObject *m, PyObject *noargs) {
+    PyObject *r = current_rec();
+    if (!r) Py_RETURN_NONE;
+    Py_INCREF(r);
+    return r;
+}
+
+static PyObject *py_push(PyObject *m, PyObject *rec) {
+    RecStack *s = rec_stack();
+    if (!s) return PyErr_NoMemory();
+    if (s->n == s->cap) {
+        Py_ssize_t nc = s->cap ? s->cap * 2 : 8;
+        PyObject **ni = (PyObject **)PyMem_RawRealloc(s->items, nc * sizeof(PyObject *));
+        if (!ni) return PyErr_NoMemory();
+        s->items = ni; s->cap = nc;
+    }
+    Py_INCREF(rec);
+    s->items[s->n++] = rec;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_pop(PyObject *m, PyObject *noargs) {
+    RecStack *s = rec_stack();
+    if (!s || s->n == 0) { PyErr_SetString(PyExc_RuntimeError, "batchcraft: recorder stack is empty"); return NULL; }
+    PyObject *r = s->items[--s->n];
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* LazyBase                                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *rec;
+    Py_ssize_t node;
+    int slot;
+    int did;
+    PyObject *base;
+    PyObject *weakreflist;
+} LazyObject;
+
+static int lazy_traverse(LazyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->rec);
+    Py_VISIT(self->base);
+    return 0;
+}
+
+static int lazy_clear(LazyObject *self) {
+    Py_CLEAR(self->rec);
+    Py_CLEAR(self->base);
+    return 0;
+}
+
+static void lazy_dealloc(LazyObject *self) {
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist) PyObject_ClearWeakRefs((PyObject *)self);
+    lazy_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int lazy_init(LazyObject *self, PyObject *args, PyObject *kw) {
+    PyObject *rec; Py_ssize_t node; int slot, did;
+    if (!PyArg_ParseTuple(args, "Onii", &rec, &node, &slot, &did)) return -1;
+    Py_INCREF(rec);
+    Py_XSETREF(self->rec, rec);
+    self->node = node; self->slot = slot; self->did = did;
+    return 0;
+}
+
+static inline LazyObject *new_lazy(PyObject *rec, Py_ssize_t node, int slot, int did) {
+    LazyObject *x = (LazyObject *)g_LazyType->tp_alloc(g_LazyType, 0);
+    if (!x) return NULL;
+    Py_INCREF(rec);
+    x->rec = rec; x->node = node; x->slot = slot; x->did = did; x->base = NULL;
+    return x;
+}
+
+static PyMemberDef lazy_members[] = {
+    {"rec", T_OBJECT, offsetof(LazyObject, rec), READONLY, "owning recorder"},
+    {"node", T_PYSSIZET, offsetof(LazyObject, node), 0, "node index"},
+    {"slot", T_INT, offsetof(LazyObject, slot), 0, "output slot"},
+    {"did", T_INT, offsetof(LazyObject, did), 0, "descriptor id"},
+    {"base", T_OBJECT, offsetof(LazyObject, base), 0, "the value this one is a view of"},
+    {NULL}
+};
+
+#define IS_LAZY(o) (Py_TYPE(o) == g_LazyType)
+
+/* forward */
+static PyObject *rec_record_impl(PyObject *rec, PyObject *func, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwargs);
+
+/* Send func(*args, **kwargs) to the active recorder. */
+static int require_setup(void);
+
+static PyObject *dispatch(PyObject *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwargs) {
+    PyObject *rec = current_rec();
+    if (!rec) {
+        if (require_setup() < 0) return NULL;
+        return PyObject_CallOneArg(g_escape, func);
+    }
+    if (PyObject_TypeCheck(rec, &RecorderType)) return rec_record_impl(rec, func, args, nargs, kwargs);
+    PyObject *t = PyTuple_New(nargs);
+    if (!t) return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++) { Py_INCREF(args[i]); PyTuple_SET_ITEM(t, i, args[i]); }
+    PyObject *kw = kwargs ? kwargs : PyDict_New();
+    PyObject *r = kw ? PyObject_CallMethodObjArgs(rec, s_record, func, t, kw, NULL) : NULL;
+    if (!kwargs) Py_XDECREF(kw);
+    Py_DECREF(t);
+    return r;
+}
+
+static PyObject *dispatch_inplace(PyObject *func, PyObject *self, PyObject *other) {
+    PyObject *rec = current_rec();
+    if (!rec) return PyObject_CallOneArg(g_escape, func);
+    PyObject *t = PyTuple_Pack(2, self, other);
+    PyObject *kw = PyDict_New();
+    PyObject *r = (t && kw) ? PyObject_CallMethodObjArgs(rec, s_inplace, self, func, t, kw, NULL) : NULL;
+    Py_XDECREF(t); Py_XDECREF(kw);
+    return r;
+}
+
+/* operator slots: the torch.Tensor function each one records */
+enum { OP_ADD, OP_RADD, OP_SUB, OP_RSUB, OP_MUL, OP_RMUL, OP_TRUEDIV, OP_RTRUEDIV, OP_FLOORDIV, OP_RFLOORDIV,
+       OP_MOD, OP_POW, OP_RPOW, OP_MATMUL, OP_RMATMUL, OP_AND, OP_OR, OP_XOR, OP_LT, OP_LE, OP_GT, OP_GE,
+       OP_EQ, OP_NE, OP_GETITEM, OP_LSHIFT, OP_RSHIFT, OP_NEG, OP_ABS, OP_INVERT, OP_POS,
+       OP_IADD, OP_ISUB, OP_IMUL, OP_ITRUEDIV, OP_IFLOORDIV, OP_IMOD, OP_IPOW, OP_IAND, OP_IOR, OP_IXOR,
+       OP_ILSHIFT, OP_IRSHIFT, OP_COUNT };
+static const char *op_names[OP_COUNT] = {
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__floordiv__", "__rfloordiv__", "__mod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__",
+    "__and__", "__or__", "__xor__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__",
+    "__getitem__", "__lshift__", "__rshift__", "__neg__", "__abs__", "__invert__", "__pos__",
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"};
+static PyObject *op_funcs[OP_COUNT];
+
+static PyObject *binop(int op, int rop, PyObject *a, PyObject *b) {
+    PyObject *args[2];
+    if (IS_LAZY(a)) { args[0] = a; args[1] = b; return dispatch(op_funcs[op], args, 2, NULL); }
+    if (rop < 0) Py_RETURN_NOTIMPLEMENTED;
+    args[0] = b; args[1] = a;
+    return dispatch(op_funcs[rop], args, 2, NULL);
+}
+
+#define BINOP(name, op, rop) static PyObject *lazy_##name(PyObject *a, PyObject *b) { return binop(op, rop, a, b); }
+BINOP(add, OP_ADD, OP_RADD)
+BINOP(sub, OP_SUB, OP_RSUB)
+BINOP(mul, OP_MUL, OP_RMUL)
+BINOP(truediv, OP_TRUEDIV, OP_RTRUEDIV)
+BINOP(floordiv, OP_FLOORDIV, OP_RFLOORDIV)
+BINOP(mod, OP_MOD, -1)
+BINOP(matmul, OP_MATMUL, OP_RMATMUL)
+BINOP(and, OP_AND, OP_AND)
+BINOP(or, OP_OR, OP_OR)
+BINOP(xor, OP_XOR, OP_XOR)
+BINOP(lshift, OP_LSHIFT, -1)
+BINOP(rshift, OP_RSHIFT, -1)
+
+static PyObject *lazy_pow(PyObject *a, PyObject *b, PyObject *mod) {
+    if (mod != Py_None) Py_RETURN_NOTIMPLEMENTED;
+    return binop(OP_POW, OP_RPOW, a, b);
+}
+
+#define UNOP(name, op) static PyObject *lazy_##name(PyObject *a) { PyObject *args[1] = {a}; \
+    return dispatch(op_funcs[op], args, 1, NULL); }
+UNOP(neg, OP_NEG)
+UNOP(abs, OP_ABS)
+UNOP(invert, OP_INVERT)
+UNOP(pos, OP_POS)
+
+#define IOP(name, op) static PyObject *lazy_##name(PyObject *a, PyObject *b) { \
+    return dispatch_inplace(op_funcs[op], a, b); }
+IOP(iadd, OP_IADD)
+IOP(isub, OP_ISUB)
+IOP(imul, OP_IMUL)
+IOP(itruediv, OP_ITRUEDIV)
+IOP(ifloordiv, OP_IFLOORDIV)
+IOP(imod, OP_IMOD)
+IOP(iand, OP_IAND)
+IOP(ior, OP_IOR)
+IOP(ixor, OP_IXOR)
+IOP(ilshift, OP_ILSHIFT)
+IOP(irshift, OP_IRSHIFT)
+static PyObject *lazy_ipow(PyObject *a, PyObject *b, PyObject *mod) { return dispatch_inplace(op_funcs[OP_IPOW], a, b); }
+
+static PyObject *lazy_richcompare(PyObject *a, PyObject *b, int op) {
+    int which;
+    switch (op) {
+        case Py_LT: which = OP_LT; break;
+        case Py_LE: which = OP_LE; break;
+        case Py_GT: which = OP_GT; break;
+        case Py_GE: which = OP_GE; break;
+        case Py_EQ: which = OP_EQ; break;
+        default: which = OP_NE; break;
+    }
+    PyObject *args[2] = {a, b};
+    return dispatch(op_funcs[which], args, 2, NULL);
+}
+
+static PyObject *lazy_subscript(PyObject *a, PyObject *key) {
+    PyObject *args[2] = {a, key};
+    return dispatch(op_funcs[OP_GETITEM], args, 2, NULL);
+}
+
+static PyNumberMethods lazy_as_number = {
+    .nb_add = lazy_add, .nb_subtract = lazy_sub, .nb_multiply = lazy_mul, .nb_remainder = lazy_mod,
+    .nb_power = lazy_pow, .nb_negative = lazy_neg, .nb_positive = lazy_pos, .nb_absolute = lazy_abs,
+    .nb_invert = lazy_invert, .nb_lshift = lazy_lshift, .nb_rshift = lazy_rshift, .nb_and = lazy_and,
+    .nb_xor = lazy_xor, .nb_or = lazy_or, .nb_inplace_add = lazy_iadd, .nb_inplace_subtract = lazy_isub,
+    .nb_inplace_multiply = lazy_imul, .nb_inplace_remainder = lazy_imod, .nb_inplace_power = lazy_ipow,
+    .nb_inplace_lshift = lazy_ilshift, .nb_inplace_rshift = lazy_irshift, .nb_inplace_and = lazy_iand,
+    .nb_inplace_xor = lazy_ixor, .nb_inplace_or = lazy_ior, .nb_floor_divide = lazy_floordiv,
+    .nb_true_divide = lazy_truediv, .nb_inplace_floor_divide = lazy_ifloordiv,
+    .nb_inplace_true_divide = lazy_itruediv, .nb_matrix_multiply = lazy_matmul,
+};
+
+static PyMappingMethods lazy_as_mapping = {.mp_subscript = lazy_subscript};
+
+/* __torch_function__(cls, func, types, args=(), kwargs=None) as a C classmethod */
+static PyObject *lazy_torch_function(PyObject *cls, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *func = NULL, *fargs = NULL, *fkwargs = NULL;
+    if (nargs >= 1) func = args[0];
+    if (nargs >= 3) fargs = args[2];
+    if (nargs >= 4) fkwargs = args[3];
+    if (kwnames) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+            if (PyUnicode_CompareWithASCIIString(k, "args") == 0) fargs = args[nargs + i];
+            else if (PyUnicode_CompareWithASCIIString(k, "kwargs") == 0) fkwargs = args[nargs + i];
+            else if (PyUnicode_CompareWithASCIIString(k, "func") == 0) func = args[nargs + i];
+        }
+    }
+    if (!func) { PyErr_SetString(PyExc_TypeError, "__torch_function__: missing func"); return NULL; }
+    if (fkwargs == Py_None || (fkwargs && PyDict_GET_SIZE(fkwargs) == 0)) fkwargs = NULL;
+    if (!fargs || fargs == Py_None) return dispatch(func, NULL, 0, fkwargs);
+    if (!PyTuple_Check(fargs)) {
+        PyObject *t = PySequence_Tuple(fargs);
+        if (!t) return NULL;
+        PyObject *r = dispatch(func, &PyTuple_GET_ITEM(t, 0), PyTuple_GET_SIZE(t), fkwargs);
+        Py_DECREF(t);
+        return r;
+    }
+    return dispatch(func, &PyTuple_GET_ITEM(fargs, 0), PyTuple_GET_SIZE(fargs), fkwargs);
+}
+
+static PyMethodDef lazy_methods[] = {
+    {"__torch_function__", (PyCFunction)(void (*)(void))lazy_torch_function, METH_FASTCALL | METH_KEYWORDS | METH_CLASS,
+     "Route a torch call on lazy values to the active recorder."},
+    {NULL}
+};
+
+static PyTypeObject LazyBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._core.LazyBase",
+    .tp_basicsize = sizeof(LazyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Base of lazy values: operators and common Tensor methods in C.",
+    .tp_traverse = (traverseproc)lazy_traverse,
+    .tp_clear = (inquiry)lazy_clear,
+    .tp_dealloc = (destructor)lazy_dealloc,
+    .tp_init = (initproc)lazy_init,
+    .tp_new = PyType_GenericNew,
+    .tp_members = lazy_members,
+    .tp_methods = lazy_methods,
+    .tp_as_number = &lazy_as_number,
+    .tp_as_mapping = &lazy_as_mapping,
+    .tp_richcompare = lazy_richcompare,
+    .tp_weaklistoffset = offsetof(LazyObject, weakreflist),
+};
+
+/* A Tensor method of lazy values (x.sigmoid(), x.sum(-1)): a method descriptor with vectorcall,
+   so `x.sigmoid()` records without allocating a bound method. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *func;
+    int inplace;
+    vectorcallfunc vectorcall;
+} LazyMethodObject;
+
+static PyObject *kwnames_to_dict(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++)
+        if (PyDict_SetItem(d, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0) { Py_DECREF(d); return NULL; }
+    return d;
+}
+
+static PyObject *lazymethod_vectorcall(LazyMethodObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) { PyErr_SetString(PyExc_TypeError, "lazy method needs self"); return NULL; }
+    PyObject *kw = NULL;
+    if (kwnames && PyTuple_GET_SIZE(kwnames)) { kw = kwnames_to_dict(args, nargs, kwnames); if (!kw) return NULL; }
+    PyObject *r;
+    if (self->inplace) {
+        PyObject *rec = current_rec();
+        if (!rec) r = PyObject_CallOneArg(g_escape, self->func);
+        else {
+            PyObject *t = PyTuple_New(nargs);
+            for (Py_ssize_t i = 0; t && i < nargs; i++) { Py_INCREF(args[i]); PyTuple_SET_ITEM(t, i, args[i]); }
+            PyObject *k2 = kw ? kw : PyDict_New();
+            r = (t && k2) ? PyObject_CallMethodObjArgs(rec, s_inplace, args[0], self->func, t, k2, NULL) : NULL;
+            if (!kw) Py_XDECREF(k2);
+            Py_XDECREF(t);
+        }
+    } else {
+        r = dispatch(self->func, args, nargs, kw);
+    }
+    Py_XDECREF(kw);
+    return r;
+}
+
+static PyObject *lazymethod_get(PyObject *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None) { Py_INCREF(self); return self; }
+    return PyMethod_New(self, obj);
+}
+
+static void lazymethod_dealloc(LazyMethodObject *self) {
+    Py_XDECREF(self->func);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *lazymethod_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    PyObject *func; int inplace = 0;
+    if (!PyArg_ParseTuple(args, "O|p", &func, &inplace)) return NULL;
+    LazyMethodObject *self = (LazyMethodObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    Py_INCREF(func);
+    self->func = func;
+    self->inplace = inplace;
+    self->vectorcall = (vectorcallfunc)lazymethod_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyObject *lazymethod_repr(LazyMethodObject *self) {
+    return PyUnicode_FromFormat("<lazy method %R>", self->func);
+}
+
+static PyTypeObject LazyMethodType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._core.LazyMethod",
+    .tp_basicsize = sizeof(LazyMethodObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(LazyMethodObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = lazymethod_get,
+    .tp_dealloc = (destructor)lazymethod_dealloc,
+    .tp_new = lazymethod_new,
+    .tp_repr = (reprfunc)lazymethod_repr,
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* the fast signature table: argument spelling (key words) -> entry                           */
+/* ------------------------------------------------------------------------------------------ */
+#define MAXW 64
+#define MAXLEAVES 128
+enum { K_LAZY = 1, K_LAZYRG, K_INT, K_FLOAT, K_BOOL, K_NONE, K_ELL, K_TENSOR, K_OBJ, K_STR, K_LIST, K_TUPLE,
+       K_SLICE, K_KW, K_STATE, K_RLIST, K_CLASS, K_BLOCK };
+#define TAG(t, v) (((uint64_t)(t) << 56) | ((uint64_t)(v) & 0x00FFFFFFFFFFFFFFull))
+
+typedef struct {
+    uint64_t hash;
+    int nwords;
+    uint64_t *words;
+    int kind;            /* 0 single, 1 flat tuple, 2 structure, 3 "not ragged: use the per-length key" */
+    int sid;
+    int n_out;
+    int *out_dids;
+    uint64_t rg_mask;
+    int n_dep;
+    uint64_t *rg_dep;
+    int view;
+    int ragged;          /* block entries: the node's inputs are singles then ragged members */
+    PyObject *out_struct;
+} SigEntry;
+
+static SigEntry *g_tab = NULL;
+static Py_ssize_t g_tab_cap = 0, g_tab_n = 0;
+
+static uint64_t hash_words(const uint64_t *w, int n) {
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < n; i++) { h ^= w[i]; h *= 1099511628211ull; h ^= h >> 29; }
+    return h ? h : 1;
+}
+
+static void free_entry(SigEntry *e) {
+    PyMem_Free(e->words); PyMem_Free(e->out_dids); PyMem_Free(e->rg_dep);
+    Py_XDECREF(e->out_struct);
+    memset(e, 0, sizeof(*e));
+}
+
+static void tab_clear(void) {
+    for (Py_ssize_t i = 0; i < g_tab_cap; i++) if (g_tab[i].hash) free_entry(&g_tab[i]);
+    g_tab_n = 0;
+}
+
+static SigEntry *tab_find(const uint64_t *w, int n, uint64_t h) {
+    if (!g_tab_cap) return NULL;
+    Py_ssize_t mask = g_tab_cap - 1, i = (Py_ssize_t)(h & mask);
+    for (;;) {
+        SigEntry *e = &g_tab[i];
+        if (!e->hash) return NULL;
+        if (e->hash == h && e->nwords == n && memcmp(e->words, w, n * sizeof(uint64_t)) == 0) return e;
+        i = (i + 1) & mask;
+    }
+}
+
+static int tab_grow(void) {
+    Py_ssize_t nc = g_tab_cap ? g_tab_cap * 2 : 4096;
+    SigEntry *nt = (SigEntry *)PyMem_Calloc(nc, sizeof(SigEntry));
+    if (!nt) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < g_tab_cap; i++) {
+        SigEntry *e = &g_tab[i];
+        if (!e->hash) continue;
+        Py_ssize_t j = (Py_ssize_t)(e->hash & (nc - 1));
+        while (nt[j].hash) j = (j + 1) & (nc - 1);
+        nt[j] = *e;
+    }
+    PyMem_Free(g_tab);
+    g_tab = nt; g_tab_cap = nc;
+    return 0;
+}
+
+/* Register key -> entry from the Python tuple made by CRecorder._sig_entry(info):
+   (kind, sid, out_dids, rg_mask, rg_dep, view, ragged, out_struct) */
+static SigEntry *tab_insert(const uint64_t *w, int n, uint64_t h, PyObject *desc) {
+    if ((g_tab_n + 1) * 2 > g_tab_cap && tab_grow() < 0) return NULL;
+    SigEntry *old = tab_find(w, n, h);
+    if (old) free_entry(old);
+    Py_ssize_t mask = g_tab_cap - 1, i = (Py_ssize_t)(h & mask);
+    if (!old) { while (g_tab[i].hash) i = (i + 1) & mask; }
+    SigEntry *e = old ? old : &g_tab[i];
+    PyObject *dids, *deps, *ostruct;
+    int kind, sid, view, ragged; unsigned long long rgm;
+    if (!PyArg_ParseTuple(desc, "iiOKOiiO", &kind, &sid, &dids, &rgm, &deps, &view, &ragged, &ostruct)) return NULL;
+    e->words = (uint64_t *)PyMem_Malloc(n * sizeof(uint64_t));
+    if (!e->words) { PyErr_NoMemory(); return NULL; }
+    memcpy(e->words, w, n * sizeof(uint64_t));
+    e->nwords = n; e->kind = kind; e->sid = sid; e->rg_mask = rgm; e->view = view; e->ragged = ragged;
+    e->n_out = (int)PyTuple_GET_SIZE(dids);
+    e->out_dids = (int *)PyMem_Malloc((e->n_out + 1) * sizeof(int));
+    for (int k = 0; k < e->n_out; k++) e->out_dids[k] = (int)PyLong_AsLong(PyTuple_GET_ITEM(dids, k));
+    e->n_dep = (int)PyTuple_GET_SIZE(deps);
+    e->rg_dep = (uint64_t *)PyMem_Malloc((e->n_dep + 1) * sizeof(uint64_t));
+    for (int k = 0; k < e->n_dep; k++) e->rg_dep[k] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(deps, k));
+    Py_INCREF(ostruct);
+    e->out_struct = ostruct;
+    e->hash = h;
+    if (!old) g_tab_n++;
+    return e;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Recorder                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+typedef struct { int32_t *v; Py_ssize_t n, cap; } IVec;
+
+static int ivec_push(IVec *a, int32_t x) {
+    if (a->n == a->cap) {
+        Py_ssize_t nc = a->cap ? a->cap * 2 : 16;
+        int32_t *nv = (int32_t *)PyMem_Realloc(a->v, nc * sizeof(int32_t));
+        if (!nv) { PyErr_NoMemory(); return -1; }
+        a->v = nv; a->cap = nc;
+    }
+    a->v[a->n++] = x;
+    return 0;
+}
+
+typedef struct { int32_t phase, depth, sid; IVec nodes; } Bucket;
+
+typedef struct {
+    PyObject_HEAD
+    /* per node */
+    Py_ssize_t n, cap;
+    int32_t *sid, *depth, *phase, *inst, *in_count, *lens_start, *loc_buf, *loc_row, *leaf_idx;
+    int64_t *in_start;
+    uint64_t *rgbits;
+    /* inputs */
+    IVec in_node, in_slot, lens;
+    /* leaves */
+    PyObject *leaf_obj;    /* list: tensor or None */
+    PyObject *leaf_py;     /* list: python scalar or None */
+    IVec leaf_did;         /* per leaf */
+    PyObject *pending_leaves; /* dict did -> list of nodes */
+    /* buckets */
+    Bucket *bk; Py_ssize_t bk_n, bk_cap;
+    Py_ssize_t *bk_tab; Py_ssize_t bk_tab_cap;  /* open addressing: index+1 into bk */
+    /* state read by the fast path */
+    int instance, rphase, inst_steps;
+    Py_ssize_t max_steps, max_pending;  /* -1: none */
+    Py_ssize_t ops_recorded, n_pending;
+    int ragged_on;
+    PyObject *runtime;
+    PyObject *views;       /* dict id(base) -> list of weakrefs */
+    PyObject *checked;     /* set of blocks whose fingerprint was checked this call */
+    PyObject *dict;
+} RecObject;
+
+static int rec_traverse(RecObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->leaf_obj); Py_VISIT(self->leaf_py); Py_VISIT(self->pending_leaves);
+    Py_VISIT(self->runtime); Py_VISIT(self->views); Py_VISIT(self->checked); Py_VISIT(self->dict);
+    return 0;
+}
+
+static int rec_clear_refs(RecObject *self) {
+    Py_CLEAR(self->leaf_obj); Py_CLEAR(self->leaf_py); Py_CLEAR(self->pending_leaves);
+    Py_CLEAR(self->runtime); Py_CLEAR(self->views); Py_CLEAR(self->checked); Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void rec_dealloc(RecObject *self) {
+    PyObject_GC_UnTrack(self);
+    rec_clear_refs(self);
+    PyMem_Free(self->sid); PyMem_Free(self->depth); PyMem_Free(self->phase); PyMem_Free(self->inst);
+    PyMem_Free(self->in_count); PyMem_Free(self->lens_start); PyMem_Free(self->loc_buf);
+    PyMem_Free(self->loc_row); PyMem_Free(self->leaf_idx); PyMem_Free(self->in_start); PyMem_Free(self->rgbits);
+    PyMem_Free(self->in_node.v); PyMem_Free(self->in_slot.v); PyMem_Free(self->lens.v); PyMem_Free(self->leaf_did.v);
+    for (Py_ssize_t i = 0; i < self->bk_n; i++) PyMem_Free(self->bk[i].nodes.v);
+    PyMem_Free(self->bk); PyMem_Free(self->bk_tab);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *rec_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    if (require_setup() < 0) return NULL;
+    RecObject *self = (RecObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->leaf_obj = PyList_New(0);
+    self->leaf_py = PyList_New(0);
+    self->pending_leaves = PyDict_New();
+    self->views = PyDict_New();
+    self->checked = PySet_New(NULL);
+    self->max_steps = -1; self->max_pending = -1;
+    self->instance = -1;
+    self->ragged_on = 1;
+    Py_INCREF(Py_None); self->runtime = Py_None;
+    if (!self->leaf_obj || !self->leaf_py || !self->pending_leaves || !self->views || !self->checked) {
+        Py_DECREF(self); return NULL;
+    }
+    return (PyObject *)self;
+}
+
+#define GROW(field, type) do { type *p_ = (type *)PyMem_Realloc(self->field, nc * sizeof(type)); \
+    if (!p_) { PyErr_NoMemory(); return -1; } self->field = p_; } while (0)
+
+static int rec_reserve(RecObject *self) {
+    if (self->n < self->cap) return 0;
+    Py_ssize_t nc = self->cap ? self->cap * 2 : 1024;
+    GROW(sid, int32_t); GROW(depth, int32_t); GROW(phase, int32_t); GROW(inst, int32_t); GROW(in_count, int32_t);
+    GROW(lens_start, int32_t); GROW(loc_buf, int32_t); GROW(loc_row, int32_t); GROW(leaf_idx, int32_t);
+    GROW(in_start, int64_t); GROW(rgbits, uint64_t);
+    self->cap = nc;
+    return 0;
+}
+
+static Bucket *bucket_for(RecObject *self, int32_t phase, int32_t depth, int32_t sid) {
+    uint64_t h = ((uint64_t)(uint32_t)phase * 1000003ull) ^ ((uint64_t)(uint32_t)depth * 0x9E3779B97F4A7C15ull)
+                 ^ ((uint64_t)(uint32_t)sid << 20);
+    h ^= h >> 31;
+    if (self->bk_tab_cap) {
+        Py_ssize_t mask = self->bk_tab_cap - 1, i = (Py_ssize_t)(h & mask);
+        for (;;) {
+            Py_ssize_t k = self->bk_tab[i];
+            if (!k) break;
+            Bucket *b = &self->bk[k - 1];
+            if (b->phase == phase && b->depth == depth && b->sid == sid) return b;
+            i = (i + 1) & mask;
+        }
+    }
+    /* new bucket */
+    if (self->bk_n == self->bk_cap) {
+        Py_ssize_t nc = self->bk_cap ? self->bk_cap * 2 : 64;
+        Bucket *nb = (Bucket *)PyMem_Realloc(self->bk, nc * sizeof(Bucket));
+        if (!nb) { PyErr_NoMemory(); return NULL; }
+        self->bk = nb; self->bk_cap = nc;
+    }
+    if ((self->bk_n + 1) * 2 > self->bk_tab_cap) {
+        Py_ssize_t nc = self->bk_tab_cap ? self->bk_tab_cap * 2 : 128;
+        Py_ssize_t *nt = (Py_ssize_t *)PyMem_Calloc(nc, sizeof(Py_ssize_t));
+        if (!nt) { PyErr_NoMemory(); return NULL; }
+        for (Py_ssize_t k = 0; k < self->bk_n; k++) {
+            Bucket *b = &self->bk[k];
+            uint64_t hh = ((uint64_t)(uint32_t)b->phase * 1000003ull) ^ ((uint64_t)(uint32_t)b->depth * 0x9E3779B97F4A7C15ull)
+                          ^ ((uint64_t)(uint32_t)b->sid << 20);
+            hh ^= hh >> 31;
+            Py_ssize_t j = (Py_ssize_t)(hh & (nc - 1));
+            while (nt[j]) j = (j + 1) & (nc - 1);
+            nt[j] = k + 1;
+        }
+        PyMem_Free(self->bk_tab);
+        self->bk_tab = nt; self->bk_tab_cap = nc;
+    }
+    Bucket *b = &self->bk[self->bk_n];
+    b->phase = phase; b->depth = depth; b->sid = sid;
+    b->nodes.v = NULL; b->nodes.n = 0; b->nodes.cap = 0;
+    self->bk_n++;
+    Py_ssize_t mask = self->bk_tab_cap - 1, i = (Py_ssize_t)(h & mask);
+    while (self->bk_tab[i]) i = (i + 1) & mask;
+    self->bk_tab[i] = self->bk_n;
+    return b;
+}
+
+/* Append a node; returns its index or -1. `leaves` are lazy objects (borrowed). */
+static Py_ssize_t append_node(RecObject *self, int sid, uint64_t rg_mask, const uint64_t *deps, int n_dep,
+                              PyObject *const *leaves, Py_ssize_t nleaves, const int32_t *lens, int nlens) {
+    if (rec_reserve(self) < 0) return -1;
+    int32_t depth = 0, phase = self->rphase;
+    uint64_t bits = rg_mask;
+    Py_ssize_t start = self->in_node.n;
+    for (Py_ssize_t j = 0; j < nleaves; j++) {
+        LazyObject *x = (LazyObject *)leaves[j];
+        Py_ssize_t p = x->node;
+        if (ivec_push(&self->in_node, (int32_t)p) < 0 || ivec_push(&self->in_slot, x->slot) < 0) return -1;
+        if (self->loc_buf[p] < 0 && self->sid[p] != 0) {
+            int32_t ph = self->phase[p];
+            if (ph > phase) { phase = ph; depth = self->depth[p]; }
+            else if (ph == phase && self->depth[p] > depth) depth = self->depth[p];
+        }
+        if (deps && j < n_dep && ((self->rgbits[p] >> x->slot) & 1)) bits |= deps[j];
+    }
+    if (self->max_steps >= 0) {
+        self->inst_steps++;
+        if (self->inst_steps > self->max_steps) {
+            PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, s_step_limit);
+            Py_XDECREF(r);
+            return -1;
+        }
+    }
+    Py_ssize_t node = self->n++;
+    self->sid[node] = sid; self->depth[node] = depth + 1; self->phase[node] = phase; self->inst[node] = self->instance;
+    self->rgbits[node] = bits; self->in_start[node] = start; self->in_count[node] = (int32_t)nleaves;
+    self->loc_buf[node] = -1; self->loc_row[node] = -1; self->leaf_idx[node] = -1;
+    if (nlens > 0) {
+        self->lens_start[node] = (int32_t)self->lens.n;
+        if (ivec_push(&self->lens, nlens) < 0) return -1;
+        for (int k = 0; k < nlens; k++) if (ivec_push(&self->lens, lens[k]) < 0) return -1;
+    } else {
+        self->lens_start[node] = -1;
+    }
+    Bucket *b = bucket_for(self, phase, depth + 1, sid);
+    if (!b || ivec_push(&b->nodes, (int32_t)node) < 0) return -1;
+    self->n_pending++;
+    self->ops_recorded++;
+    return node;
+}
+
+static int register_view(RecObject *self, LazyObject *out, PyObject *base) {
+    Py_INCREF(base);
+    Py_XSETREF(out->base, base);
+    PyObject *key = PyLong_FromVoidPtr(base);
+    if (!key) return -1;
+    PyObject *lst = PyDict_GetItemWithError(self->views, key);
+    if (!lst) {
+        if (PyErr_Occurred()) { Py_DECREF(key); return -1; }
+        lst = PyList_New(0);
+        if (!lst || PyDict_SetItem(self->views, key, lst) < 0) { Py_XDECREF(lst); Py_DECREF(key); return -1; }
+        Py_DECREF(lst);
+    }
+    Py_DECREF(key);
+    PyObject *w = PyWeakref_NewRef((PyObject *)out, NULL);
+    if (!w) return -1;
+    int r = PyList_Append(lst, w);
+    Py_DECREF(w);
+    return r;
+}
+
+/* Outputs of node for entry e. */
+static PyObject *make_outputs(RecObject *self, SigEntry *e, Py_ssize_t node, PyObject *base) {
+    if (e->kind == 0) {
+        LazyObject *x = new_lazy((PyObject *)self, node, 0, e->out_dids[0]);
+        if (x && e->view && register_view(self, x, base) < 0) { Py_DECREF(x); return NULL; }
+        return (PyObject *)x;
+    }
+    PyObject *t = PyTuple_New(e->n_out);
+    if (!t) return NULL;
+    for (int s = 0; s < e->n_out; s++) {
+        LazyObject *x = new_lazy((PyObject *)self, node, s, e->out_dids[s]);
+        if (!x) { Py_DECREF(t); return NULL; }
+        if (e->view && register_view(self, x, base) < 0) { Py_DECREF(x); Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, s, (PyObject *)x);
+    }
+    if (e->kind == 1) return t;
+    PyObject *it = PyObject_GetIter(t);
+    Py_DECREF(t);
+    if (!it) return NULL;
+    PyObject *r = PyObject_CallFunctionObjArgs(g_rebuild, e->out_struct, it, NULL);
+    Py_DECREF(it);
+    return r;
+}
+
+static int after_append(RecObject *self) {
+    if (self->max_pending >= 0 && self->n_pending >= self->max_pending && self->runtime != Py_None) {
+        PyObject *r = PyObject_CallMethodNoArgs(self->runtime, s_pending_limit);
+        if (!r) return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
+/* state word: grad mode; returns -1 when the slow path must be taken (autocast, inference mode) */
+static inline int state_word(uint64_t *out) {
+    PyObject *g = PyObject_CallNoArgs(g_is_grad);
+    if (!g) return -1;
+    int grad = (g == Py_True);
+    Py_DECREF(g);
+    PyObject *a = PyObject_CallNoArgs(g_any_autocast);
+    if (!a) return -1;
+    int ac = (a == Py_True);
+    Py_DECREF(a);
+    if (ac) return 1;
+    PyObject *inf = PyObject_CallNoArgs(g_is_inference);
+    if (!inf) return -1;
+    int im = (inf == Py_True);
+    Py_DECREF(inf);
+    if (im) return 1;
+    *out = TAG(K_STATE, grad);
+    return 0;
+}
+
+typedef struct { uint64_t w[MAXW]; int n; int ok; PyObject *leaves[MAXLEAVES]; Py_ssize_t nleaves; } KeyBuf;
+
+static inline void kpush(KeyBuf *k, uint64_t v) { if (k->n < MAXW) k->w[k->n++] = v; else k->ok = 0; }
+
+/* Encode one argument; lists/tuples of simple items one level deep. */
+static void encode_arg(KeyBuf *k, RecObject *rec, PyObject *a, int depth) {
+    PyTypeObject *t = Py_TYPE(a);
+    if (t == g_LazyType) {
+        LazyObject *x = (LazyObject *)a;
+        if (x->rec != (PyObject *)rec || k->nleaves >= MAXLEAVES) { k->ok = 0; return; }
+        k->leaves[k->nleaves++] = a;
+        kpush(k, TAG(K_LAZY, x->did));
+    } else if (t == &PyFloat_Type) {
+        double d = PyFloat_AS_DOUBLE(a);
+        uint64_t bits; memcpy(&bits, &d, 8);
+        kpush(k, TAG(K_FLOAT, 0)); kpush(k, bits);
+    } else if (t == &PyLong_Type) {
+        int of = 0;
+        long long v = PyLong_AsLongLongAndOverflow(a, &of);
+        if (of || (v == -1 && PyErr_Occurred())) { PyErr_Clear(); k->ok = 0; return; }
+        kpush(k, TAG(K_INT, 0)); kpush(k, (uint64_t)v);
+    } else if (t == &PyBool_Type) {
+        kpush(k, TAG(K_BOOL, a == Py_True));
+    } else if (a == Py_None) {
+        kpush(k, TAG(K_NONE, 0));
+    } else if (a == Py_Ellipsis) {
+        kpush(k, TAG(K_ELL, 0));
+    } else if ((t == &PyList_Type || t == &PyTuple_Type) && depth == 0) {
+        Py_ssize_t n = t == &PyList_Type ? PyList_GET_SIZE(a) : PyTuple_GET_SIZE(a);
+        kpush(k, TAG(t == &PyList_Type ? K_LIST : K_TUPLE, n));
+        for (Py_ssize_t i = 0; i < n && k->ok; i++)
+            encode_arg(k, rec, t == &PyList_Type ? PyList_GET_ITEM(a, i) : PyTuple_GET_ITEM(a, i), 1);
+    } else if (t == &PySlice_Type && depth <= 1) {
+        PySliceObject *s = (PySliceObject *)a;
+        kpush(k, TAG(K_SLICE, 0));
+        PyObject *parts[3] = {s->start, s->stop, s->step};
+        for (int i = 0; i < 3 && k->ok; i++) {
+            PyObject *p = parts[i];
+            if (p == Py_None) kpush(k, TAG(K_NONE, 0));
+            else if (Py_TYPE(p) == &PyLong_Type) {
+                int of = 0;
+                long long v = PyLong_AsLongLongAndOverflow(p, &of);
+                if (of || (v == -1 && PyErr_Occurred())) { PyErr_Clear(); k->ok = 0; return; }
+                kpush(k, TAG(K_INT, 0)); kpush(k, (uint64_t)v);
+            } else k->ok = 0;
+        }
+    } else if (t == &PyUnicode_Type) {
+        kpush(k, TAG(K_STR, 0)); kpush(k, (uint64_t)(uintptr_t)a);
+    } else if ((PyObject *)t == g_DtypeType) {
+        kpush(k, TAG(K_OBJ, 0)); kpush(k, (uint64_t)(uintptr_t)a);
+    } else if (PyObject_TypeCheck(a, (PyTypeObject *)g_TensorType) && depth == 0) {
+        PyObject *rg = PyObject_GetAttr(a, s_requires_grad);
+        if (!rg) { PyErr_Clear(); k->ok = 0; return; }
+        kpush(k, TAG(K_TENSOR, rg == Py_True)); kpush(k, (uint64_t)(uintptr_t)a);
+        Py_DECREF(rg);
+    } else {
+        k->ok = 0;
+    }
+}
+
+/* Slow path: Python general() -> (out, info); registers the key when a node was recorded. */
+static PyObject *slow_record(RecObject *self, PyObject *func, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwargs, KeyBuf *k) {
+    PyObject *t = PyTuple_New(nargs);
+    if (!t) return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++) { Py_INCREF(args[i]); PyTuple_SET_ITEM(t, i, args[i]); }
+    PyObject *kw = kwargs ? kwargs : PyDict_New();
+    PyObject *res = kw ? PyObject_CallMethodObjArgs((PyObject *)self, s_general, func, t, kw, NULL) : NULL;
+    if (!kwargs) Py_XDECREF(kw);
+    Py_DECREF(t);
+    if (!res) return NULL;
+    PyObject *out = PyTuple_GET_ITEM(res, 0), *info = PyTuple_GET_ITEM(res, 1);
+    Py_INCREF(out);
+    if (k && k->ok && info != Py_None) {
+        PyObject *desc = PyObject_CallMethodOneArg((PyObject *)self, s_sig_entry, info);
+        if (!desc) { Py_DECREF(res); Py_DECREF(out); return NULL; }
+        uint64_t h = hash_words(k->w, k->n);
+        if (desc != Py_None && !tab_insert(k->w, k->n, h, desc)) {
+            Py_DECREF(desc); Py_DECREF(res); Py_DECREF(out); return NULL;
+        }
+        Py_DECREF(desc);
+    }
+    Py_DECREF(res);
+    return out;
+}
+
+static PyObject *rec_record_impl(PyObject *recobj, PyObject *func, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwargs) {
+    RecObject *self = (RecObject *)recobj;
+    KeyBuf k;
+    k.n = 0; k.ok = 1; k.nleaves = 0;
+    kpush(&k, (uint64_t)(uintptr_t)func);
+    kpush(&k, TAG(K_TUPLE, nargs));
+    for (Py_ssize_t i = 0; i < nargs && k.ok; i++) encode_arg(&k, self, args[i], 0);
+    if (k.ok && kwargs) {
+        Py_ssize_t pos = 0; PyObject *kk, *vv;
+        kpush(&k, TAG(K_KW, PyDict_GET_SIZE(kwargs)));
+        while (k.ok && PyDict_Next(kwargs, &pos, &kk, &vv)) {
+            kpush(&k, (uint64_t)(uintptr_t)kk);
+            encode_arg(&k, self, vv, 0);
+        }
+    }
+    if (k.ok && k.nleaves == 0) k.ok = 0;   /* no lazy argument: concrete call, on the slow path */
+    if (k.ok) {
+        uint64_t sw;
+        int r = state_word(&sw);
+        if (r < 0) return NULL;
+        if (r > 0) k.ok = 0; else kpush(&k, sw);
+    }
+    if (!k.ok) return slow_record(self, func, args, nargs, kwargs, NULL);
+    uint64_t h = hash_words(k.w, k.n);
+    SigEntry *e = tab_find(k.w, k.n, h);
+    if (!e) return slow_record(self, func, args, nargs, kwargs, &k);
+    Py_ssize_t node = append_node(self, e->sid, e->rg_mask, e->n_dep ? e->rg_dep : NULL, e->n_dep,
+                                  k.leaves, k.nleaves, NULL, 0);
+    if (node < 0) return NULL;
+    PyObject *out = make_outputs(self, e, node, k.leaves[0]);
+    if (!out) return NULL;
+    if (after_append(self) < 0) { Py_DECREF(out); return NULL; }
+    return out;
+}
+
+static PyObject *rec_record(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 2 || nargs > 3) { PyErr_SetString(PyExc_TypeError, "record(func, args, kwargs)"); return NULL; }
+    PyObject *fargs = args[1];
+    PyObject *kwargs = nargs == 3 && args[2] != Py_None && PyDict_GET_SIZE(args[2]) ? args[2] : NULL;
+    PyObject *t = PySequence_Tuple(fargs);
+    if (!t) return NULL;
+    PyObject *r = rec_record_impl((PyObject *)self, args[0], &PyTuple_GET_ITEM(t, 0), PyTuple_GET_SIZE(t), kwargs);
+    Py_DECREF(t);
+    return r;
+}
+
+/* append(info_desc, leaves, lens): the slow paths' append (desc from _sig_entry). */
+static PyObject *rec_append(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "append_desc(desc, leaves, lens, base)"); return NULL; }
+    PyObject *desc = args[0], *leaves = args[1], *lens = args[2];
+    SigEntry e; memset(&e, 0, sizeof(e));
+    PyObject *dids, *deps, *ostruct; unsigned long long rgm;
+    if (!PyArg_ParseTuple(desc, "iiOKOiiO", &e.kind, &e.sid, &dids, &rgm, &deps, &e.view, &e.ragged, &ostruct))
+        return NULL;
+    e.rg_mask = rgm;
+    e.n_out = (int)PyTuple_GET_SIZE(dids);
+    e.n_dep = (int)PyTuple_GET_SIZE(deps);
+    int *out_dids = (int *)PyMem_Malloc((e.n_out + 1) * sizeof(int));
+    uint64_t *rg_dep = (uint64_t *)PyMem_Malloc((e.n_dep + 1) * sizeof(uint64_t));
+    if (!out_dids || !rg_dep) { PyMem_Free(out_dids); PyMem_Free(rg_dep); return PyErr_NoMemory(); }
+    for (int i = 0; i < e.n_out; i++) out_dids[i] = (int)PyLong_AsLong(PyTuple_GET_ITEM(dids, i));
+    e.out_dids = out_dids;
+    for (int i = 0; i < e.n_dep; i++) rg_dep[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(deps, i));
+    e.rg_dep = rg_dep;
+    e.out_struct = ostruct;
+    PyObject *seq = PySequence_Fast(leaves, "leaves must be a sequence");
+    if (!seq) { PyMem_Free(out_dids); PyMem_Free(rg_dep); return NULL; }
+    int32_t lv[64]; int nl = 0;
+    if (lens != Py_None) {
+        Py_ssize_t m = PySequence_Size(lens);
+        if (m > 64) { Py_DECREF(seq); PyMem_Free(out_dids); PyMem_Free(rg_dep); PyErr_SetString(PyExc_ValueError, "too many list arguments"); return NULL; }
+        for (Py_ssize_t i = 0; i < m; i++) {
+            PyObject *o = PySequence_GetItem(lens, i);
+            lv[nl++] = (int32_t)PyLong_AsLong(o);
+            Py_XDECREF(o);
+        }
+    }
+    Py_ssize_t nleaves = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < nleaves; i++)
+        if (!IS_LAZY(items[i]) || ((LazyObject *)items[i])->rec != (PyObject *)self) {
+            Py_DECREF(seq); PyMem_Free(out_dids); PyMem_Free(rg_dep);
+            PyErr_SetString(PyExc_TypeError, "append: leaves must be this recorder's lazy values");
+            return NULL;
+        }
+    Py_ssize_t node = append_node(self, e.sid, e.rg_mask, e.n_dep ? e.rg_dep : NULL, e.n_dep, items, nleaves,
+                                  lv, nl);
+    PyObject *base = args[3];
+    PyObject *out = node < 0 ? NULL : make_outputs(self, &e, node, base);
+    Py_DECREF(seq);
+    PyMem_Free(out_dids); PyMem_Free(rg_dep);
+    if (!out) return NULL;
+    if (after_append(self) < 0) { Py_DECREF(out); return NULL; }
+    return out;
+}
+
+/* add_leaf(value, pyvalue, did, rg) -> node */
+static PyObject *rec_add_leaf(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "add_leaf(value, pyvalue, did, rg)"); return NULL; }
+    if (rec_reserve(self) < 0) return NULL;
+    int did = (int)PyLong_AsLong(args[2]);
+    int rg = PyObject_IsTrue(args[3]);
+    Py_ssize_t node = self->n++;
+    self->sid[node] = 0; self->depth[node] = 0; self->phase[node] = -1; self->inst[node] = self->instance;
+    self->rgbits[node] = rg ? 1 : 0; self->in_start[node] = self->in_node.n; self->in_count[node] = 0;
+    self->loc_buf[node] = -1; self->loc_row[node] = -1; self->lens_start[node] = -1;
+    self->leaf_idx[node] = (int32_t)self->leaf_did.n;
+    if (ivec_push(&self->leaf_did, did) < 0) return NULL;
+    if (PyList_Append(self->leaf_obj, args[0]) < 0 || PyList_Append(self->leaf_py, args[1]) < 0) return NULL;
+    PyObject *key = PyLong_FromLong(did);
+    PyObject *lst = PyDict_GetItemWithError(self->pending_leaves, key);
+    if (!lst) {
+        if (PyErr_Occurred()) { Py_DECREF(key); return NULL; }
+        lst = PyList_New(0);
+        if (!lst || PyDict_SetItem(self->pending_leaves, key, lst) < 0) { Py_XDECREF(lst); Py_DECREF(key); return NULL; }
+        Py_DECREF(lst);
+    }
+    Py_DECREF(key);
+    PyObject *nd = PyLong_FromSsize_t(node);
+    int r = PyList_Append(lst, nd);
+    Py_DECREF(nd);
+    if (r < 0) return NULL;
+    return PyLong_FromSsize_t(node);
+}
+
+/* scalar leaf made in C: torch.tensor(int | bool | float), dtype given by `forced_did` (0: inferred) */
+static PyObject *scalar_leaf(RecObject *self, PyObject *v, int forced_did) {
+    int did;
+    PyTypeObject *t = Py_TYPE(v);
+    if (forced_did) did = forced_did;
+    else if (t == &PyBool_Type) did = g_bool_did;
+    else if (t == &PyLong_Type) {
+        int of = 0;
+        PyLong_AsLongLongAndOverflow(v, &of);
+        if (of) return NULL;   /* caller takes the Python path (which raises eager's error) */
+        did = g_int_did;
+    } else {
+        PyObject *dt = PyObject_CallNoArgs(g_get_default_dtype);
+        if (!dt) return NULL;
+        PyObject *d = PyDict_GetItemWithError(g_float_dids, dt);
+        Py_DECREF(dt);
+        if (!d) return NULL;
+        did = (int)PyLong_AsLong(d);
+    }
+    if (!did) return NULL;
+    PyObject *a[4];
+    PyObject *didobj = PyLong_FromLong(did);
+    a[0] = Py_None; a[1] = v; a[2] = didobj; a[3] = Py_False;
+    PyObject *node = rec_add_leaf(self, a, 4);
+    Py_DECREF(didobj);
+    if (!node) return NULL;
+    Py_ssize_t nd = PyLong_AsSsize_t(node);
+    Py_DECREF(node);
+    return (PyObject *)new_lazy((PyObject *)self, nd, 0, did);
+}
+
+/* ---- static-block calls ---------------------------------------------------------------------- */
+static PyObject *block_slow(RecObject *self, PyObject *block, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwargs, KeyBuf *kr, KeyBuf *kp) {
+    /* Python: block._record_slow(rec, args, kwargs) -> (out, info, ragged: bool | None) */
+    PyObject *t = PyTuple_New(nargs);
+    if (!t) return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++) { Py_INCREF(args[i]); PyTuple_SET_ITEM(t, i, args[i]); }
+    PyObject *kw = kwargs ? kwargs : PyDict_New();
+    PyObject *res = kw ? PyObject_CallMethodObjArgs(block, s_block_slow, (PyObject *)self, t, kw, NULL) : NULL;
+    if (!kwargs) Py_XDECREF(kw);
+    Py_DECREF(t);
+    if (!res) return NULL;
+    PyObject *out = PyTuple_GET_ITEM(res, 0), *info = PyTuple_GET_ITEM(res, 1), *mode = PyTuple_GET_ITEM(res, 2);
+    Py_INCREF(out);
+    if (info != Py_None) {
+        PyObject *desc = PyObject_CallMethodOneArg((PyObject *)self, s_sig_entry, info);
+        if (!desc) { Py_DECREF(res); Py_DECREF(out); return NULL; }
+        if (desc != Py_None) {
+            if (mode == Py_True && kr && kr->ok) {
+                if (!tab_insert(kr->w, kr->n, hash_words(kr->w, kr->n), desc)) goto fail;
+            } else if (mode == Py_False && kp && kp->ok) {
+                if (!tab_insert(kp->w, kp->n, hash_words(kp->w, kp->n), desc)) goto fail;
+                if (kr && kr->ok) {  /* the ragged spelling of this pattern: "use the per-length key" */
+                    PyObject *marker = Py_BuildValue("iiNKNiiO", 3, 0, PyTuple_New(0), 0ull, PyTuple_New(0), 0, 0, Py_None);
+                    SigEntry *e = marker ? tab_insert(kr->w, kr->n, hash_words(kr->w, kr->n), marker) : NULL;
+                    Py_XDECREF(marker);
+                    if (!e) goto fail;
+                }
+            }
+        }
+        Py_DECREF(desc);
+    }
+    Py_DECREF(res);
+    return out;
+fail:
+    Py_DECREF(res); Py_DECREF(out);
+    return NULL;
+}
+
+static inline int lazy_rg(RecObject *self, LazyObject *x) { return (int)((self->rgbits[x->node] >> x->slot) & 1); }
+
+/* Record a call of static block `block` with positional args. */
+static PyObject *record_block(RecObject *self, PyObject *block, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwargs) {
+    int contains = PySet_Contains(self->checked, block);
+    if (contains < 0) return NULL;
+    if (!contains) {
+        PyObject *r = PyObject_CallMethodNoArgs(block, s_check_fp);
+        if (!r) return NULL;
+        Py_DECREF(r);
+        if (PySet_Add(self->checked, block) < 0) return NULL;
+    }
+    /* two spellings: ragged (lists keyed empty/non-empty) and per-length */
+    KeyBuf kr, kp;   /* on this frame: a fiber may switch inside the slow path */
+    kr.n = 0; kr.ok = self->ragged_on && kwargs == NULL; kr.nleaves = 0;
+    kp.n = 0; kp.ok = kwargs == NULL; kp.nleaves = 0;
+    kpush(&kr, (uint64_t)(uintptr_t)block); kpush(&kp, (uint64_t)(uintptr_t)block);
+    kpush(&kr, TAG(K_BLOCK, nargs)); kpush(&kp, TAG(K_BLOCK, nargs));
+    int has_list = 0;
+    int32_t lens[64]; int nlens = 0;
+    PyObject *members[MAXLEAVES]; Py_ssize_t nmem = 0;
+    for (Py_ssize_t i = 0; i < nargs && (kr.ok || kp.ok); i++) {
+        PyObject *a = args[i];
+        PyTypeObject *t = Py_TYPE(a);
+        if (t == g_LazyType) {
+            LazyObject *x = (LazyObject *)a;
+            if (x->rec != (PyObject *)self || kp.nleaves >= MAXLEAVES) { kr.ok = kp.ok = 0; break; }
+            uint64_t w = TAG(K_LAZYRG, ((uint64_t)x->did << 1) | lazy_rg(self, x));
+            kr.leaves[kr.nleaves++] = a; kp.leaves[kp.nleaves++] = a;
+            kpush(&kr, w); kpush(&kp, w);
+        } else if (t == &PyList_Type) {
+            Py_ssize_t n = PyList_GET_SIZE(a);
+            has_list = 1;
+            kpush(&kp, TAG(K_LIST, n));
+            int did = -1, rg = -1, uniform = 1;
+            for (Py_ssize_t j = 0; j < n; j++) {
+                PyObject *b = PyList_GET_ITEM(a, j);
+                if (Py_TYPE(b) != g_LazyType || ((LazyObject *)b)->rec != (PyObject *)self || kp.nleaves >= MAXLEAVES) {
+                    kr.ok = kp.ok = 0; break;
+                }
+                LazyObject *x = (LazyObject *)b;
+                int r = lazy_rg(self, x);
+                if (did < 0) { did = x->did; rg = r; }
+                else if (x->did != did || r != rg) uniform = 0;
+                kp.leaves[kp.nleaves++] = b;
+                kpush(&kp, TAG(K_LAZYRG, ((uint64_t)x->did << 1) | r));
+            }
+            if (!kr.ok && !kp.ok) break;
+            if (n == 0) kpush(&kr, TAG(K_RLIST, 0));
+            else if (!uniform || nlens >= 64 || nmem + n > MAXLEAVES) kr.ok = 0;
+            else {
+                kpush(&kr, TAG(K_RLIST, 1)); kpush(&kr, ((uint64_t)did << 1) | rg);
+                lens[nlens++] = (int32_t)n;
+                for (Py_ssize_t j = 0; j < n; j++) members[nmem++] = PyList_GET_ITEM(a, j);
+            }
+        } else {
+            Py_ssize_t before_r = kr.n, before_p = kp.n;
+            KeyBuf *bufs[2] = {&kr, &kp};
+            for (int q = 0; q < 2; q++) {
+                KeyBuf *kb = bufs[q];
+                if (!kb->ok) continue;
+                Py_ssize_t nl = kb->nleaves;
+                encode_arg(kb, self, a, 1);
+                if (kb->nleaves != nl) kb->ok = 0;  /* lazies nested in other containers: slow path */
+            }
+            (void)before_r; (void)before_p;
+        }
+    }
+    if (kr.ok) {
+        if (!has_list || nlens == 0) kr.ok = 0;   /* no non-empty list: the per-length spelling */
+        else {
+            /* length classes: lists with equal lengths share segment ids */
+            int32_t firsts[64]; int nf = 0;
+            kpush(&kr, TAG(K_CLASS, nlens));
+            for (int i = 0; i < nlens; i++) {
+                int c = -1;
+                for (int q = 0; q < nf; q++) if (firsts[q] == lens[i]) { c = q; break; }
+                if (c < 0) { firsts[nf] = lens[i]; c = nf++; }
+                kpush(&kr, (uint64_t)c);
+            }
+            for (Py_ssize_t j = 0; j < nmem; j++) {
+                if (kr.nleaves >= MAXLEAVES) { kr.ok = 0; break; }
+                kr.leaves[kr.nleaves++] = members[j];
+            }
+        }
+    }
+    if (kr.ok || kp.ok) {
+        uint64_t sw;
+        int r = state_word(&sw);
+        if (r < 0) return NULL;
+        if (r > 0) { kr.ok = kp.ok = 0; }
+        else { kpush(&kr, sw); kpush(&kp, sw); }
+    }
+    if (kp.ok && kp.nleaves == 0) kr.ok = kp.ok = 0;
+    if (kr.ok) {
+        SigEntry *e = tab_find(kr.w, kr.n, hash_words(kr.w, kr.n));
+        if (e && e->kind != 3) {
+            Py_ssize_t node = append_node(self, e->sid, e->rg_mask, NULL, 0, kr.leaves, kr.nleaves, lens, nlens);
+            if (node < 0) return NULL;
+            PyObject *out = make_outputs(self, e, node, NULL);
+            if (out && after_append(self) < 0) { Py_DECREF(out); return NULL; }
+            return out;
+        }
+        if (!e) return block_slow(self, block, args, nargs, kwargs, &kr, kp.ok ? &kp : NULL);
+    }
+    if (kp.ok) {
+        SigEntry *e = tab_find(kp.w, kp.n, hash_words(kp.w, kp.n));
+        if (e && e->kind != 3) {
+            Py_ssize_t node = append_node(self, e->sid, e->rg_mask, NULL, 0, kp.leaves, kp.nleaves, NULL, 0);
+            if (node < 0) return NULL;
+            PyObject *out = make_outputs(self, e, node, NULL);
+            if (out && after_append(self) < 0) { Py_DECREF(out); return NULL; }
+            return out;
+        }
+        return block_slow(self, block, args, nargs, kwargs, NULL, &kp);
+    }
+    return block_slow(self, block, args, nargs, kwargs, NULL, NULL);
+}
+
+/* ---- execution support ------------------------------------------------------------------------ */
+static PyObject *rec_take_buckets(RecObject *self, PyObject *noargs) {
+    PyObject *out = PyList_New(self->bk_n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < self->bk_n; i++) {
+        Bucket *b = &self->bk[i];
+        PyObject *nodes = PyList_New(b->nodes.n);
+        if (!nodes) { Py_DECREF(out); return NULL; }
+        for (Py_ssize_t j = 0; j < b->nodes.n; j++) PyList_SET_ITEM(nodes, j, PyLong_FromLong(b->nodes.v[j]));
+        PyObject *item = Py_BuildValue("((iii)N)", b->phase, b->depth, b->sid, nodes);
+        if (!item) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, i, item);
+        PyMem_Free(b->nodes.v);
+    }
+    self->bk_n = 0;
+    if (self->bk_tab) memset(self->bk_tab, 0, self->bk_tab_cap * sizeof(Py_ssize_t));
+    self->n_pending = 0;
+    return out;
+}
+
+static int nodes_from(PyObject *nodes, IVec *out) {
+    PyObject *seq = PySequence_Fast(nodes, "nodes must be a sequence");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    out->v = (int32_t *)PyMem_Malloc((n + 1) * sizeof(int32_t));
+    out->n = n; out->cap = n;
+    if (!out->v) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) out->v[i] = (int32_t)PyLong_AsLong(items[i]);
+    Py_DECREF(seq);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* ensure a pending leaf has a location (Python stacks the leaves of its descriptor) */
+static int ensure_leaf(RecObject *self, Py_ssize_t p) {
+    if (self->loc_buf[p] >= 0) return 0;
+    int did = self->leaf_did.v[self->leaf_idx[p]];
+    PyObject *r = PyObject_CallMethod((PyObject *)self, "materialize_leaves", "i", did);
+    if (!r) return -1;
+    Py_DECREF(r);
+    if (self->loc_buf[p] < 0) { PyErr_SetString(PyExc_RuntimeError, "batchcraft: leaf without location"); return -1; }
+    return 0;
+}
+
+static PyObject *bytes_of(const int64_t *v, Py_ssize_t n) {
+    return PyByteArray_FromStringAndSize((const char *)v, n * (Py_ssize_t)sizeof(int64_t));
+}
+
+/* The plan (see plan.py) for rows rows[i] of buffers bufs[i]. */
+static PyObject *plan_rows(const int32_t *bufs, const int64_t *rows, Py_ssize_t n) {
+    int32_t b0 = bufs[0];
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) if (bufs[i] != b0) break;
+    if (i == n) {
+        int64_t r0 = rows[0];
+        int inorder = rows[n - 1] - r0 == n - 1;
+        for (i = 0; inorder && i < n; i++) if (rows[i] != r0 + i) inorder = 0;
+        if (inorder) return Py_BuildValue("(siLn)", "view", b0, (long long)r0, n);
+        return Py_BuildValue("(siN)", "index", b0, bytes_of(rows, n));
+    }
+    /* several sources: pieces in order of first appearance, then a permutation */
+    int32_t srcs[256]; Py_ssize_t counts[256]; int ns = 0;
+    int32_t *which = (int32_t *)PyMem_Malloc(n * sizeof(int32_t));
+    if (!which) return PyErr_NoMemory();
+    for (i = 0; i < n; i++) {
+        int s = -1;
+        for (int q = 0; q < ns; q++) if (srcs[q] == bufs[i]) { s = q; break; }
+        if (s < 0) {
+            if (ns == 256) { PyMem_Free(which); PyErr_SetString(PyExc_ValueError, "too many sources"); return NULL; }
+            srcs[ns] = bufs[i]; counts[ns] = 0; s = ns++;
+        }
+        which[i] = s; counts[s]++;
+    }
+    int64_t **prow = (int64_t **)PyMem_Malloc(ns * sizeof(int64_t *));
+    Py_ssize_t *fill = (Py_ssize_t *)PyMem_Calloc(ns, sizeof(Py_ssize_t));
+    Py_ssize_t *offs = (Py_ssize_t *)PyMem_Malloc(ns * sizeof(Py_ssize_t));
+    int64_t *perm = (int64_t *)PyMem_Malloc(n * sizeof(int64_t));
+    PyObject *pieces = PyList_New(ns);
+    Py_ssize_t acc = 0;
+    for (int q = 0; q < ns; q++) { prow[q] = (int64_t *)PyMem_Malloc((counts[q] + 1) * sizeof(int64_t)); offs[q] = acc; acc += counts[q]; }
+    int identity = 1;
+    for (i = 0; i < n; i++) {
+        int s = which[i];
+        perm[i] = offs[s] + fill[s];
+        if (perm[i] != i) identity = 0;
+        prow[s][fill[s]++] = rows[i];
+    }
+    for (int q = 0; q < ns; q++) {
+        PyList_SET_ITEM(pieces, q, Py_BuildValue("(iN)", srcs[q], bytes_of(prow[q], counts[q])));
+        PyMem_Free(prow[q]);
+    }
+    PyObject *res = identity ? Py_BuildValue("(sNO)", "multi", pieces, Py_None)
+                             : Py_BuildValue("(sNN)", "multi", pieces, bytes_of(perm, n));
+    PyMem_Free(prow); PyMem_Free(fill); PyMem_Free(offs); PyMem_Free(perm); PyMem_Free(which);
+    return res;
+}
+
+/* plan_group(nodes, n_single, n_ragged) -> list of plans (ragged: (plan, seg bytes, counts bytes)) */
+static PyObject *rec_plan_group(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "plan_group(nodes, n_single, n_ragged)"); return NULL; }
+    IVec nodes;
+    if (nodes_from(args[0], &nodes) < 0) return NULL;
+    Py_ssize_t n = nodes.n;
+    int n_single = (int)PyLong_AsLong(args[1]), n_ragged = (int)PyLong_AsLong(args[2]);
+    PyObject *plans = PyList_New(0);
+    int32_t *bufs = NULL; int64_t *rows = NULL;
+    if (!plans) goto fail;
+    bufs = (int32_t *)PyMem_Malloc((n + 1) * sizeof(int32_t));
+    rows = (int64_t *)PyMem_Malloc((n + 1) * sizeof(int64_t));
+    if (!bufs || !rows) { PyErr_NoMemory(); goto fail; }
+    for (int j = 0; j < n_single; j++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t nd = nodes.v[i];
+            Py_ssize_t q = self->in_start[nd] + j;
+            Py_ssize_t p = self->in_node.v[q];
+            if (self->loc_buf[p] < 0 && ensure_leaf(self, p) < 0) goto fail;
+            bufs[i] = self->loc_buf[p] + self->in_slot.v[q];
+            rows[i] = self->loc_row[p];
+        }
+        PyObject *pl = plan_rows(bufs, rows, n);
+        if (!pl || PyList_Append(plans, pl) < 0) { Py_XDECREF(pl); goto fail; }
+        Py_DECREF(pl);
+    }
+    for (int r = 0; r < n_ragged; r++) {
+        Py_ssize_t total = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int32_t ls = self->lens_start[nodes.v[i]];
+            total += self->lens.v[ls + 1 + r];
+        }
+        int32_t *mb = (int32_t *)PyMem_Malloc((total + 1) * sizeof(int32_t));
+        int64_t *mr = (int64_t *)PyMem_Malloc((total + 1) * sizeof(int64_t));
+        int64_t *seg = (int64_t *)PyMem_Malloc((total + 1) * sizeof(int64_t));
+        int64_t *cnt = (int64_t *)PyMem_Malloc((n + 1) * sizeof(int64_t));
+        if (!mb || !mr || !seg || !cnt) { PyMem_Free(mb); PyMem_Free(mr); PyMem_Free(seg); PyMem_Free(cnt); PyErr_NoMemory(); goto fail; }
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t nd = nodes.v[i];
+            int32_t ls = self->lens_start[nd];
+            Py_ssize_t off = self->in_start[nd] + n_single;
+            for (int q = 0; q < r; q++) off += self->lens.v[ls + 1 + q];
+            int32_t len = self->lens.v[ls + 1 + r];
+            cnt[i] = len;
+            for (int32_t m = 0; m < len; m++) {
+                Py_ssize_t qq = off + m;
+                Py_ssize_t p = self->in_node.v[qq];
+                if (self->loc_buf[p] < 0 && ensure_leaf(self, p) < 0) {
+                    PyMem_Free(mb); PyMem_Free(mr); PyMem_Free(seg); PyMem_Free(cnt); goto fail;
+                }
+                mb[k] = self->loc_buf[p] + self->in_slot.v[qq];
+                mr[k] = self->loc_row[p];
+                seg[k] = i;
+                k++;
+            }
+        }
+        PyObject *pl = plan_rows(mb, mr, total);
+        PyObject *item = pl ? Py_BuildValue("(NNN)", pl, bytes_of(seg, total), bytes_of(cnt, n)) : NULL;
+        PyMem_Free(mb); PyMem_Free(mr); PyMem_Free(seg); PyMem_Free(cnt);
+        if (!item || PyList_Append(plans, item) < 0) { Py_XDECREF(item); goto fail; }
+        Py_DECREF(item);
+    }
+    PyMem_Free(bufs); PyMem_Free(rows); PyMem_Free(nodes.v);
+    return plans;
+fail:
+    PyMem_Free(bufs); PyMem_Free(rows); PyMem_Free(nodes.v);
+    Py_XDECREF(plans);
+    return NULL;
+}
+
+static PyObject *rec_place(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "place(nodes, buf, base)"); return NULL; }
+    IVec nodes;
+    if (nodes_from(args[0], &nodes) < 0) return NULL;
+    int buf = (int)PyLong_AsLong(args[1]);
+    long base = PyLong_AsLong(args[2]);
+    for (Py_ssize_t i = 0; i < nodes.n; i++) {
+        self->loc_buf[nodes.v[i]] = buf;
+        self->loc_row[nodes.v[i]] = (int32_t)(base + i);
+    }
+    PyMem_Free(nodes.v);
+    Py_RETURN_NONE;
+}
+
+/* ---- accessors for the Python slow paths ------------------------------------------------------- */
+static int check_node(RecObject *self, Py_ssize_t nd) {
+    if (nd < 0 || nd >= self->n) { PyErr_Format(PyExc_IndexError, "node %zd out of range", nd); return -1; }
+    return 0;
+}
+
+#define NODE_ARG(name) Py_ssize_t nd = PyLong_AsSsize_t(arg); if (nd == -1 && PyErr_Occurred()) return NULL; \
+    if (check_node(self, nd) < 0) return NULL;
+
+static PyObject *rec_node_sid(RecObject *self, PyObject *arg) { NODE_ARG(); return PyLong_FromLong(self->sid[nd]); }
+static PyObject *rec_node_inst(RecObject *self, PyObject *arg) { NODE_ARG(); return PyLong_FromLong(self->inst[nd]); }
+static PyObject *rec_is_done(RecObject *self, PyObject *arg) { NODE_ARG(); return PyBool_FromLong(self->loc_buf[nd] >= 0); }
+static PyObject *rec_location(RecObject *self, PyObject *arg) {
+    NODE_ARG(); return Py_BuildValue("(ii)", self->loc_buf[nd], self->loc_row[nd]);
+}
+static PyObject *rec_node_inputs(RecObject *self, PyObject *arg) {
+    NODE_ARG();
+    int32_t c = self->in_count[nd];
+    PyObject *t = PyTuple_New(c);
+    if (!t) return NULL;
+    for (int32_t i = 0; i < c; i++) {
+        Py_ssize_t q = self->in_start[nd] + i;
+        PyTuple_SET_ITEM(t, i, Py_BuildValue("(ii)", self->in_node.v[q], self->in_slot.v[q]));
+    }
+    return t;
+}
+static PyObject *rec_node_lens(RecObject *self, PyObject *arg) {
+    NODE_ARG();
+    int32_t ls = self->lens_start[nd];
+    if (ls < 0) Py_RETURN_NONE;
+    int32_t m = self->lens.v[ls];
+    PyObject *t = PyTuple_New(m);
+    for (int32_t i = 0; t && i < m; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLong(self->lens.v[ls + 1 + i]));
+    return t;
+}
+static PyObject *rec_rg_bit(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t nd = PyLong_AsSsize_t(args[0]); int s = (int)PyLong_AsLong(args[1]);
+    if (PyErr_Occurred() || check_node(self, nd) < 0) return NULL;
+    return PyLong_FromLong((long)((self->rgbits[nd] >> s) & 1));
+}
+static PyObject *rec_set_rg_bit(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t nd = PyLong_AsSsize_t(args[0]); int s = (int)PyLong_AsLong(args[1]); int v = PyObject_IsTrue(args[2]);
+    if (PyErr_Occurred() || check_node(self, nd) < 0) return NULL;
+    if (v) self->rgbits[nd] |= (1ull << s); else self->rgbits[nd] &= ~(1ull << s);
+    Py_RETURN_NONE;
+}
+static PyObject *rec_leaf_did(RecObject *self, PyObject *arg) {
+    NODE_ARG();
+    if (self->leaf_idx[nd] < 0) { PyErr_SetString(PyExc_ValueError, "not a leaf"); return NULL; }
+    return PyLong_FromLong(self->leaf_did.v[self->leaf_idx[nd]]);
+}
+static PyObject *rec_leaf_record(RecObject *self, PyObject *arg) {
+    /* [tensor or None, pyvalue or None, did] (a new list; set_leaf writes back) */
+    NODE_ARG();
+    int32_t li = self->leaf_idx[nd];
+    if (li < 0) { PyErr_SetString(PyExc_ValueError, "not a leaf"); return NULL; }
+    return Py_BuildValue("[OOi]", PyList_GET_ITEM(self->leaf_obj, li), PyList_GET_ITEM(self->leaf_py, li),
+                         self->leaf_did.v[li]);
+}
+static PyObject *rec_set_leaf(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "set_leaf(node, tensor, pyvalue)"); return NULL; }
+    Py_ssize_t nd = PyLong_AsSsize_t(args[0]);
+    if (PyErr_Occurred() || check_node(self, nd) < 0) return NULL;
+    int32_t li = self->leaf_idx[nd];
+    if (li < 0) { PyErr_SetString(PyExc_ValueError, "not a leaf"); return NULL; }
+    Py_INCREF(args[1]); PyList_SetItem(self->leaf_obj, li, args[1]);
+    Py_INCREF(args[2]); PyList_SetItem(self->leaf_py, li, args[2]);
+    Py_RETURN_NONE;
+}
+static PyObject *rec_take_pending_leaves(RecObject *self, PyObject *arg) {
+    /* the pending leaf nodes of descriptor `arg` (removed), as a list */
+    PyObject *lst = PyDict_GetItemWithError(self->pending_leaves, arg);
+    if (!lst) { if (PyErr_Occurred()) return NULL; return PyList_New(0); }
+    Py_INCREF(lst);
+    if (PyDict_DelItem(self->pending_leaves, arg) < 0) { Py_DECREF(lst); return NULL; }
+    return lst;
+}
+/* take_scalar_values(did) -> (nodes, values bytearray, is_float) for pending scalar leaves of `did`
+   made by torch.tensor(python scalar), or None when any of them holds a tensor (untouched then) */
+static PyObject *rec_take_scalar_values(RecObject *self, PyObject *arg) {
+    PyObject *lst = PyDict_GetItemWithError(self->pending_leaves, arg);
+    if (!lst) { if (PyErr_Occurred()) return NULL; Py_RETURN_NONE; }
+    Py_ssize_t n = PyList_GET_SIZE(lst);
+    int is_float = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t nd = PyLong_AsSsize_t(PyList_GET_ITEM(lst, i));
+        int32_t li = self->leaf_idx[nd];
+        PyObject *obj = PyList_GET_ITEM(self->leaf_obj, li), *py = PyList_GET_ITEM(self->leaf_py, li);
+        if (obj != Py_None) Py_RETURN_NONE;
+        int f = Py_TYPE(py) == &PyFloat_Type;
+        if (!f && Py_TYPE(py) != &PyLong_Type && Py_TYPE(py) != &PyBool_Type) Py_RETURN_NONE;
+        if (is_float < 0) is_float = f; else if (is_float != f) Py_RETURN_NONE;
+    }
+    PyObject *buf = PyByteArray_FromStringAndSize(NULL, n * 8);
+    if (!buf) return NULL;
+    char *data = PyByteArray_AS_STRING(buf);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t nd = PyLong_AsSsize_t(PyList_GET_ITEM(lst, i));
+        PyObject *py = PyList_GET_ITEM(self->leaf_py, self->leaf_idx[nd]);
+        if (is_float) { double d = PyFloat_AS_DOUBLE(py); memcpy(data + 8 * i, &d, 8); }
+        else {
+            int of = 0;
+            long long v = PyLong_AsLongLongAndOverflow(py, &of);
+            if (of) { Py_DECREF(buf); Py_RETURN_NONE; }
+            memcpy(data + 8 * i, &v, 8);
+        }
+    }
+    Py_INCREF(lst);
+    if (PyDict_DelItem(self->pending_leaves, arg) < 0) { Py_DECREF(lst); Py_DECREF(buf); return NULL; }
+    return Py_BuildValue("(NNO)", lst, buf, is_float ? Py_True : Py_False);
+}
+
+static PyObject *rec_group_instances(RecObject *self, PyObject *arg) {
+    IVec nodes;
+    if (nodes_from(arg, &nodes) < 0) return NULL;
+    PyObject *out = PyList_New(nodes.n);
+    for (Py_ssize_t i = 0; out && i < nodes.n; i++) PyList_SET_ITEM(out, i, PyLong_FromLong(self->inst[nodes.v[i]]));
+    PyMem_Free(nodes.v);
+    return out;
+}
+static PyObject *rec_mode_scalar(RecObject *self, PyObject *v) {
+    PyObject *r = scalar_leaf(self, v, 0);
+    if (!r && !PyErr_Occurred()) Py_RETURN_NONE;
+    return r;
+}
+static PyObject *rec_record_block(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "record_block(block, args, kwargs)"); return NULL; }
+    PyObject *t = PySequence_Tuple(args[1]);
+    if (!t) return NULL;
+    PyObject *kw = args[2] != Py_None && PyDict_GET_SIZE(args[2]) ? args[2] : NULL;
+    PyObject *r = record_block(self, args[0], &PyTuple_GET_ITEM(t, 0), PyTuple_GET_SIZE(t), kw);
+    Py_DECREF(t);
+    return r;
+}
+
+static PyObject *rec_get_max(RecObject *self, void *which) {
+    Py_ssize_t v = which ? self->max_pending : self->max_steps;
+    if (v < 0) Py_RETURN_NONE;
+    return PyLong_FromSsize_t(v);
+}
+static int rec_set_max(RecObject *self, PyObject *value, void *which) {
+    Py_ssize_t v = (value == NULL || value == Py_None) ? -1 : PyLong_AsSsize_t(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (which) self->max_pending = v; else self->max_steps = v;
+    return 0;
+}
+static PyObject *rec_get_dict(RecObject *self, void *closure) {
+    if (!self->dict) { self->dict = PyDict_New(); if (!self->dict) return NULL; }
+    Py_INCREF(self->dict);
+    return self->dict;
+}
+
+static PyGetSetDef rec_getset[] = {
+    {"max_steps", (getter)rec_get_max, (setter)rec_set_max, "per-instance step limit", NULL},
+    {"max_pending", (getter)rec_get_max, (setter)rec_set_max, "pending-node limit", (void *)1},
+    {"__dict__", (getter)rec_get_dict, NULL, NULL, NULL},
+    {NULL}
+};
+
+static PyMemberDef rec_members[] = {
+    {"instance", T_INT, offsetof(RecObject, instance), 0, "instance now recording"},
+    {"phase", T_INT, offsetof(RecObject, rphase), 0, "its phase"},
+    {"inst_steps", T_INT, offsetof(RecObject, inst_steps), 0, "its steps"},
+    {"ops_recorded", T_PYSSIZET, offsetof(RecObject, ops_recorded), 0, "operations recorded"},
+    {"n_pending", T_PYSSIZET, offsetof(RecObject, n_pending), READONLY, "nodes waiting"},
+    {"n_nodes", T_PYSSIZET, offsetof(RecObject, n), READONLY, "nodes recorded (leaves included)"},
+    {"ragged_on", T_INT, offsetof(RecObject, ragged_on), 0, "ragged block keys enabled"},
+    {"runtime", T_OBJECT, offsetof(RecObject, runtime), 0, "owning runtime"},
+    {"views", T_OBJECT, offsetof(RecObject, views), READONLY, "id(base) -> weakrefs of its views"},
+    {"checked_blocks", T_OBJECT, offsetof(RecObject, checked), READONLY, "blocks checked this call"},
+    {NULL}
+};
+
+static PyMethodDef rec_methods[] = {
+    {"record", (PyCFunction)(void (*)(void))rec_record, METH_FASTCALL, "record(func, args, kwargs)"},
+    {"append_desc", (PyCFunction)(void (*)(void))rec_append, METH_FASTCALL, "append_desc(desc, leaves, lens, base)"},
+    {"add_leaf", (PyCFunction)(void (*)(void))rec_add_leaf, METH_FASTCALL, "add_leaf(value, pyvalue, did, rg)"},
+    {"record_block", (PyCFunction)(void (*)(void))rec_record_block, METH_FASTCALL, "record_block(block, args, kwargs)"},
+    {"take_buckets", (PyCFunction)rec_take_buckets, METH_NOARGS, "remove and return the pending buckets"},
+    {"plan_group", (PyCFunction)(void (*)(void))rec_plan_group, METH_FASTCALL, "gather plans of a group"},
+    {"place", (PyCFunction)(void (*)(void))rec_place, METH_FASTCALL, "place(nodes, buf, base)"},
+    {"node_sid", (PyCFunction)rec_node_sid, METH_O, NULL},
+    {"node_inst", (PyCFunction)rec_node_inst, METH_O, NULL},
+    {"node_inputs", (PyCFunction)rec_node_inputs, METH_O, NULL},
+    {"node_lens", (PyCFunction)rec_node_lens, METH_O, NULL},
+    {"is_done", (PyCFunction)rec_is_done, METH_O, NULL},
+    {"location", (PyCFunction)rec_location, METH_O, NULL},
+    {"rg_bit", (PyCFunction)(void (*)(void))rec_rg_bit, METH_FASTCALL, NULL},
+    {"set_rg_bit", (PyCFunction)(void (*)(void))rec_set_rg_bit, METH_FASTCALL, NULL},
+    {"leaf_did", (PyCFunction)rec_leaf_did, METH_O, NULL},
+    {"leaf_record", (PyCFunction)rec_leaf_record, METH_O, NULL},
+    {"set_leaf", (PyCFunction)(void (*)(void))rec_set_leaf, METH_FASTCALL, NULL},
+    {"take_pending_leaves", (PyCFunction)rec_take_pending_leaves, METH_O, NULL},
+    {"group_instances", (PyCFunction)rec_group_instances, METH_O, NULL},
+    {"take_scalar_values", (PyCFunction)rec_take_scalar_values, METH_O, NULL},
+    {"mode_scalar", (PyCFunction)rec_mode_scalar, METH_O, NULL},
+    {NULL}
+};
+
+static PyTypeObject RecorderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._core.Recorder",
+    .tp_basicsize = sizeof(RecObject),
+    .tp_dictoffset = offsetof(RecObject, dict),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The graph of one autobatch call in C arrays, and its recording hot path.",
+    .tp_traverse = (traverseproc)rec_traverse,
+    .tp_clear = (inquiry)rec_clear_refs,
+    .tp_dealloc = (destructor)rec_dealloc,
+    .tp_new = rec_new,
+    .tp_methods = rec_methods,
+    .tp_members = rec_members,
+    .tp_getset = rec_getset,
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* Mode: the recording torch-function mode                                                    */
+/* ------------------------------------------------------------------------------------------ */
+typedef struct { PyObject_HEAD PyObject *recorder; PyObject *dict; } ModeObject;
+
+static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *func = nargs > 0 ? args[0] : NULL;
+    PyObject *fargs = nargs > 2 ? args[2] : NULL;
+    PyObject *fkw = nargs > 3 ? args[3] : NULL;
+    if (kwnames) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+            if (PyUnicode_CompareWithASCIIString(k, "args") == 0) fargs = args[nargs + i];
+            else if (PyUnicode_CompareWithASCIIString(k, "kwargs") == 0) fkw = args[nargs + i];
+        }
+    }
+    if (!func) { PyErr_SetString(PyExc_TypeError, "__torch_function__: missing func"); return NULL; }
+    if (fkw == Py_None || (fkw && PyDict_GET_SIZE(fkw) == 0)) fkw = NULL;
+    PyObject *targs = fargs && fargs != Py_None ? PySequence_Tuple(fargs) : PyTuple_New(0);
+    if (!targs) return NULL;
+    PyObject *rec = current_rec();
+    PyObject *r;
+    if (!rec) {
+        r = PyObject_Call(func, targs, fkw);
+    } else if (PyObject_TypeCheck(rec, &RecorderType)) {
+        Py_ssize_t n = PyTuple_GET_SIZE(targs);
+        if (func == g_torch_tensor && n == 1) {
+            PyObject *v = PyTuple_GET_ITEM(targs, 0);
+            PyTypeObject *t = Py_TYPE(v);
+            int ok = t == &PyLong_Type || t == &PyFloat_Type || t == &PyBool_Type, forced = 0;
+            if (ok && fkw) {
+                /* torch.tensor(v, device=cpu or None, dtype=int64 | bool | a float dtype) */
+                Py_ssize_t pos = 0; PyObject *k, *val;
+                while (ok && PyDict_Next(fkw, &pos, &k, &val)) {
+                    if (PyUnicode_CompareWithASCIIString(k, "device") == 0) {
+                        if (val != Py_None) {
+                            int eq = PyObject_RichCompareBool(val, g_cpu_device, Py_EQ);
+                            if (eq < 0) { PyErr_Clear(); ok = 0; } else if (!eq) ok = 0;
+                        }
+                    } else if (PyUnicode_CompareWithASCIIString(k, "dtype") == 0) {
+                        if (val != Py_None) {
+                            PyObject *d = PyDict_GetItemWithError(g_scalar_dids, val);
+                            if (!d) { PyErr_Clear(); ok = 0; }
+                            else forced = (int)PyLong_AsLong(d);
+                        }
+                    } else ok = 0;
+                }
+            }
+            if (ok) {
+                r = scalar_leaf((RecObject *)rec, v, forced);
+                if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
+            }
+        }
+        r = rec_record_impl(rec, func, &PyTuple_GET_ITEM(targs, 0), n, fkw);
+    } else {
+        PyObject *kw = fkw ? fkw : PyDict_New();
+        r = kw ? PyObject_CallMethodObjArgs(rec, s_mode_call, func, targs, kw, NULL) : NULL;
+        if (!fkw) Py_XDECREF(kw);
+    }
+    Py_DECREF(targs);
+    return r;
+}
+
+static int require_setup(void) {
+    if (!g_ready) { PyErr_SetString(PyExc_RuntimeError, "batchcraft C core used before setup() (import ccore)"); return -1; }
+    return 0;
+}
+
+static PyObject *mode_enter(ModeObject *self, PyObject *noargs) {
+    if (require_setup() < 0) return NULL;
+    PyObject *r = PyObject_CallOneArg(g_tf_push, (PyObject *)self);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_INCREF(self);
+    return (PyObject *)self;
+}
+
+static PyObject *mode_exit(ModeObject *self, PyObject *args) {
+    if (require_setup() < 0) return NULL;
+    PyObject *r = PyObject_CallNoArgs(g_tf_pop);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_FALSE;
+}
+
+static int mode_init(ModeObject *self, PyObject *args, PyObject *kw) {
+    PyObject *rec = Py_None;
+    if (!PyArg_ParseTuple(args, "|O", &rec)) return -1;
+    Py_INCREF(rec);
+    Py_XSETREF(self->recorder, rec);
+    return 0;
+}
+
+static int mode_traverse(ModeObject *self, visitproc visit, void *arg) { Py_VISIT(self->recorder); Py_VISIT(self->dict); return 0; }
+static int mode_clear(ModeObject *self) { Py_CLEAR(self->recorder); Py_CLEAR(self->dict); return 0; }
+static void mode_dealloc(ModeObject *self) { PyObject_GC_UnTrack(self); mode_clear(self); Py_TYPE(self)->tp_free((PyObject *)self); }
+
+static PyMethodDef mode_methods[] = {
+    {"__torch_function__", (PyCFunction)(void (*)(void))mode_torch_function, METH_FASTCALL | METH_KEYWORDS,
+     "Send a torch call of instance code to the active recorder."},
+    {"__enter__", (PyCFunction)mode_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)mode_exit, METH_VARARGS, NULL},
+    {NULL}
+};
+static PyMemberDef mode_members[] = {{"recorder", T_OBJECT, offsetof(ModeObject, recorder), 0, NULL}, {NULL}};
+
+static PyTypeObject ModeType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._core.Mode",
+    .tp_basicsize = sizeof(ModeObject),
+    .tp_dictoffset = offsetof(ModeObject, dict),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The recording torch-function mode (C).",
+    .tp_traverse = (traverseproc)mode_traverse,
+    .tp_clear = (inquiry)mode_clear,
+    .tp_dealloc = (destructor)mode_dealloc,
+    .tp_init = (initproc)mode_init,
+    .tp_new = PyType_GenericNew,
+    .tp_methods = mode_methods,
+    .tp_members = mode_members,
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* BlockCall: __call__ of static blocks and static-block modules                               */
+/* ------------------------------------------------------------------------------------------ */
+typedef struct { PyObject_HEAD vectorcallfunc vectorcall; } BlockCallObject;
+
+static PyObject *blockcall_vectorcall(BlockCallObject *bc, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) { PyErr_SetString(PyExc_TypeError, "block call needs self"); return NULL; }
+    PyObject *self = args[0];
+    PyObject *block;
+    if (PyObject_TypeCheck(self, (PyTypeObject *)g_StaticBlock)) { block = self; Py_INCREF(block); }
+    else {
+        PyObject *d = PyObject_GenericGetDict(self, NULL);
+        if (!d) return NULL;
+        block = PyDict_GetItemWithError(d, s_batchcraft_block);
+        Py_XINCREF(block);
+        Py_DECREF(d);
+        if (!block) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "static block module without its block");
+            return NULL;
+        }
+    }
+    PyObject *rec = current_rec();
+    PyObject *r;
+    if (!rec) {
+        PyObject *fn = PyObject_GetAttr(block, s_fn);
+        r = fn ? PyObject_Vectorcall(fn, args + 1, (nargs - 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, kwnames) : NULL;
+        Py_XDECREF(fn);
+    } else if (PyObject_TypeCheck(rec, &RecorderType)) {
+        PyObject *kw = NULL;
+        if (kwnames && PyTuple_GET_SIZE(kwnames)) { kw = kwnames_to_dict(args, nargs, kwnames); if (!kw) { Py_DECREF(block); return NULL; } }
+        r = record_block((RecObject *)rec, block, args + 1, nargs - 1, kw);
+        Py_XDECREF(kw);
+    } else {
+        PyObject *t = PyTuple_New(nargs - 1);
+        for (Py_ssize_t i = 1; t && i < nargs; i++) { Py_INCREF(args[i]); PyTuple_SET_ITEM(t, i - 1, args[i]); }
+        PyObject *kw = (kwnames && PyTuple_GET_SIZE(kwnames)) ? kwnames_to_dict(args, nargs, kwnames) : PyDict_New();
+        r = (t && kw) ? PyObject_CallMethod(block, "record_in", "OOO", rec, t, kw) : NULL;
+        Py_XDECREF(t); Py_XDECREF(kw);
+    }
+    Py_DECREF(block);
+    return r;
+}
+
+static PyObject *blockcall_get(PyObject *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None) { Py_INCREF(self); return self; }
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *blockcall_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    BlockCallObject *self = (BlockCallObject *)type->tp_alloc(type, 0);
+    if (self) self->vectorcall = (vectorcallfunc)blockcall_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyTypeObject BlockCallType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._core.BlockCall",
+    .tp_basicsize = sizeof(BlockCallObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(BlockCallObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = blockcall_get,
+    .tp_new = blockcall_new,
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* module                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+static PyObject *py_setup(PyObject *m, PyObject *args) {
+    PyObject *d;
+    if (!PyArg_ParseTuple(args, "O!", &PyDict_Type, &d)) return NULL;
+#define GET(var, key) do { PyObject *o_ = PyDict_GetItemString(d, key); \
+    if (!o_) { PyErr_Format(PyExc_KeyError, "setup: missing %s", key); return NULL; } Py_INCREF(o_); Py_XSETREF(var, o_); } while (0)
+    GET(g_TensorType, "Tensor"); GET(g_DtypeType, "dtype"); GET(g_torch_tensor, "tensor");
+    GET(g_is_grad, "is_grad_enabled"); GET(g_any_autocast, "any_autocast"); GET(g_is_inference, "is_inference");
+    GET(g_tf_push, "tf_push"); GET(g_tf_pop, "tf_pop"); GET(g_get_default_dtype, "get_default_dtype");
+    GET(g_rebuild, "rebuild"); GET(g_escape, "escape"); GET(g_StaticBlock, "StaticBlock"); GET(g_float_dids, "float_dids");
+    GET(g_scalar_dids, "scalar_dids"); GET(g_cpu_device, "cpu_device");
+    PyObject *o = PyDict_GetItemString(d, "int_did");
+    g_int_did = o ? (int)PyLong_AsLong(o) : 0;
+    o = PyDict_GetItemString(d, "bool_did");
+    g_bool_did = o ? (int)PyLong_AsLong(o) : 0;
+    g_ready = 1;
+    Py_RETURN_NONE;
+#undef GET
+}
+
+static PyObject *py_setup_lazy(PyObject *m, PyObject *args) {
+    PyObject *cls, *methods, *inplace;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &cls, &PyDict_Type, &methods, &PyDict_Type, &inplace)) return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)cls, &LazyBaseType)) { PyErr_SetString(PyExc_TypeError, "not a LazyBase subclass"); return NULL; }
+    Py_INCREF(cls);
+    g_LazyType = (PyTypeObject *)cls;
+    for (int i = 0; i < OP_COUNT; i++) {
+        PyObject *f = PyDict_GetItemString(methods, op_names[i]);
+        if (!f) f = PyDict_GetItemString(inplace, op_names[i]);
+        if (!f) { PyErr_Format(PyExc_KeyError, "setup_lazy: missing %s", op_names[i]); return NULL; }
+        Py_INCREF(f);
+        Py_XSETREF(op_funcs[i], f);
+    }
+    Py_ssize_t pos = 0; PyObject *k, *v;
+    while (PyDict_Next(methods, &pos, &k, &v)) {
+        const char *name = PyUnicode_AsUTF8(k);
+        if (!name || (name[0] == '_' && name[1] == '_')) continue;
+        PyObject *desc = PyObject_CallFunction((PyObject *)&LazyMethodType, "Oi", v, 0);
+        if (!desc || PyObject_SetAttr(cls, k, desc) < 0) { Py_XDECREF(desc); return NULL; }
+        Py_DECREF(desc);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_clear_signatures(PyObject *m, PyObject *noargs) {
+    tab_clear();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_table_size(PyObject *m, PyObject *noargs) { return PyLong_FromSsize_t(g_tab_n); }
+
+static PyMethodDef module_methods[] = {
+    {"current", py_current, METH_NOARGS, "The innermost active recorder of this thread, or None."},
+    {"push", py_push, METH_O, "Make a recorder (or None) the active one of this thread."},
+    {"pop", py_pop, METH_NOARGS, "Undo the last push of this thread."},
+    {"setup", py_setup, METH_VARARGS, "Give the core the torch objects it needs."},
+    {"setup_lazy", py_setup_lazy, METH_VARARGS, "setup_lazy(LazyTensor, methods, inplace)"},
+    {"clear_signatures", py_clear_signatures, METH_NOARGS, "Forget every fast signature entry."},
+    {"table_size", py_table_size, METH_NOARGS, "Entries in the fast signature table."},
+    {NULL}
+};
+
+static struct PyModuleDef coremodule = {PyModuleDef_HEAD_INIT, "_core",
+    "batchcraft's C recording core (see ccore.py).", -1, module_methods};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    if (PyThread_tss_create(&g_tss) != 0) return NULL;
+    if (PyType_Ready(&LazyBaseType) < 0 || PyType_Ready(&LazyMethodType) < 0 || PyType_Ready(&RecorderType) < 0
+        || PyType_Ready(&ModeType) < 0 || PyType_Ready(&BlockCallType) < 0) return NULL;
+#define INTERN(var, s) do { var = PyUnicode_InternFromString(s); if (!var) return NULL; } while (0)
+    INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
+    INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
+    INTERN(s_pending_limit, "pending_limit"); INTERN(s_step_limit, "step_limit"); INTERN(s_inplace, "inplace");
+    INTERN(s_mode_call, "mode_call"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
+    INTERN(s_batchcraft_block, "_batchcraft_block"); INTERN(s_fn, "fn"); INTERN(s_register_view, "register_view");
+    PyObject *m = PyModule_Create(&coremodule);
+    if (!m) return NULL;
+    Py_INCREF(&LazyBaseType); PyModule_AddObject(m, "LazyBase", (PyObject *)&LazyBaseType);
+    Py_INCREF(&LazyMethodType); PyModule_AddObject(m, "LazyMethod", (PyObject *)&LazyMethodType);
+    Py_INCREF(&RecorderType); PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType);
+    Py_INCREF(&ModeType); PyModule_AddObject(m, "Mode", (PyObject *)&ModeType);
+    Py_INCREF(&BlockCallType); PyModule_AddObject(m, "BlockCall", (PyObject *)&BlockCallType);
+    return m;
+}

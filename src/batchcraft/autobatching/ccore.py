@@ -1,0 +1,135 @@
+"""The C recording core: :class:`CRecorder` = the C graph (``_core.Recorder``) + the shared slow paths.
+
+The C part (``_core.c``) records lazy operators and methods, ``__torch_function__`` calls,
+factory calls seen by its mode (``torch.tensor(word_id)``) and static-block calls without a
+Python frame per operation, and plans gathers without per-node Python. Everything it does not
+know (a signature seen for the first time, unusual arguments, autocast, errors) comes here:
+:class:`~batchcraft.autobatching.recorder.RecorderBase` is shared with the Python core, and the
+signature then found is registered with the C table so the next call of the same spelling stays
+in C. The Python core remains the reference the fuzzer compares this one against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchcraft.autobatching import _native
+from batchcraft.autobatching.descs import DESCS, desc_id
+from batchcraft.autobatching.gather import stack_leaves
+from batchcraft.autobatching.recorder import RecorderBase, scalar_spec
+from batchcraft.autobatching.signature import SIGNATURES, rebuild
+from batchcraft.errors import AutobatchError
+
+_c = _native.core
+
+
+def _escape(func):
+    raise AutobatchError(
+        f"a lazy value was used outside batchcraft.autobatch (in {getattr(func, '__name__', func)})",
+        hint="return lazy values from the per-instance function; they come back as tensors")
+
+
+def _setup() -> None:
+    from batchcraft.autobatching.blocks import StaticBlock
+
+    float_dids = {dt: desc_id(((), dt, torch.device("cpu")))
+                  for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+    _c.setup(dict(
+        Tensor=torch._C.TensorBase, dtype=torch.dtype, tensor=torch.tensor, is_grad_enabled=torch.is_grad_enabled,
+        any_autocast=getattr(torch._C, "_is_any_autocast_enabled", lambda: torch.is_autocast_enabled()),
+        is_inference=torch.is_inference_mode_enabled, tf_push=torch._C._push_on_torch_function_stack,
+        tf_pop=torch._C._pop_torch_function_stack, get_default_dtype=torch.get_default_dtype, rebuild=rebuild,
+        escape=_escape, StaticBlock=StaticBlock, float_dids=float_dids,
+        int_did=desc_id(((), torch.int64, torch.device("cpu"))), cpu_device=torch.device("cpu"),
+        # torch.tensor(python scalar, dtype=...) made in C: dtypes that hold any Python scalar as
+        # eager would (narrow integer dtypes can overflow: they take the Python path, which raises)
+        scalar_dids={dt: desc_id(((), dt, torch.device("cpu")))
+                     for dt in (torch.int64, torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64)},
+        bool_did=desc_id(((), torch.bool, torch.device("cpu")))))
+    SIGNATURES.on_clear(_c.clear_signatures)
+
+
+_setup()
+
+
+class CRecorder(_c.Recorder, RecorderBase):
+    """The recorder of one call with the graph in C arrays (see the module docstring)."""
+
+    core = "c"
+
+    def __init__(self, runtime, options):
+        self.setup(runtime, options)
+        self.ragged_on = 1 if options.ragged else 0
+        self.leaf_cache: dict = {}
+        self.mode = _c.Mode(self)
+
+    # -- signatures into the C table ---------------------------------------------------------------
+    def _sig_entry(self, info):
+        """What the C table keeps of a SigInfo (None: outputs without tensors are not cached)."""
+        if info.n_out == 0:
+            return None
+        desc = info.stats_key
+        if desc is None:
+            kind = 0 if info.single else (1 if info.flat_tuple else 2)
+            desc = info.stats_key = (kind, info.sid, info.out_dids, info.rg_mask, tuple(info.rg_dep), int(info.view),
+                                     int(bool(info.ragged)), info.out_struct)
+        return desc
+
+    def append(self, info, leaves, lens):
+        return self.append_desc(self._sig_entry(info), leaves, lens, leaves[0] if info.view else None)
+
+    # -- leaves --------------------------------------------------------------------------------------
+    def leaf_value(self, node):
+        rec = self.leaf_record(node)
+        if rec[0] is None:
+            dtype, dev, _ = scalar_spec(rec[1], DESCS[rec[2]][1], DESCS[rec[2]][2])
+            with torch._C.DisableTorchFunction():
+                t = torch.tensor(rec[1], dtype=dtype, device=dev)
+            self.set_leaf(node, t, rec[1])
+            return t
+        return rec[0]
+
+    def leaf_set_requires_grad(self, node, value: bool) -> None:
+        t = self.leaf_value(node)
+        t.requires_grad_(value)
+        self.set_leaf(node, t, None)  # a scalar leaf now batches by stacking (keeps autograd)
+        self.set_rg_bit(node, 0, t.requires_grad)
+
+    def materialize_leaves(self, did: int) -> None:
+        """Give every pending leaf with descriptor ``did`` a row of one new buffer."""
+        shape, dtype, device = DESCS[did]
+        if not shape:
+            scalars = self.take_scalar_values(did)  # torch.tensor(python scalar) leaves: one buffer from C
+            if scalars is not None:
+                nodes, values, is_float = scalars
+                t = torch.frombuffer(values, dtype=torch.float64 if is_float else torch.int64)
+                if t.dtype != dtype or device.type != "cpu":
+                    t = t.to(device=device, dtype=dtype)
+                buf = len(self.buffers)
+                self.buffers.append(t)
+                self.place(nodes, buf, 0)
+                return
+        nodes = self.take_pending_leaves(did)
+        if not nodes:
+            return
+        records = [self.leaf_record(nd) for nd in nodes]
+        t = stack_leaves(records, DESCS[did], self.leaf_value, nodes)
+        buf = len(self.buffers)
+        self.buffers.append(t)
+        self.place(nodes, buf, 0)
+
+    def mode_call(self, func, args, kwargs):
+        return RecorderBase.mode_call(self, func, args, kwargs)
+
+    def scalar_leaf(self, v, dtype=None, device=None):
+        if dtype is None and device is None:
+            out = self.mode_scalar(v)
+            if out is not None:
+                return out
+        return RecorderBase.scalar_leaf(self, v, dtype, device)
+
+    def group_lens(self, nodes):
+        return [self.node_lens(nd) for nd in nodes]
+
+
+__all__ = ["CRecorder"]
