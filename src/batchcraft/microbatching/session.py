@@ -11,7 +11,8 @@ One :class:`PlanningSession` per planned model holds the :class:`~batchcraft.mic
   lookup: nothing is measured.
 * a planned layer called with an input it has no plan for (the layer called by itself, or a
   shape the probe did not predict): that layer alone is planned (WR: under the limit; WD: under
-  what the other layers of the current input's plan leave of the budget).
+  what the other layers of the most recent model input's plan leave of the budget, the whole
+  budget if there was none).
 
 Planning runs under a forked random state with buffers and train/eval flags restored, so it
 never changes the model's values, buffers or the caller's random stream. Under
