@@ -59,11 +59,10 @@ def _steps_timer(slow_if_divided: float, undivided_ms: float, default_ms: float,
 
 
 @pytest.fixture(autouse=True)
-def _no_recheck(request, monkeypatch):
+def _no_recheck(monkeypatch):
     # these tests fake the clock to test which variant is kept; the fake times contradict the (faked)
-    # per-layer times on purpose, which the disagreement check (tested on its own below) would act on
-    if "recheck" not in request.keywords:
-        monkeypatch.setattr(verify_mod, "disagreement", lambda *a, **k: None)
+    # per-layer times on purpose, which the disagreement check (test_trust.py) would act on
+    monkeypatch.setattr(verify_mod, "disagreement", lambda *a, **k: None)
 
 
 def _plan(model, cache, limit="64MiB", **kw):

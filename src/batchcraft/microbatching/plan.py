@@ -337,7 +337,7 @@ class Plan:
         parts = []
         for i in self.inputs:
             head = (f"input {i.key.describe()} ({i.origin}; {i.measured} configurations measured, "
-                    f"{len(i.layers)} layers)")
+                    f"{len(i.layers)} layer{'s' if len(i.layers) != 1 else ''})")
             body = i.table(markdown=markdown)
             tail = [f"note: {n}" for n in i.notes]
             parts.append("\n".join([head, body] + tail) if len(self.inputs) > 1 or i.notes else

@@ -37,6 +37,7 @@ from torch import nn
 
 from batchcraft.errors import WorkspaceError
 from batchcraft.microbatching import verify as _verify
+from batchcraft.microbatching.budget import format_bytes
 from batchcraft.microbatching.layer import PlannedConv2d
 from batchcraft.microbatching.plan import InputPlan, Plan
 from batchcraft.microbatching.planner import (LayerPass, Measurers, Settings, assemble, layer_passes, measure,
@@ -67,6 +68,8 @@ class PlanningSession:
 
     # --- installing ---
     def _ensure_module(self, name: str, module: nn.Module) -> PlannedConv2d:
+        if name in self.modules:
+            return self.modules[name]
         if isinstance(module, PlannedConv2d):
             module.session = self
             self.modules[name] = module
@@ -176,7 +179,7 @@ class PlanningSession:
             excluded["default"] = "PyTorch's default was not measured for every layer-pass"
         elif not self.settings.policy.admits(ws, self.settings.limit):
             need = self.settings.policy.network_workspace(ws)
-            excluded["default"] = (f"PyTorch's default needs {need} bytes under policy "
+            excluded["default"] = (f"PyTorch's default needs {format_bytes(need)} ({need} bytes) under policy "
                                    f"'{self.settings.policy.name}', over the budget")
         return {k: v for k, v in variants.items() if k not in excluded}, excluded
 
