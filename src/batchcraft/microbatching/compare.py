@@ -9,7 +9,7 @@ plan, the undivided one and the default where the budget admits it, see ``plan.v
 The timed rounds here are a second, independent measurement of that choice.
 They are timed in interleaved rounds (one call of each per round, the first one rotating, so
 bursts of load on a shared machine hit all three alike); the median per variant is reported. Peak workspace is measured on
-a separate, untimed run under :class:`~batchcraft.microbatching.function.WorkspaceAudit`.
+a separate, untimed run under :class:`~batchcraft.microbatching.execute.WorkspaceAudit`.
 """
 
 from __future__ import annotations
