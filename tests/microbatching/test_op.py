@@ -79,3 +79,21 @@ def test_state_dict_keys_and_parameters_stay_the_original_models(tmp_path):
     fresh = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
     fresh.load_state_dict(planned.state_dict())  # loads into the plain model, and back
     planned.load_state_dict(fresh.state_dict())
+
+
+@pytest.mark.parametrize("algorithm", ["default", "im2col", "unfold_matmul", "fft", "winograd_2x2_3x3",
+                                       "onednn_channels_last"])
+def test_outputs_are_not_views_so_in_place_layers_may_follow(algorithm):
+    # unfold_matmul's result is a .view() of its matmul: returned as is, relu_ after it raised
+    # "Output 0 of GeneratedBackwardFor_batchcraft_planned_conv2d_default is a view and is being modified inplace"
+    steps = {p: [(algorithm, 4)] for p in ("forward", "backward_data")}
+    steps["backward_filter"] = [("unfold_matmul" if algorithm == "winograd_2x2_3x3" else algorithm, 4)]
+    x = torch.randn(4, 3, 8, 8, requires_grad=True)
+    w = torch.randn(5, 3, 3, 3, requires_grad=True)
+    y = planned_conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1, "c", encode_steps(steps))
+    assert y._base is None
+    torch.relu_(y).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.relu_(torch.nn.functional.conv2d(x2, w2, padding=1)).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-4, atol=1e-4)

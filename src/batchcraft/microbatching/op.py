@@ -74,6 +74,12 @@ def _plain_default(steps, n: int) -> bool:
     return len(steps) == 1 and steps[0][0] == "default" and steps[0][1] >= n
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy if it is a view (of an algorithm's temporary): autograd forbids in-place use
+    (``relu_`` after a convolution) of a custom op's output that is a view."""
+    return t if t._base is None else t.clone()
+
+
 @torch.library.custom_op("batchcraft::planned_conv2d", mutates_args=())
 def planned_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
                    padding: list[int], dilation: list[int], groups: int, layer: str, plan: str) -> torch.Tensor:
@@ -85,7 +91,7 @@ def planned_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         return audited(layer, "forward", lambda: torch.ops.aten.convolution(
             x, weight, bias, list(g.stride), list(g.padding), list(g.dilation), False, [0, 0], g.groups))
     xc, wc = x.contiguous(), weight.contiguous()
-    y = audited(layer, "forward", lambda: execute_pass("forward", steps, xc, wc, g))
+    y = _own(audited(layer, "forward", lambda: execute_pass("forward", steps, xc, wc, g)))
     if bias is not None:
         y = y.add_(bias.view(1, -1, 1, 1))
     return y
@@ -123,10 +129,10 @@ def planned_conv2d_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     dx = dw = db = None
     if need_x:
         wc = weight.contiguous()
-        dx = audited(layer, "backward_data", lambda: execute_pass("backward_data", data, dy, wc, g))
+        dx = _own(audited(layer, "backward_data", lambda: execute_pass("backward_data", data, dy, wc, g)))
     if need_w:
         xc = x.contiguous()
-        dw = audited(layer, "backward_filter", lambda: execute_pass("backward_filter", filt, dy, xc, g))
+        dw = _own(audited(layer, "backward_filter", lambda: execute_pass("backward_filter", filt, dy, xc, g)))
     if need_b:
         db = dy.sum((0, 2, 3))
     return (empty.clone() if dx is None else dx, empty.clone() if dw is None else dw,
