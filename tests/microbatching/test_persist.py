@@ -123,3 +123,19 @@ def test_remeasure_ignores_the_cache(tmp_path):
     assert refreshed.plan.measured == first.plan.measured
     monkey = _planned("refresh", verify=False, confirm=False)  # the user's cache, refreshed
     assert monkey.plan.measured == first.plan.measured
+
+
+def test_a_planned_model_pickles_and_copies(tmp_path):
+    import copy
+    import io
+
+    model = _planned(MeasurementCache(tmp_path / "c.sqlite"), verify=False)
+    buf = io.BytesIO()
+    torch.save(model, buf)  # the whole module: session, plan, hooks; the cache reopens by path
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        model.eval(), other.eval()
+        with torch.no_grad():
+            assert torch.equal(other(_x()), model(_x()))
+            other(_x((2, 3, 9, 9)))  # plans in the copy only
+        assert len(other.plan.inputs) == 2 and len(model.plan.inputs) == 1
