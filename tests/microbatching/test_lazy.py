@@ -1,7 +1,5 @@
 """Planning on first sight: new spatial sizes, batch sizes, dtypes; same values, within budget, measured once."""
 
-import copy
-
 import pytest
 import torch
 from torch import nn

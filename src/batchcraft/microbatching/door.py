@@ -57,7 +57,9 @@ def microbatch(model: nn.Module, example_input: torch.Tensor, workspace_limit="6
     The returned model plans every new input on first sight: an input of another spatial size,
     batch size, dtype (float32, float64, bfloat16, float16 where the device has kernels) or device
     is planned under the same budget and policy when first seen (``model.plan.inputs`` lists
-    them); an input already planned measures nothing. ``torch.compile(model)`` and
+    them); an input already planned measures nothing. Planning a new input costs what planning
+    the example did (measuring what the cache lacks, then the verification's whole-model rounds,
+    inside that forward call): a short last batch of an epoch pauses once. ``torch.compile(model)`` and
     ``torch.export.export(model, (x,))`` work (each planned convolution is the custom operator
     ``batchcraft::planned_conv2d``); export needs ``x``'s shape planned already.
 

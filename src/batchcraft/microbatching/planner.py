@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from batchcraft.errors import ConfigurationError, WorkspaceError
+from batchcraft.errors import ConfigurationError
 from batchcraft.measure.progress import progress_bar
 from batchcraft.microbatching.algorithms import PASSES, ConvGeometry, algorithms_for, get_algorithm, unsupported_algorithms
 from batchcraft.microbatching.budget import parse_budget
