@@ -29,7 +29,7 @@ from batchcraft.measure import format_table, machine_info
 from batchcraft.microbatching.budget import parse_budget
 from batchcraft.microbatching.cuda import available, measure_configs
 from batchcraft.microbatching.optimize_wr import candidate_sizes, optimize_wr
-from batchcraft.microbatching.planner import find_convolutions
+from batchcraft.microbatching.probe import find_convolutions
 
 
 def _time_cuda(fn, repeats=10) -> float:
@@ -78,7 +78,8 @@ def main(argv=None) -> int:
         x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=dev)
         convs, _ = find_convolutions(model, x)
         sizes = candidate_sizes(args.batch_size, "powerOfTwo")
-        for lname, _, geom, _ in convs:
+        for call in convs:
+            lname, geom = call.name, call.geometry
             for p in ("forward", "backward_data", "backward_filter"):
                 key = (geom, p)
                 if key not in measured:

@@ -23,12 +23,12 @@ def geometries(draw):
     return ConvGeometry(c, o, (k, kw), stride, pad, dil, groups, h, w), draw(st.integers(1, 5))
 
 
-def _reference(geom, n, seed):
+def _reference(geom, n, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(geom.input_shape(n), generator=g, requires_grad=True)
-    w = torch.randn(geom.weight_shape(), generator=g, requires_grad=True)
+    x = torch.randn(geom.input_shape(n), generator=g).to(dtype).requires_grad_()
+    w = torch.randn(geom.weight_shape(), generator=g).to(dtype).requires_grad_()
     y = F.conv2d(x, w, None, geom.stride, geom.padding, geom.dilation, geom.groups)
-    dy = torch.randn(y.shape, generator=g)
+    dy = torch.randn(y.shape, generator=g).to(dtype)
     y.backward(dy)
     return x.detach(), w.detach(), y.detach(), dy, x.grad, w.grad
 
@@ -81,3 +81,37 @@ def test_geometry_key_distinguishes_hyperparameters():
     a = ConvGeometry(8, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1, 12, 12)
     b = ConvGeometry(8, 8, (3, 3), (1, 1), (1, 1), (2, 2), 1, 12, 12)
     assert a.key() != b.key() and len(set(ALGORITHMS)) == len(ALGORITHMS)
+
+
+_DTYPE_TOL = {torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 4e-3}  # normwise, vs float64 truth
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(geometries(), st.integers(0, 2 ** 16), st.sampled_from(sorted(_DTYPE_TOL, key=str)))
+def test_every_algorithm_that_claims_a_dtype_computes_in_it(case, seed, dtype):
+    geom, n = case
+    x, w, y, dy, dx, dw = _reference(geom, n, seed, torch.float64)
+    truth = {"forward": y, "backward_data": dx, "backward_filter": dw}
+    args = {"forward": (x, w), "backward_data": (dy, w), "backward_filter": (dy, x)}
+    for pass_ in PASSES:
+        for algo in algorithms_for(geom, pass_, n, dtype):
+            got = algo.run(pass_, *(t.detach().to(dtype) for t in args[pass_]), geom)
+            assert got.dtype == dtype, (algo.name, pass_)
+            ref = truth[pass_]
+            err = float((got.double() - ref).abs().max())
+            assert err <= _DTYPE_TOL[dtype] * max(1.0, float(ref.abs().max())), (algo.name, pass_, dtype, err)
+
+
+def test_algorithms_that_cannot_run_a_dtype_say_why():
+    from batchcraft.microbatching.algorithms import unsupported_algorithms
+
+    f64 = unsupported_algorithms(PASSES, torch.float64)
+    assert "cannot run forward in float64" in f64["nnpack forward"]  # found by trying the kernel
+    assert "onednn_nchw forward" in f64 and "fft forward" not in f64
+    bf16 = unsupported_algorithms(PASSES, torch.bfloat16)
+    assert "Unsupported dtype BFloat16" in bf16["fft backward_filter"]
+    assert "16 bits" in bf16["winograd_2x2_3x3 forward"]  # declared: numerically unsafe
+    assert unsupported_algorithms(PASSES, torch.float32) == {}
+    geom = ConvGeometry(8, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1, 12, 12)
+    names = {a.name for a in algorithms_for(geom, "forward", 4, torch.bfloat16)}
+    assert "fft" not in names and "default" in names and "im2col" in names

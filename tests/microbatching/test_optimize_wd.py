@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchcraft.microbatching.optimize_wd import optimize_wd, pareto_front
-from batchcraft.microbatching.optimize_wr import Config, PassChoice
+from batchcraft.microbatching.types import Config, PassChoice
 
 
 def _choice(ms, ws, name="a"):

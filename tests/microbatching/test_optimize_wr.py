@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchcraft.microbatching.optimize_wr import Config, candidate_sizes, optimize_wr
+from batchcraft.microbatching.optimize_wr import candidate_sizes, optimize_wr
+from batchcraft.microbatching.types import Config
 
 
 def _table(rows):

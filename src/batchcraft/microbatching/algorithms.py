@@ -13,6 +13,12 @@ They differ in time and in temporary memory (workspace), which is what μ-cuDNN 
 ``workspace_bytes`` states each algorithm's own estimate; the planner uses the *measured* peak
 (see :mod:`batchcraft.microbatching.measure`).
 
+Element types: an algorithm declares the floating dtypes it is written for (``dtypes``) and, for
+each (pass, dtype, device), a tiny call is tried once per process: an algorithm whose kernels
+are missing there (NNPACK other than float32, ``torch.fft`` in 16 bits, oneDNN in float64) says why
+(:meth:`ConvAlgorithm.unsupported_reason`) and is skipped. Results keep the input's dtype;
+backward-filter partial sums of 16-bit micro-batches are accumulated in float32.
+
 Source: μ-cuDNN (Oyama et al., arXiv 1804.04806), §II (algorithms and workspace); Lavin & Gray,
 "Fast Algorithms for Convolutional Neural Networks" (arXiv 1509.09308) for Winograd F(2x2, 3x3).
 """
@@ -24,10 +30,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PASSES", "ConvGeometry", "ConvAlgorithm", "ALGORITHMS", "get_algorithm", "algorithms_for"]
+__all__ = ["PASSES", "FLOATING_DTYPES", "ConvGeometry", "ConvAlgorithm", "ALGORITHMS", "get_algorithm",
+           "algorithms_for", "unsupported_algorithms", "accumulator_dtype"]
 
 PASSES = ("forward", "backward_data", "backward_filter")
+FLOATING_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _F32 = 4
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype in which dW partial sums over micro-batches are added (float32 for 16-bit types)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 @dataclass(frozen=True)
@@ -93,13 +106,25 @@ class ConvAlgorithm:
 
     name = "abstract"
     passes: tuple[str, ...] = PASSES
-    dtypes = (torch.float32,)
+    dtypes: tuple[torch.dtype, ...] = FLOATING_DTYPES
+    dtype_note = ""  # why the dtypes missing from ``dtypes`` are not offered
 
-    def supports(self, geom: ConvGeometry, pass_: str, n: int, dtype: torch.dtype) -> bool:
-        """Whether this algorithm can run ``pass_`` of ``geom`` at micro-batch ``n``."""
-        return pass_ in self.passes and dtype in self.dtypes and self._supports(geom, n)
+    def supports(self, geom: ConvGeometry, pass_: str, n: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> bool:
+        """Whether this algorithm can run ``pass_`` of ``geom`` at micro-batch ``n`` in ``dtype`` on ``device``."""
+        return (pass_ in self.passes and self.unsupported_reason(pass_, dtype, device) is None
+                and self._supports(geom, n, dtype))
 
-    def _supports(self, geom: ConvGeometry, n: int) -> bool:
+    def unsupported_reason(self, pass_: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
+        """None if ``pass_`` runs in ``dtype`` on ``device``, else why not (declared, or the kernel's error)."""
+        if pass_ not in self.passes:
+            return f"{self.name} does not implement {pass_}"
+        if dtype not in self.dtypes:
+            return f"{self.name} is not offered for {str(dtype).replace('torch.', '')}" + (
+                f": {self.dtype_note}" if self.dtype_note else "")
+        return _kernel_probe(self, pass_, dtype, str(torch.device(device)))
+
+    def _supports(self, geom: ConvGeometry, n: int, dtype: torch.dtype = torch.float32) -> bool:
         return geom.groups == 1
 
     def workspace_bytes(self, geom: ConvGeometry, pass_: str, n: int) -> int:
@@ -131,15 +156,22 @@ def _conv_backward(dy, x, w, geom, mask):
     return dx if mask[0] else dw
 
 
-def _meta_input(geom: ConvGeometry, n: int, memory_format=torch.contiguous_format):
-    # Uninitialised tensors cost nothing until touched; used only for backend selection.
-    return torch.empty(geom.input_shape(n), memory_format=memory_format)
+def _meta_input(geom: ConvGeometry, n: int, like: torch.Tensor | None = None, memory_format=torch.contiguous_format):
+    # Uninitialised, of the dtype and device of ``like``: convolution_backward reads only its shape
+    # and format (a float32 stand-in made ATen pick float32 kernels for float64 inputs).
+    opts = {} if like is None else dict(dtype=like.dtype, device=like.device)
+    return torch.empty(geom.input_shape(n), memory_format=memory_format, **opts)
 
 
-def selected_backend(geom: ConvGeometry, n: int, memory_format=torch.contiguous_format) -> str:
+def _meta_weight(geom: ConvGeometry, like: torch.Tensor, memory_format=torch.contiguous_format):
+    return torch.empty(geom.weight_shape(), dtype=like.dtype, device=like.device).contiguous(memory_format=memory_format)
+
+
+def selected_backend(geom: ConvGeometry, n: int, memory_format=torch.contiguous_format,
+                     dtype: torch.dtype = torch.float32) -> str:
     """Name of the backend PyTorch picks for this geometry at batch ``n`` (e.g. ``"Mkldnn"``)."""
-    x = _meta_input(geom, n, memory_format)
-    w = torch.empty(geom.weight_shape()).contiguous(memory_format=memory_format)
+    x = torch.empty(geom.input_shape(n), memory_format=memory_format, dtype=dtype)
+    w = torch.empty(geom.weight_shape(), dtype=dtype).contiguous(memory_format=memory_format)
     b = torch._C._select_conv_backend(x, w, None, list(geom.stride), list(geom.padding), list(geom.dilation),
                                       False, [0, 0], geom.groups)
     return str(b).rsplit(".", 1)[-1]
@@ -149,9 +181,8 @@ class DefaultAlgorithm(ConvAlgorithm):
     """PyTorch's own choice (``torch._C._select_conv_backend``): what plain ``Conv2d`` runs."""
 
     name = "default"
-    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-    def _supports(self, geom, n):
+    def _supports(self, geom, n, dtype=torch.float32):
         return True
 
     def forward(self, x, w, geom):
@@ -160,11 +191,11 @@ class DefaultAlgorithm(ConvAlgorithm):
 
     def backward_data(self, dy, w, geom):
         # convolution_backward needs an input tensor only for its shape and format.
-        x = _meta_input(geom, dy.shape[0])
+        x = _meta_input(geom, dy.shape[0], dy)
         return _conv_backward(dy, x, w, geom, [True, False, False])
 
     def backward_filter(self, dy, x, geom):
-        return _conv_backward(dy, x, torch.empty(geom.weight_shape(), dtype=x.dtype), geom, [False, True, False])
+        return _conv_backward(dy, x, _meta_weight(geom, x), geom, [False, True, False])
 
 
 class OneDNNAlgorithm(ConvAlgorithm):
@@ -177,8 +208,8 @@ class OneDNNAlgorithm(ConvAlgorithm):
     name = "onednn_nchw"
     passes = ("forward",)
 
-    def _supports(self, geom, n):
-        return torch.backends.mkldnn.is_available() and selected_backend(geom, n) != "Mkldnn"
+    def _supports(self, geom, n, dtype=torch.float32):
+        return torch.backends.mkldnn.is_available() and selected_backend(geom, n, dtype=dtype) != "Mkldnn"
 
     def workspace_bytes(self, geom, pass_, n):
         return _F32 * geom.out_channels * geom.in_channels * geom.kernel[0] * geom.kernel[1]  # weight reorder
@@ -193,7 +224,7 @@ class ChannelsLastAlgorithm(ConvAlgorithm):
 
     name = "onednn_channels_last"
 
-    def _supports(self, geom, n):
+    def _supports(self, geom, n, dtype=torch.float32):
         return torch.backends.mkldnn.is_available()
 
     def workspace_bytes(self, geom, pass_, n):
@@ -209,13 +240,13 @@ class ChannelsLastAlgorithm(ConvAlgorithm):
 
     def backward_data(self, dy, w, geom):
         cl = torch.channels_last
-        x = _meta_input(geom, dy.shape[0], cl)
+        x = _meta_input(geom, dy.shape[0], dy, cl)
         return _conv_backward(dy.contiguous(memory_format=cl), x, w.contiguous(memory_format=cl), geom,
                               [True, False, False]).contiguous()
 
     def backward_filter(self, dy, x, geom):
         cl = torch.channels_last
-        w = torch.empty(geom.weight_shape(), dtype=x.dtype).contiguous(memory_format=cl)
+        w = _meta_weight(geom, x, cl)
         return _conv_backward(dy.contiguous(memory_format=cl), x.contiguous(memory_format=cl), w, geom,
                               [False, True, False]).contiguous()
 
@@ -226,7 +257,7 @@ class NNPACKAlgorithm(ConvAlgorithm):
     name = "nnpack"
     passes = ("forward",)
 
-    def _supports(self, geom, n):
+    def _supports(self, geom, n, dtype=torch.float32):
         # NNPACK rejects padding >= kernel ("unsupported padding") and kernels above 16
         return (geom.groups == 1 and geom.dilation == (1, 1) and max(geom.kernel) <= 16
                 and all(p < k for p, k in zip(geom.padding, geom.kernel)) and torch._nnpack_available())
@@ -243,7 +274,7 @@ class Slow2dAlgorithm(ConvAlgorithm):
 
     name = "im2col"
 
-    def _supports(self, geom, n):
+    def _supports(self, geom, n, dtype=torch.float32):
         return geom.groups == 1 and geom.dilation == (1, 1)
 
     def workspace_bytes(self, geom, pass_, n):
@@ -255,12 +286,12 @@ class Slow2dAlgorithm(ConvAlgorithm):
                                                    list(geom.padding))
 
     def backward_data(self, dy, w, geom):
-        x = _meta_input(geom, dy.shape[0])
+        x = _meta_input(geom, dy.shape[0], dy)
         return torch.ops.aten._slow_conv2d_backward.output_mask(
             dy, x, w, list(geom.kernel), list(geom.stride), list(geom.padding), [True, False, False])[0]
 
     def backward_filter(self, dy, x, geom):
-        w = torch.empty(geom.weight_shape(), dtype=x.dtype)
+        w = _meta_weight(geom, x)
         return torch.ops.aten._slow_conv2d_backward.output_mask(
             dy, x, w, list(geom.kernel), list(geom.stride), list(geom.padding), [False, True, False])[1]
 
@@ -269,7 +300,6 @@ class UnfoldMatmulAlgorithm(ConvAlgorithm):
     """im2col written as ``F.unfold`` + one batched matmul (whole micro-batch of columns at once)."""
 
     name = "unfold_matmul"
-    dtypes = (torch.float32, torch.float64)
 
     def workspace_bytes(self, geom, pass_, n):
         ho, wo = geom.output_hw
@@ -311,9 +341,8 @@ class FFTAlgorithm(ConvAlgorithm):
     """
 
     name = "fft"
-    dtypes = (torch.float32, torch.float64)
 
-    def _supports(self, geom, n):
+    def _supports(self, geom, n, dtype=torch.float32):
         return geom.groups == 1 and geom.stride == (1, 1) and geom.dilation == (1, 1)
 
     def _size(self, geom):
@@ -384,8 +413,9 @@ class WinogradAlgorithm(ConvAlgorithm):
     name = "winograd_2x2_3x3"
     passes = ("forward", "backward_data")
     dtypes = (torch.float32, torch.float64)
+    dtype_note = "its tile transforms would round in 16 bits (error about twice the default's)"
 
-    def _supports(self, geom, n):
+    def _supports(self, geom, n, dtype=torch.float32):
         return (geom.groups == 1 and geom.kernel == (3, 3) and geom.stride == (1, 1)
                 and geom.dilation == (1, 1) and max(geom.padding) <= 2)
 
@@ -410,6 +440,28 @@ ALGORITHMS: dict[str, ConvAlgorithm] = {a.name: a for a in (
     UnfoldMatmulAlgorithm(), FFTAlgorithm(), WinogradAlgorithm())}
 
 
+_PROBE_GEOM = ConvGeometry(2, 2, (3, 3), (1, 1), (1, 1), (1, 1), 1, 5, 5)
+_PROBES: dict[tuple[str, str, torch.dtype, str], str | None] = {}
+
+
+def _kernel_probe(algo: ConvAlgorithm, pass_: str, dtype: torch.dtype, device: str) -> str | None:
+    """Try ``pass_`` once on a tiny geometry in ``dtype`` on ``device`` (cached): None, or the error."""
+    key = (algo.name, pass_, dtype, device)
+    if key not in _PROBES:
+        g = _PROBE_GEOM
+        opts = dict(dtype=dtype, device=device)
+        try:
+            x, w, dy = (torch.ones(s, **opts) for s in (g.input_shape(1), g.weight_shape(), g.output_shape(1)))
+            r = algo.run(pass_, *{"forward": (x, w), "backward_data": (dy, w), "backward_filter": (dy, x)}[pass_], g)
+            if r.dtype != dtype or tuple(r.shape) != g.result_shape(pass_, 1):
+                raise RuntimeError(f"returned {r.dtype} {tuple(r.shape)}")
+            _PROBES[key] = None
+        except Exception as exc:  # any failure means: no kernel for this dtype/device here
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            _PROBES[key] = f"{algo.name} cannot run {pass_} in {str(dtype).replace('torch.', '')} on {device}: {first}"
+    return _PROBES[key]
+
+
 def get_algorithm(name: str) -> ConvAlgorithm:
     """The registered algorithm ``name``; KeyError lists the known ones."""
     try:
@@ -419,7 +471,21 @@ def get_algorithm(name: str) -> ConvAlgorithm:
 
 
 def algorithms_for(geom: ConvGeometry, pass_: str, n: int, dtype: torch.dtype,
-                   names: tuple[str, ...] | None = None) -> list[ConvAlgorithm]:
-    """Algorithms that can run ``pass_`` of ``geom`` at micro-batch ``n`` (``default`` always can)."""
+                   names: tuple[str, ...] | None = None, device: torch.device | str = "cpu") -> list[ConvAlgorithm]:
+    """Algorithms that can run ``pass_`` of ``geom`` at micro-batch ``n`` in ``dtype`` on ``device``."""
     pool = ALGORITHMS.values() if names is None else [get_algorithm(k) for k in names]
-    return [a for a in pool if a.supports(geom, pass_, n, dtype)]
+    return [a for a in pool if a.supports(geom, pass_, n, dtype, device)]
+
+
+def unsupported_algorithms(passes, dtype: torch.dtype, device: torch.device | str = "cpu",
+                           names: tuple[str, ...] | None = None) -> dict[str, str]:
+    """{"algorithm pass": why it cannot run} for the algorithms skipped in ``dtype`` on ``device``."""
+    pool = ALGORITHMS.values() if names is None else [get_algorithm(k) for k in names]
+    out = {}
+    for a in pool:
+        for p in passes:
+            if p in a.passes:
+                why = a.unsupported_reason(p, dtype, device)
+                if why is not None:
+                    out[f"{a.name} {p}"] = why
+    return out

@@ -2,7 +2,9 @@
 
 One row per measured configuration, keyed by everything that changes the numbers: layer
 geometry, pass, micro-batch size, whether the micro-batch is a step of a divided batch, dtype,
-algorithm, device name, torch version and intra-op thread count. The schema version is part of
+algorithm, device name, torch version and intra-op thread count. Each row keeps the spread of
+its timed calls, so a time measured while the machine was busy can be recognised and measured
+again (:class:`~batchcraft.microbatching.measure.Measurer`). The schema version is part of
 the table name, so an old file is simply ignored by a newer batchcraft. The file runs in WAL
 mode with a busy timeout, so two processes can plan at once; a file that SQLite cannot read is
 moved aside (``<name>.corrupt-<time>``) and rebuilt, with a warning, never an exception.
@@ -23,7 +25,7 @@ from batchcraft.errors import MeasurementCacheError
 
 __all__ = ["SCHEMA_VERSION", "MeasurementKey", "MeasurementRecord", "MeasurementCache", "default_cache_path"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: spread column
 _TABLE = f"measurements_v{SCHEMA_VERSION}"
 _KEY_COLUMNS = ("device", "torch_version", "threads", "dtype", "geometry", "pass", "algorithm",
                 "micro_batch", "divided")
@@ -64,11 +66,13 @@ class MeasurementRecord:
         time_samples (int): timed calls behind ``time_ms``.
         workspace_bytes (int): measured peak extra bytes of one call, the result excluded when
             it is the layer's own output (undivided), included when it is a temporary.
+        spread (float): (median - min) / min of the last round of timed calls (0 for one call).
     """
 
     time_ms: float | None
     time_samples: int
     workspace_bytes: int
+    spread: float = 0.0
 
 
 class MeasurementCache:
@@ -136,7 +140,7 @@ class MeasurementCache:
                 + ", ".join(f"{c} {'INTEGER' if c in ('threads', 'micro_batch', 'divided') else 'TEXT'} NOT NULL"
                             for c in _KEY_COLUMNS)
                 + ", time_ms REAL, time_samples INTEGER NOT NULL, workspace_bytes INTEGER NOT NULL,"
-                " created_at REAL NOT NULL, PRIMARY KEY (" + ", ".join(_KEY_COLUMNS) + "))")
+                " spread REAL NOT NULL DEFAULT 0, created_at REAL NOT NULL, PRIMARY KEY (" + ", ".join(_KEY_COLUMNS) + "))")
         except BaseException:
             conn.close()
             raise
@@ -171,22 +175,34 @@ class MeasurementCache:
     def get(self, key: MeasurementKey) -> MeasurementRecord | None:
         """The stored record for ``key``, or None."""
         where = " AND ".join(f"{c} = ?" for c in _KEY_COLUMNS)
-        row = self._execute(f"SELECT time_ms, time_samples, workspace_bytes FROM {_TABLE} WHERE {where}",
+        row = self._execute(f"SELECT time_ms, time_samples, workspace_bytes, spread FROM {_TABLE} WHERE {where}",
                             key.values()).fetchone()
-        return None if row is None else MeasurementRecord(row[0], int(row[1]), int(row[2]))
+        return None if row is None else MeasurementRecord(row[0], int(row[1]), int(row[2]), float(row[3]))
 
     def put(self, key: MeasurementKey, record: MeasurementRecord) -> None:
         """Store ``record`` under ``key`` (replacing an older one), committed at once."""
-        cols = _KEY_COLUMNS + ("time_ms", "time_samples", "workspace_bytes", "created_at")
+        cols = _KEY_COLUMNS + ("time_ms", "time_samples", "workspace_bytes", "spread", "created_at")
         self._execute(
             f"INSERT OR REPLACE INTO {_TABLE} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-            key.values() + (record.time_ms, record.time_samples, int(record.workspace_bytes), time.time()))
+            key.values() + (record.time_ms, record.time_samples, int(record.workspace_bytes), float(record.spread),
+                            time.time()))
 
     def __len__(self) -> int:
         return int(self._conn.execute(f"SELECT COUNT(*) FROM {_TABLE}").fetchone()[0])
 
     def close(self) -> None:
         self._conn.close()
+
+    def __deepcopy__(self, memo):
+        # a cache is a shared resource (an open file): copies of a planned model share it
+        return self
+
+    def __getstate__(self):
+        # pickling a planned model: keep the path, reopen on load (an in-memory cache starts empty)
+        return {"path": self.path, "timeout_s": self.timeout_s}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"], timeout_s=state["timeout_s"])
 
     def __enter__(self):
         return self

@@ -9,7 +9,7 @@ plan, the undivided one and the default where the budget admits it, see ``plan.v
 The timed rounds here are a second, independent measurement of that choice.
 They are timed in interleaved rounds (one call of each per round, the first one rotating, so
 bursts of load on a shared machine hit all three alike); the median per variant is reported. Peak workspace is measured on
-a separate, untimed run under :class:`~batchcraft.microbatching.function.WorkspaceAudit`.
+a separate, untimed run under :class:`~batchcraft.microbatching.execute.WorkspaceAudit`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import time
 import torch
 from torch import nn
 
-from batchcraft.microbatching.function import WorkspaceAudit
-from batchcraft.microbatching.planner import install_plan, microbatch
+from batchcraft.microbatching.door import microbatch
+from batchcraft.microbatching.execute import WorkspaceAudit
+from batchcraft.microbatching.policies import get_policy
 
 __all__ = ["compare", "example_input_for"]
 
@@ -37,11 +38,9 @@ def example_input_for(model: nn.Module, batch_size: int, image_size: int | None 
 
 
 def _default_admitted(plan) -> bool:
-    """Whether PyTorch's default, undivided, fits the budget (WR: every layer-pass; WD: their sum)."""
-    ws = [pp.default_workspace_bytes for _, _, pp in plan.pass_plans()]
-    if any(w is None for w in ws):
-        return False
-    return (sum(ws) if plan.policy == "wd" else max(ws, default=0)) <= plan.workspace_limit_bytes
+    """Whether PyTorch's default, undivided, fits the budget under the plan's policy."""
+    return get_policy(plan.policy).admits([pp.default_workspace_bytes for _, _, pp in plan.pass_plans()],
+                                          plan.workspace_limit_bytes)
 
 
 def _step(model: nn.Module, x: torch.Tensor, training: bool):
@@ -57,7 +56,7 @@ def _step(model: nn.Module, x: torch.Tensor, training: bool):
 def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, policy: str = "wr",
             batch_sizes: str = "powerOfTwo", training: bool = True, repeats: int = 5, cache=None,
             algorithms=None, progress: bool = True, audit: bool = True, verify: bool = True,
-            verify_repeats: int = 5) -> dict:
+            verify_repeats: int = 5, plan=None, on_mismatch: str = "refuse", remeasure: bool = False) -> dict:
     """Plan ``model`` under ``workspace_limit`` and time it against the two baselines.
 
     Args:
@@ -68,6 +67,7 @@ def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, p
         repeats (int): interleaved timed rounds. Default: 5.
         verify (bool): passed to :func:`microbatch` (end-to-end verification while planning). Default: True.
         verify_repeats (int): its timed rounds. Default: 5.
+        plan, on_mismatch, remeasure: passed to :func:`microbatch` (re-apply a saved plan; measure again).
     Returns:
         dict: ``plan`` (Plan.to_dict()), ``plan_obj``, ``times_ms`` {variant: median},
         ``iqr_ms``, ``speedup_vs_default``, ``speedup_vs_undivided``, ``peak_workspace_bytes``
@@ -78,18 +78,21 @@ def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, p
     passes = "training" if training else "inference"
     planned = microbatch(copy.deepcopy(model), example_input, workspace_limit, batch_sizes=batch_sizes,
                          policy=policy, passes=passes, cache=cache, algorithms=algorithms, progress=progress,
-                         verify=verify, verify_repeats=verify_repeats)
+                         verify=verify, verify_repeats=verify_repeats, plan=plan, on_mismatch=on_mismatch,
+                         remeasure=remeasure)
     plan = planned.plan
+    training = any(p != "forward" for p in plan.passes)  # a re-applied plan decides
     undivided, undivided_error = None, None
     missing = [(name, p) for name, p, pp in plan.pass_plans() if pp.undivided_choice is None]
     if missing:
-        undivided_error = (f"no undivided algorithm fits workspace_limit={workspace_limit} for layer "
+        undivided_error = (f"no undivided algorithm fits workspace_limit={plan.workspace_limit_bytes} bytes for layer "
                            f"{missing[0][0]} ({missing[0][1]})" + (f" and {len(missing) - 1} more layer-passes"
                                                                     if len(missing) > 1 else ""))
     else:
-        copied = copy.deepcopy(model)
-        convs = [(layer.name, copied.get_submodule(layer.name)) for layer in plan.layers]
-        undivided, _ = install_plan(copied, plan, convs, which="undivided")
+        undivided = copy.deepcopy(planned)  # same weights' values; its session shares the cache
+        for layer in undivided.plan.layers:
+            module = undivided if layer.name == "" else undivided.get_submodule(layer.name)
+            module.set_steps(layer.key, {p: pp.undivided_choice.step_list() for p, pp in layer.passes.items()})
     variants = {"default": model, "undivided": undivided, "planned": planned}
     variants = {k: v for k, v in variants.items() if v is not None}
     modes = {k: {m: m.training for m in v.modules()} for k, v in variants.items()}
@@ -130,7 +133,7 @@ def compare(model: nn.Module, example_input: torch.Tensor, workspace_limit, *, p
     iqr = {k: (statistics.quantiles(t, n=4)[2] - statistics.quantiles(t, n=4)[0]) if len(t) >= 4 else max(t) - min(t)
            for k, t in times.items()}
     return {
-        "policy": policy, "batch_sizes": batch_sizes, "training": training,
+        "policy": plan.policy, "batch_sizes": plan.batch_sizes, "training": training,
         "workspace_limit_bytes": plan.workspace_limit_bytes, "batch_size": plan.batch_size,
         "times_ms": med, "iqr_ms": iqr, "repeats": max(1, repeats),
         "speedup_vs_default": med["default"] / med["planned"],

@@ -5,7 +5,7 @@ build a cuDNN frontend graph (``conv_fprop``, ``conv_dgrad`` or ``conv_wgrad``),
 heuristics rank its execution plans, build all of them, and read each plan's workspace
 (``get_workspace_size_plan_at_index``); a plan is run with ``execute_plan_at_index`` on torch
 tensors. :func:`measure_configs` times every plan with CUDA events and returns
-:class:`~batchcraft.microbatching.optimize_wr.Config` rows (algorithm ``"cudnn:<index>"``), the
+:class:`~batchcraft.microbatching.types.Config` rows (algorithm ``"cudnn:<index>"``), the
 same tables the CPU planner feeds to the WR / WD optimisers.
 
 Nothing here is imported unless CUDA is used; without a GPU or without the package,
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from batchcraft.microbatching.algorithms import ConvGeometry
-from batchcraft.microbatching.optimize_wr import Config
+from batchcraft.microbatching.types import Config
 
 __all__ = ["available", "CudnnConvGraph", "measure_configs"]
 

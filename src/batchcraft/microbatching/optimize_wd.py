@@ -17,7 +17,8 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from batchcraft.microbatching.optimize_wr import Config, PassChoice, optimize_wr
+from batchcraft.microbatching.optimize_wr import optimize_wr
+from batchcraft.microbatching.types import Config, PassChoice
 
 __all__ = ["pareto_front", "optimize_wd"]
 

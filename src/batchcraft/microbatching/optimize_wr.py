@@ -15,39 +15,11 @@ Source: μ-cuDNN (Oyama et al., arXiv 1804.04806) §III-B, "WR" policy, Eq. (1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-__all__ = ["Config", "PassChoice", "candidate_sizes", "optimize_wr", "best_single"]
+from batchcraft.microbatching.types import Config, PassChoice
 
-
-@dataclass(frozen=True)
-class Config:
-    """One measured way to run one micro-batch: algorithm, size, time (ms), workspace (bytes)."""
-
-    algorithm: str
-    micro_batch: int
-    time_ms: float
-    workspace_bytes: int
-
-
-@dataclass(frozen=True)
-class PassChoice:
-    """A division of one layer-pass: steps run in order; time adds, workspace is the max."""
-
-    steps: tuple[Config, ...]
-
-    @property
-    def time_ms(self) -> float:
-        return sum(c.time_ms for c in self.steps)
-
-    @property
-    def workspace_bytes(self) -> int:
-        return max((c.workspace_bytes for c in self.steps), default=0)
-
-    @property
-    def micro_batches(self) -> tuple[int, ...]:
-        return tuple(c.micro_batch for c in self.steps)
+__all__ = ["candidate_sizes", "optimize_wr", "best_single", "smallest_feasible"]
 
 
 def candidate_sizes(batch_size: int, batch_sizes: str) -> list[int]:
@@ -98,3 +70,12 @@ def optimize_wr(table: Mapping[int, Sequence[Config]], batch_size: int, limit_by
         steps.append(best[pick[b]])
         b -= pick[b]
     return PassChoice(tuple(sorted(steps, key=lambda c: -c.micro_batch)))
+
+
+def smallest_feasible(table: Mapping[int, Sequence[Config]], batch_size: int) -> int | None:
+    """Smallest limit under which some division of ``batch_size`` exists (times ignored), or None."""
+    flat = {s: [Config(c.algorithm, c.micro_batch, 1.0, c.workspace_bytes) for c in cs] for s, cs in table.items()}
+    for m in sorted({c.workspace_bytes for cs in flat.values() for c in cs}):
+        if optimize_wr(flat, batch_size, m) is not None:
+            return m
+    return None

@@ -50,12 +50,16 @@ from torch import nn
 
 from batchcraft.errors import ConfigurationError
 
-__all__ = ["VARIANTS", "Verification", "verify_plan", "wall_clock_ms"]
+__all__ = ["VARIANTS", "Verification", "verify_plan", "wall_clock_ms", "disagreement", "DISAGREEMENT_TOLERANCE"]
 
 VARIANTS = ("default", "undivided", "planned")  # simplest first: the order ties are broken in
 TOLERANCE = 0.01  # relative: the least lead over a simpler variant that counts (see _choose)
-
-Steps = Mapping[str, Mapping[str, list[tuple[str, int]]]]  # layer -> pass -> [(algorithm, micro_batch)]
+# relative to the slower whole-model time: how far measured and predicted differences between two
+# variants may differ before the cached per-layer times are called into question (see disagreement).
+# Not smaller: predictions are sums of per-pass minima, whole-model times are medians, and the
+# default runs both backward passes as one fused call (cheaper than its two separate measurements);
+# at 10% small test models (a few ms) were flagged for a 0.4-0.7 ms miss.
+DISAGREEMENT_TOLERANCE = 0.25
 
 
 @dataclass
@@ -91,6 +95,12 @@ class Verification:
         """Measured time of ``baseline`` / time of the kept variant (None if not timed)."""
         t = self.times_ms.get(baseline)
         return None if t is None else t / self.times_ms[self.kept]
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Verification":
+        return cls(str(d["kept"]), dict(d["times_ms"]), dict(d["iqr_ms"]), int(d["repeats"]), str(d["mode"]),
+                   dict(d.get("identical", {})), dict(d.get("excluded", {})), float(d.get("tolerance", TOLERANCE)),
+                   dict(d.get("margins", {})), {k: list(v) for k, v in d.get("samples_ms", {}).items()})
 
     def to_dict(self) -> dict:
         return {"kept": self.kept, "times_ms": dict(self.times_ms), "iqr_ms": dict(self.iqr_ms),
@@ -163,19 +173,19 @@ def _choose(timed: list[str], med: dict, iqr: dict, n: int, tolerance: float) ->
     return kept, margins
 
 
-def verify_plan(model: nn.Module, example_input: torch.Tensor, planned_modules: Mapping[str, nn.Module],
-                variants: Mapping[str, Steps], *, training: bool, repeats: int = 5,
+def verify_plan(model: nn.Module, example_input: torch.Tensor, install: Callable[[str], None],
+                variants: Mapping[str, object], *, training: bool, repeats: int = 5,
                 tolerance: float = TOLERANCE, timer: Callable[[str, Callable[[], object]], float] = wall_clock_ms,
                 excluded: Mapping[str, str] | None = None, progress: bool = False) -> Verification:
-    """Race ``variants`` on the whole model; install the kept one in ``planned_modules`` and return it.
+    """Race ``variants`` on the whole model; install the kept one and return it.
 
     Args:
         model (nn.Module): the model whose ``Conv2d`` are already :class:`PlannedConv2d`.
         example_input (Tensor of shape (N, C, H, W)): the batch the plan was made for.
-        planned_modules (dict[str, PlannedConv2d]): layer name -> its planned module.
-        variants (dict[str, dict[str, dict[str, list]]]): variant name (of :data:`VARIANTS`) ->
-            layer name -> pass -> steps [(algorithm, micro_batch), ...]. Every variant must be
-            within the budget: the caller only passes admissible ones.
+        install (callable(variant name)): makes the planned layers run that variant's steps.
+        variants (dict[str, object]): variant name (of :data:`VARIANTS`) -> its steps (any value
+            comparable with ``==``: equal values are timed once). Every variant must be within
+            the budget: the caller only passes admissible ones.
         training (bool): forward + backward (model in its own modes) if True, else an eval-mode
             forward under ``no_grad``.
         repeats (int): interleaved timed rounds (>= 1) after one untimed call per variant. Default: 5.
@@ -198,10 +208,6 @@ def verify_plan(model: nn.Module, example_input: torch.Tensor, planned_modules: 
         else:
             identical[v] = twin
     timed = list(distinct)
-
-    def install(v):
-        for name, module in planned_modules.items():
-            module.steps = dict(variants[v][name])
 
     modes = {m: m.training for m in model.modules()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -241,3 +247,36 @@ def verify_plan(model: nn.Module, example_input: torch.Tensor, planned_modules: 
     install(kept)
     return Verification(kept, med, iqr, max(1, int(repeats)), "training" if training else "inference",
                         identical, dict(excluded or {}), tolerance, margins, times)
+
+
+def disagreement(v: Verification, predicted_ms: Mapping[str, float],
+                 tolerance: float = DISAGREEMENT_TOLERANCE) -> str | None:
+    """Why the whole-model times contradict the per-layer predictions, or None if they agree within noise.
+
+    The whole model also runs layers that are not planned, so a variant's measured time is its
+    predicted convolution time plus a part common to every variant. Two variants' measured
+    difference must therefore match their predicted difference; it may miss by two standard
+    errors of the measured difference (from the rounds' IQRs) or by ``tolerance`` of the slower
+    whole-model time, whichever is larger. A larger miss means some cached per-layer time is
+    not what the layer costs now (e.g. measured while the machine was busy).
+
+    Args:
+        v (Verification): the whole-model race.
+        predicted_ms (dict[str, float]): variant -> sum of its predicted per-layer-pass times, ms.
+    """
+    names = [k for k in VARIANTS if k in v.times_ms and k not in v.identical and k in predicted_ms]
+    worst = None
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            measured = v.times_ms[a] - v.times_ms[b]
+            predicted = predicted_ms[a] - predicted_ms[b]
+            se = [1.2533 * (v.iqr_ms[k] / 1.349) / max(1, v.repeats) ** 0.5 for k in (a, b)]
+            allowed = max(2.0 * (se[0] ** 2 + se[1] ** 2) ** 0.5, tolerance * max(v.times_ms[a], v.times_ms[b]))
+            miss = abs(measured - predicted)
+            if miss > allowed and (worst is None or miss - allowed > worst[0]):
+                worst = (miss - allowed, a, b, measured, predicted, allowed)
+    if worst is None:
+        return None
+    _, a, b, measured, predicted, allowed = worst
+    return (f"the whole-model check disagrees with the cached per-layer times: {a} minus {b} was predicted "
+            f"{predicted:+.1f} ms, measured {measured:+.1f} ms (allowed ±{allowed:.1f} ms)")

@@ -1,4 +1,5 @@
-"""A planned Conv2d equals nn.Conv2d: values, dX, dW, db, for random geometries, divisions and batches."""
+"""A planned Conv2d equals nn.Conv2d: values, dX, dW, db, for random geometries, divisions and batches.
+Micro-batched passes write disjoint slices and accumulate dW; the workspace audit sees real peaks."""
 
 import pytest
 import torch
@@ -8,7 +9,9 @@ from torch import nn
 
 from batchcraft.errors import WorkspaceError
 from batchcraft.microbatching.algorithms import PASSES, ConvGeometry, algorithms_for
-from batchcraft.microbatching.function import PlannedConv2d, WorkspaceAudit, execute_pass
+from batchcraft.microbatching.execute import WorkspaceAudit, execute_pass
+from batchcraft.microbatching.layer import PlannedConv2d
+from batchcraft.microbatching.types import InputKey
 
 
 @st.composite
@@ -42,7 +45,9 @@ def planned_layers(draw):
 def test_planned_layer_equals_conv2d(case, seed):
     conv, geom, steps, n = case
     torch.manual_seed(seed)
-    planned = PlannedConv2d(conv, "layer", geom, steps)
+    # steps planned for `batch`, installed for a run of n samples: repeated cyclically, the last cut short
+    key = InputKey(geom.input_shape(n), "float32", "cpu")
+    planned = PlannedConv2d(conv, "layer", geom, steps, key=key)
     x = torch.randn(geom.input_shape(n))
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_ref = conv(x1)
@@ -90,11 +95,14 @@ def test_unplanned_pass_refuses_instead_of_running_unbudgeted():
         y.sum().backward()
 
 
-def test_wrong_input_shape_is_reported():
+def test_an_input_without_plan_or_session_is_reported():
     conv = nn.Conv2d(2, 2, 3)
     planned = PlannedConv2d(conv, "c", ConvGeometry.from_conv(conv, (5, 5)), {"forward": [("default", 1)]})
-    with pytest.raises(WorkspaceError, match="planned for input"):
+    planned(torch.randn(1, 2, 5, 5))
+    with pytest.raises(WorkspaceError, match=r"layer c: no plan for input \(1, 2, 6, 6\) float32"):
         planned(torch.randn(1, 2, 6, 6))
+    with pytest.raises(WorkspaceError, match="expected input"):
+        planned(torch.randn(1, 3, 5, 5))
 
 
 def test_parameters_are_shared_not_copied():
