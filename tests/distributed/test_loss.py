@@ -58,3 +58,12 @@ def test_one_instance_instead_of_a_list_is_refused():
 def test_non_scalar_loss_is_refused():
     with pytest.raises(ValueError, match="instance 0 gave"):
         AutobatchLoss(nn.Linear(3, 2))([torch.randn(3)])
+
+
+def test_zero_term_gives_unused_parameters_zero_gradients_not_none():
+    model = SquareLoss()
+    xs = [torch.randn(3)]
+    AutobatchLoss(model)(xs).backward()
+    assert model.unused.weight.grad is None
+    AutobatchLoss(model, zero_term=True)(xs).backward()
+    assert model.unused.weight.grad is not None and not model.unused.weight.grad.any()

@@ -55,6 +55,10 @@ class AutobatchLoss(nn.Module):
         grad_scale (float | None): factor on the gradient of the returned loss. Default: the
             world size of the default process group (1 outside ``torch.distributed``), which
             turns DDP's gradient average into the sum over ranks.
+        zero_term (bool): add ``0 * sum(p.sum())`` over all parameters, so every parameter is
+            used on every step and DDP needs no ``find_unused_parameters``. Gradients of unused
+            parameters are then zeros instead of None: an optimizer with momentum or weight decay
+            moves them, unlike one process. Default: False (see docs/scale-out.md).
         **autobatch_options: passed to :func:`batchcraft.autobatch` (``scheduler=``, ...).
     Call:
         ``forward(instances)`` with a list of instances -> 0-dim tensor: the sum of
@@ -69,10 +73,12 @@ class AutobatchLoss(nn.Module):
         ValueError: ``model`` returned something that is not a scalar tensor.
     """
 
-    def __init__(self, model: nn.Module, grad_scale: float | None = None, **autobatch_options):
+    def __init__(self, model: nn.Module, grad_scale: float | None = None, zero_term: bool = False,
+                 **autobatch_options):
         super().__init__()
         self.model = model
         self.grad_scale = grad_scale
+        self.zero_term = zero_term
         self.loss_fn = autobatch(model, **autobatch_options)
 
     def forward(self, instances):
@@ -81,10 +87,10 @@ class AutobatchLoss(nn.Module):
                 f"AutobatchLoss: forward takes the list of this rank's instances, got one "
                 f"{type(instances).__name__}; call the DDP module once per step with all of them "
                 f"(once per instance forfeits batching and breaks DDP's bucketed all-reduce)")
+        if len(instances) == 0 or self.zero_term:
+            zero = sum((p.sum() * 0.0 for p in self.model.parameters() if p.requires_grad), torch.zeros(()))
         if len(instances) == 0:
-            # a rank with no instance this step: zero loss, zero gradient to every parameter
-            total = sum((p.sum() * 0.0 for p in self.model.parameters() if p.requires_grad),
-                        torch.zeros(()))
+            total = zero  # a rank with no instance this step: zero gradient to every parameter
         else:
             losses = self.loss_fn(list(instances))
             for i, loss in enumerate(losses):
@@ -93,6 +99,8 @@ class AutobatchLoss(nn.Module):
                                      f"instance; instance {i} gave "
                                      f"{getattr(loss, 'shape', type(loss).__name__)}")
             total = torch.stack(losses).sum()
+            if self.zero_term:
+                total = total + zero
         scale = world_size() if self.grad_scale is None else float(self.grad_scale)
         if scale != 1.0 and total.requires_grad:
             total = _ScaleGrad.apply(total, scale)
