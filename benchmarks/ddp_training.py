@@ -28,7 +28,7 @@ CONFIGS = [
     ("TreeLSTM, 1 process x 2 threads", "treelstm", 1, 2, []),
     ("TreeLSTM, 2 processes x 1 thread (DDP)", "treelstm", 2, 1, []),
     ("TreeLSTM, 2 processes, find_unused_parameters", "treelstm", 2, 1, ["--find-unused"]),
-    ("Berxit, 1 process x 1 thread", "berxit", 1, 1, []),
+    ("Berxit, 1 process x 1 thread, find_unused_parameters", "berxit", 1, 1, ["--find-unused"]),
     ("Berxit, 2 processes, find_unused_parameters", "berxit", 2, 1, ["--find-unused"]),
     ("Berxit, 2 processes, zero term", "berxit", 2, 1, ["--zero-term"]),
 ]
