@@ -218,13 +218,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, style in (("one-at-a-time", "o-"), ("batched", "s-")):
+    for mode, style, color in (("one-at-a-time", "o-", "tab:blue"), ("batched", "s-", "tab:orange")):
         rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["offered_rps"])
         x = [r["offered_rps"] for r in rs]
         label = "one instance at a time" if mode == "one-at-a-time" else "dynamic batching (autobatch)"
-        ax1.plot(x, [r["throughput_rps"] for r in rs], style, label=label)
-        ax2.plot(x, [r["p50_ms"] for r in rs], style, label=f"{label}, p50")
-        ax2.plot(x, [r["p99_ms"] for r in rs], style.replace("-", "--"), alpha=0.6, label=f"{label}, p99")
+        ax1.plot(x, [r["throughput_rps"] for r in rs], style, color=color, label=label)
+        ax2.plot(x, [r["p50_ms"] for r in rs], style, color=color, label=f"{label}, p50")
+        ax2.plot(x, [r["p99_ms"] for r in rs], style.replace("-", "--"), color=color, alpha=0.5,
+                 label=f"{label}, p99")
     ax1.plot(x, x, ":", color="grey", label="offered")
     ax1.set(xlabel="offered load (requests/s)", ylabel="throughput (requests/s)", xscale="log", yscale="log")
     ax2.set(xlabel="offered load (requests/s)", ylabel="latency (ms)", xscale="log", yscale="log")
