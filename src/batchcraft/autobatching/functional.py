@@ -53,7 +53,7 @@ def writes_first(func, kwargs) -> bool:
     """True when ``func`` (with ``kwargs``) updates its first argument in place."""
     if kwargs and kwargs.get("inplace") is True and func in _inplace_kw_funcs():
         return True
-    return _is_inplace_method(func)
+    return func is torch.Tensor.__setitem__ or _is_inplace_method(func)
 
 
 def is_inplace_call(func, args, kwargs, lazy_type) -> bool:
@@ -271,3 +271,67 @@ def row_hook(row: int, entries: list, slot: int):
 
 __all__ = ["is_inplace_call", "inplace", "setitem", "set_requires_grad", "register_hook", "make_leaf",
            "setitem_functional", "write", "row_hook", "HookHandle"]
+
+
+# -- custom autograd.Function calls --------------------------------------------------------------
+#
+# ``MyFunction.apply(lazy)`` does not go through ``__torch_function__``: torch would run the
+# forward on lazy values with grad disabled and lose the function's backward. While any
+# ``autobatch`` call runs, ``torch.autograd.Function.apply`` is wrapped: with lazy arguments (and a
+# recorder active in this thread) the call is recorded as one operation, ``FunctionApply(cls)``;
+# otherwise the original runs unchanged. A forward that reads values runs per instance on concrete
+# rows (counted in eager_ops); one without a vmap rule runs per instance when batched (counted in
+# fallbacks); either way with its own backward, as in eager.
+
+import threading as _threading
+
+_apply_lock = _threading.Lock()
+_apply_users = 0
+_orig_apply = None
+_APPLIES: dict = {}
+
+
+class FunctionApply:
+    """``cls.apply`` as a recordable operation (one object per autograd.Function class)."""
+
+    __slots__ = ("cls", "__name__", "__weakref__")
+
+    def __init__(self, cls):
+        self.cls = cls
+        self.__name__ = f"{cls.__name__}.apply"
+
+    def __call__(self, *args, **kwargs):
+        return _orig_apply.__func__(self.cls, *args, **kwargs)
+
+    def __repr__(self):
+        return f"<autograd.Function {self.cls.__qualname__}.apply>"
+
+
+def _apply_wrapper(cls, *args, **kwargs):
+    from batchcraft.autobatching import stack
+    from batchcraft.autobatching.lazy import LazyTensor
+
+    rec = stack.current()
+    if rec is not None and any(type(a) is LazyTensor for a in args) or (
+            rec is not None and any(type(v) is LazyTensor for v in kwargs.values())):
+        fa = _APPLIES.get(cls)
+        if fa is None:
+            fa = _APPLIES[cls] = FunctionApply(cls)
+        return rec.record(fa, args, kwargs)
+    return _orig_apply.__func__(cls, *args, **kwargs)
+
+
+def intercept_function_apply(on: bool) -> None:
+    """Count one more (``on``) or one fewer user of the ``Function.apply`` wrapper."""
+    global _apply_users, _orig_apply
+    Function = torch.autograd.Function
+    with _apply_lock:
+        if on:
+            if _apply_users == 0:
+                _orig_apply = Function.__dict__["apply"]
+                Function.apply = classmethod(_apply_wrapper)
+            _apply_users += 1
+        else:
+            _apply_users -= 1
+            if _apply_users == 0 and _orig_apply is not None:
+                Function.apply = _orig_apply

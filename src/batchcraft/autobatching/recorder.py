@@ -22,6 +22,7 @@ from weakref import ref as _weakref
 
 import torch
 
+from batchcraft.autobatching import buffers as _buffers
 from batchcraft.autobatching import functional as _functional
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
@@ -42,6 +43,27 @@ _I64 = 2 ** 63
 _CPU = torch.device("cpu")
 _NO_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
 _SCALAR_SPECS: dict = {}  # (dtype, device argument) -> (dtype, torch.device, did)
+
+
+_MethodWrapper = type(torch.Tensor.data.__get__)
+
+
+def _aliases_input(out, args) -> bool:
+    """``out`` shares storage with a tensor argument (a view of it, or the tensor itself)."""
+    if out._base is None and not any(out is a for a in args):
+        return False
+    try:
+        ptr = out.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (e.g. meta, sparse)
+        return False
+    for a in args:
+        if isinstance(a, _Tensor):
+            try:
+                if a.untyped_storage().data_ptr() == ptr:
+                    return True
+            except (RuntimeError, NotImplementedError):
+                pass
+    return False
 
 
 def _mask(flags) -> int:
@@ -198,6 +220,10 @@ class RecorderBase:
                 hint="use the result of the out-of-place call instead")
         if _functional.is_inplace_call(func, args, kwargs, self.lazy_type):
             return self.inplace(args[0], func, args, kwargs), None
+        if func in _buffers.BATCH_NORMS:
+            out = _buffers.record_batch_norm(self, args, kwargs)
+            if out is not NotImplemented:
+                return out, None
         leaves: list = []
         struct = (flatten(args, leaves, self.lazy_type), flatten(kwargs, leaves, self.lazy_type) if kwargs else None)
         lazies = []
@@ -274,12 +300,19 @@ class RecorderBase:
             func = func.fn
         with torch._C.DisableTorchFunction():
             out = func(*args, **kwargs)
+            if type(func) is _MethodWrapper or (isinstance(out, _Tensor) and _aliases_input(out, args)):
+                # a property (.data, .T, .grad) or a view of a tensor from outside the instance
+                # aliases shared state: it stays shared (writes into it reach that tensor, as in eager)
+                return out
         if isinstance(out, _Tensor):
             scalar = (func is _torch_tensor and args and type(args[0]) in _PY_SCALARS and not out.requires_grad)
             return self.leaf(out, args[0] if scalar else None)
         if isinstance(out, (tuple, list)) and any(isinstance(o, _Tensor) for o in out):
             leaves: list = []
             st = flatten(out, leaves, self.lazy_type)
+            with torch._C.DisableTorchFunction():
+                if any(_aliases_input(t, args) for t in leaves if isinstance(t, _Tensor)):
+                    return out
             return rebuild(st, iter([self.leaf(t) if isinstance(t, _Tensor) else t for t in leaves]))
         return out
 
@@ -316,9 +349,15 @@ class RecorderBase:
     def value_of(self, node: int, slot: int):
         """The concrete value of an executed node's output (a row of a batched result)."""
         buf, row = self.location(node)
-        v = self.buffers[buf + slot][row]
-        # the batched result requires grad if any instance's does; this one's may not
-        return v.detach() if (v.requires_grad and not self.rg_bit(node, slot)) else v
+        t = self.buffers[buf + slot]
+        if not self.rg_bit(node, slot):
+            # the batched result requires grad if any instance's does; this one's may not
+            v = t[row]
+            return v.detach() if v.requires_grad else v
+        if torch.is_grad_enabled():
+            return t[row]
+        with torch.enable_grad():  # the row keeps its autograd history (read under the caller's no_grad)
+            return t[row]
 
     def materialize(self, x, why: str) -> torch.Tensor:
         """Concrete value of ``x``; runs pending work first if needed (its fiber waits here)."""
@@ -369,13 +408,14 @@ class RecorderBase:
 
         info = SIGNATURES.by_sid[self.node_sid(x.node)]
         leaves = self.node_leaves(x.node, first=base)
-        return views.view_scatter(info.func, info.struct, leaves, x.slot, base, new, DESCS[base.did][0])
+        return views.view_scatter(self, info.func, info.struct, leaves, x.slot, base, new, DESCS[base.did][0])
 
     def view_rederive(self, v, base) -> None:
-        from batchcraft.autobatching.signature import call_with
-
         info = SIGNATURES.by_sid[self.node_sid(v.node)]
-        out = call_with(info.func, info.struct, self.node_leaves(v.node, first=base))
+        it = iter(self.node_leaves(v.node, first=base))
+        args = rebuild(info.struct[0], it)
+        kwargs = rebuild(info.struct[1], it) if info.struct[1] is not None else {}
+        out = self.record(info.func, args, kwargs)
         if not isinstance(out, self.lazy_type):
             flat: list = []
             flatten(out, flat, self.lazy_type)

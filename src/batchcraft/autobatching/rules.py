@@ -498,6 +498,51 @@ _register([torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk], Ru
                                                                                   ragged="split"))
 
 
+
+def rule_scatter(func, struct, leaves, mask, shapes, n):
+    """select_scatter / slice_scatter / diagonal_scatter: shift the dimension arguments.
+
+    (``torch.func.vmap`` of ``select_scatter`` double-counts the gradient of the overwritten
+    slots in torch 2.13, so these do not go through vmap.)
+    """
+    args, kwargs = _args(struct, leaves)
+    if not mask[0]:
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    rank = len(shapes[0])
+    if not mask[1]:
+        args[1] = args[1].expand(n, *args[1].shape)
+    names = ("dim1", "dim2") if func is torch.diagonal_scatter else ("dim",)
+    first = 3 if func is torch.diagonal_scatter else 2
+    for k, name in enumerate(names):
+        pos = first + k
+        if name in kwargs:
+            kwargs[name] = _shift(kwargs[name], rank)
+        elif len(args) > pos:
+            args[pos] = _shift(args[pos], rank)
+        elif func is torch.diagonal_scatter:
+            kwargs[name] = _shift(k, rank)  # defaults dim1=0, dim2=1
+        else:
+            kwargs[name] = 1  # default dim=0
+    return func(*args, **kwargs)
+
+
+def rule_setitem_functional(func, struct, leaves, mask, shapes, n):
+    """``x[key] = v`` out of place (functionalised writes): prepend a full slice to a basic key."""
+    args, kwargs = _args(struct, leaves)
+    key = args[1]
+    if not mask[0] or not _is_plain_index(key) or (len(mask) > 2 and any(mask[2:])):
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    key = key if isinstance(key, tuple) else (key,)
+    y = args[0].clone()
+    value = args[2]
+    if isinstance(value, torch.Tensor) and len(mask) > 1 and mask[-1]:
+        # a per-instance value: (n, *value shape), broadcast into the indexed region of each row
+        region = y[(slice(None),) + key]
+        value = value.reshape(value.shape[:1] + (1,) * (region.dim() - value.dim()) + value.shape[1:])
+    y[(slice(None),) + key] = value
+    return y
+
+
 def rule_for(func):
     """The :class:`Rule` of ``func``: a registered rule, else vmap, else None (run per instance).
 
@@ -529,6 +574,20 @@ def register_rule(func, rule=None):
     RULES[func] = Rule(getattr(rule, "__name__", "user"), rule)
     _NO_RULE.pop(func, None)
     return rule
+
+
+_register([torch.select_scatter, torch.slice_scatter, torch.diagonal_scatter], Rule("scatter", rule_scatter))
+
+
+def _register_functional():
+    from batchcraft.autobatching.buffers import batch_norm_train, rule_batch_norm_train
+    from batchcraft.autobatching.functional import setitem_functional
+
+    _register([setitem_functional], Rule("setitem", rule_setitem_functional))
+    _register([batch_norm_train], Rule("batch_norm", rule_batch_norm_train))
+
+
+_register_functional()
 
 
 __all__ = ["Rule", "RULES", "rule_for", "register_rule", "call_with", "rule_vmap"]

@@ -28,6 +28,8 @@ import greenlet
 import torch
 
 from batchcraft.autobatching import core as _core
+from batchcraft.autobatching import buffers as _buffers
+from batchcraft.autobatching import functional as _functional
 from batchcraft.autobatching import stack
 from batchcraft.autobatching.execute import Executor
 from batchcraft.autobatching.lazy import LazyTensor
@@ -137,9 +139,11 @@ class Runtime:
         # recording itself, and the graph has no cycles to collect. Re-enabled on exit.
         gc_was_enabled = gc.isenabled()
         gc.disable()
+        _functional.intercept_function_apply(True)
         try:
             return self._run(instances, t_start)
         finally:
+            _functional.intercept_function_apply(False)
             if gc_was_enabled:
                 gc.enable()
 
@@ -169,6 +173,7 @@ class Runtime:
         with torch._C.DisableTorchFunction():
             results = [self._resolve(o, i) for i, o in enumerate(outputs)]
             self._write_back()
+            _buffers.apply_deferred(rec)
         return results
 
     def _write_back(self) -> None:

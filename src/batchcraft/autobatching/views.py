@@ -58,18 +58,18 @@ def _dim(args, kwargs, pos, name="dim", default=None):
     return args[pos] if len(args) > pos else default
 
 
-def view_scatter(func, struct, leaves, slot, base, new_view, shape):
+def view_scatter(rec, func, struct, leaves, slot, base, new_view, shape):
     """The base's new value after ``new_view`` was written into view ``func(base, ...)[slot]``.
 
     ``leaves`` are the view call's tensor arguments with ``base`` first; ``shape`` is the
-    base's per-instance shape. Returns a lazy value (recorded by the active recorder).
+    base's per-instance shape. Returns a lazy value (recorded by recorder ``rec``).
     """
     args, kwargs = _args(struct, leaves)
     args[0] = base
     if func is T.__getitem__:
         from batchcraft.autobatching.functional import setitem_functional
 
-        return setitem_functional(base, args[1], new_view)
+        return rec.record(setitem_functional, (base, args[1], new_view), {})
     if func in (T.select, torch.select):
         return torch.select_scatter(base, new_view, _dim(args, kwargs, 1), _dim(args, kwargs, 2, "index"))
     if func in (T.narrow, torch.narrow):

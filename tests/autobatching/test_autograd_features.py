@@ -1,0 +1,168 @@
+"""Autograd inside instance code acts as in eager; module buffers update as in eager.
+
+Issue 15 items 3 and 4 (functorch #488, PyTorch #158610; giotto-deep #75, yolov5 #1630): tensor
+hooks apply per instance and see that instance's gradient summed over all uses; ``requires_grad``,
+``detach``, ``requires_grad_()``, ``is_leaf`` read as in eager; ``torch.autograd.grad`` and double
+backward through outputs work; BatchNorm running statistics end equal to eager's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from batchcraft import autobatch
+
+from equivalence import assert_matches_eager
+
+CORES = ["c", "python"]
+torch.manual_seed(0)
+LIN = nn.Linear(4, 4)
+PARAMS = list(LIN.parameters())
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_hooks_see_each_instances_gradient_summed_over_uses(core):
+    seen = {}
+
+    def fn(inst):
+        i, x = inst
+        h = LIN(x)
+        a = h.tanh()                                  # a use recorded before the hook
+        h.register_hook(lambda g, i=i: seen.setdefault(("b", i), g.clone()) * 0 + g * 2)
+        return (a + h * 3).sum()
+
+    xs = [(i, torch.randn(4)) for i in range(4)]
+    out = autobatch(fn, core=core)(xs)
+    torch.stack(out).sum().backward()
+    g_b = LIN.weight.grad.clone()
+    batched = {k: v for k, v in seen.items()}
+    LIN.zero_grad()
+    seen.clear()
+    torch.stack([fn(x) for x in xs]).sum().backward()
+    torch.testing.assert_close(g_b, LIN.weight.grad)
+    for i in range(4):
+        torch.testing.assert_close(batched[("b", i)], seen[("b", i)])  # the instance's own gradient
+    LIN.zero_grad()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_hook_on_an_instance_input_and_handle_remove(core):
+    calls = []
+
+    def fn(x):
+        x.register_hook(lambda g: calls.append(1))
+        h2 = x.register_hook(lambda g: g * 100)
+        h2.remove()
+        return (LIN(x) ** 2).sum()
+
+    xs = [torch.randn(4, requires_grad=True) for _ in range(3)]
+    out = autobatch(fn, core=core)(xs)
+    torch.stack(out).sum().backward()
+    got = [x.grad.clone() for x in xs]
+    assert len(calls) == 3
+    for x in xs:
+        x.grad = None
+    torch.stack([fn(x) for x in xs]).sum().backward()
+    for g, x in zip(got, xs):
+        torch.testing.assert_close(g, x.grad)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_requires_grad_reads_and_branches_match_eager(core):
+    def fn(x):
+        h = LIN(x)
+        d = h.detach()
+        flags = (h.requires_grad, d.requires_grad, h.is_leaf, d.is_leaf, (h.grad_fn is None), (d.grad_fn is None),
+                 x.requires_grad, x.is_leaf, torch.argmax(h).requires_grad)
+        y = h * 2 if d.requires_grad else h - d   # a branch on requires_grad
+        z = d.clone().requires_grad_()
+        return y, z, flags, z.requires_grad, z.is_leaf
+
+    xs = [torch.randn(4, requires_grad=i % 2 == 0) for i in range(4)]
+    out = autobatch(fn, core=core)(xs)
+    for o, x in zip(out, xs):
+        r = fn(x)
+        assert o[2] == r[2] and o[3] == r[3] and o[4] == r[4]
+        torch.testing.assert_close(o[0], r[0])
+        assert o[0].requires_grad == r[0].requires_grad and o[1].requires_grad == r[1].requires_grad
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_requires_grad_false_on_a_computed_value_fails_as_in_eager(core):
+    def fn(x):
+        h = LIN(x)
+        h.requires_grad_(False)
+        return h
+
+    with pytest.raises(RuntimeError, match="leaf variables"):
+        fn(torch.randn(4))
+    with pytest.raises(Exception, match="leaf variables"):
+        autobatch(fn, core=core)([torch.randn(4)])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_autograd_grad_and_double_backward_through_outputs(core):
+    def fn(x):
+        return (torch.tanh(LIN(x)) ** 2).sum()
+
+    xs = [torch.randn(4, requires_grad=True) for _ in range(3)]
+    out = autobatch(fn, core=core)(xs)
+    ref = [fn(x) for x in xs]
+    gb = torch.autograd.grad(sum(out), xs, create_graph=True)
+    ge = torch.autograd.grad(sum(ref), xs, create_graph=True)
+    for a, b in zip(gb, ge):
+        torch.testing.assert_close(a, b)
+    hb = torch.autograd.grad(sum(g.sum() for g in gb), LIN.weight)[0]
+    he = torch.autograd.grad(sum(g.sum() for g in ge), LIN.weight)[0]
+    torch.testing.assert_close(hb, he)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("momentum", [0.1, 0.3])
+def test_batchnorm_running_statistics_update_in_instance_order(core, momentum):
+    torch.manual_seed(1)
+    bn = nn.BatchNorm1d(3, momentum=momentum)
+    bn2 = nn.BatchNorm1d(3, momentum=momentum)
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        h = bn(x)
+        if x.sum() > 0:              # a wait between the two BatchNorm calls (BN outputs sum to ~0)
+            h = h * 2
+        return bn2(lin(h) + x)       # depth differs per instance -> several groups
+
+    xs = [torch.randn(k, 3) * (i + 1) for i, k in enumerate((2, 5, 3, 4, 2))]
+    ref_bn, ref_bn2, ref_lin = copy.deepcopy(bn), copy.deepcopy(bn2), lin
+    out = autobatch(fn, core=core)(xs)
+
+    def eager(x):
+        h = ref_bn(x)
+        if x.sum() > 0:
+            h = h * 2
+        return ref_bn2(ref_lin(h) + x)
+
+    ref = [eager(x) for x in xs]
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
+    for a, b in ((bn, ref_bn), (bn2, ref_bn2)):
+        torch.testing.assert_close(a.running_mean, b.running_mean)
+        torch.testing.assert_close(a.running_var, b.running_var)
+        assert int(a.num_batches_tracked) == int(b.num_batches_tracked) == len(xs)
+    gb = torch.autograd.grad(sum(o.sum() for o in out), [bn.weight, lin.weight])
+    ge = torch.autograd.grad(sum(r.sum() for r in ref), [ref_bn.weight, lin.weight])
+    for a, b in zip(gb, ge):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_batchnorm_in_eval_mode_reads_running_statistics(core):
+    bn = nn.BatchNorm1d(3)
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    bn.eval()
+    xs = [torch.randn(k, 3) for k in (1, 4, 2)]
+    assert_matches_eager(bn, xs, list(bn.parameters()), core=core)

@@ -1,0 +1,149 @@
+"""In-place writes inside instance code are functionalised: values and gradients equal eager.
+
+Issue 15 item 2. Writes into tensors the instance created or received work (``y[i] = v``,
+``y[mask] = 0``, ``index_put_``, ``add_``, ``copy_``, ``clamp_``, ``+=``, in-place activations,
+writes through views); a write into a *shared* tensor (a parameter, a captured tensor) with
+per-instance values is a clear error that changes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from batchcraft import autobatch
+from batchcraft.errors import UnsupportedOperationError
+
+from equivalence import assert_matches_eager
+
+CORES = ["c", "python"]
+torch.manual_seed(0)
+LIN = nn.Linear(4, 4)
+PARAMS = list(LIN.parameters())
+
+
+def _programs():
+    def created(x):
+        y = torch.zeros(6)
+        for i in range(4):
+            y[i] = x[i] * 2          # y[i] = v on a tensor the instance created
+        y[y > 1] = 0.5               # boolean-mask write
+        return LIN(y[:4]) + y[4:].sum()
+
+    def received(x):
+        h = LIN(x)
+        h.add_(1).mul_(x)            # chained in-place methods on a computed value
+        h.clamp_(min=-0.5)
+        h += x                       # augmented assignment
+        F.relu(h, inplace=True)
+        return h
+
+    def index_put(x):
+        y = x.clone()
+        y.index_put_((torch.tensor([0, 2]),), torch.tensor([9.0, -9.0]))
+        z = torch.empty(4).copy_(y)
+        z.masked_fill_(z < 0, 0.0)
+        return LIN(z)
+
+    def through_views(x):
+        m = LIN(x).reshape(2, 2).clone()
+        row = m[0]                   # a view of m
+        row.mul_(3)                  # writes into m
+        m.t()[1].add_(1)            # through a transposed view: m[:, 1]
+        col = m.select(1, 0)
+        col.sub_(x[:2])
+        return m, row
+
+    def loop_acc(x):
+        acc = torch.zeros(4)
+        for t in range(int(x.abs().sum().item() * 2) % 4 + 1):   # waits for a value
+            acc.add_(LIN(x) * (t + 1))
+        return acc
+
+    return {"created": created, "received": received, "index_put": index_put, "through_views": through_views,
+            "loop_acc": loop_acc}
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("name", sorted(_programs()))
+def test_inplace_programs_match_eager(name, core):
+    fn = _programs()[name]
+    xs = [torch.randn(4) for _ in range(5)]
+    assert_matches_eager(fn, xs, PARAMS, core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_inplace_update_of_an_input_is_copied_back_as_eager_does(core):
+    def fn(x):
+        x.mul_(2)
+        x[0] = -1.0
+        return x.sum()
+
+    xs = [torch.randn(3) for _ in range(4)]
+    ys = [x.clone() for x in xs]
+    out = autobatch(fn, core=core)(xs)
+    ref = [fn(y) for y in ys]
+    for o, r, x, y in zip(out, ref, xs, ys):
+        torch.testing.assert_close(o, r)
+        torch.testing.assert_close(x, y)  # the caller's tensors changed exactly as in eager
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_inplace_on_a_leaf_that_requires_grad_fails_as_in_eager(core):
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        x.add_(1)
+    with pytest.raises(Exception, match="leaf Variable that requires grad"):
+        autobatch(lambda v: v.add_(1), core=core)([x])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_writes_into_shared_tensors_are_refused_and_change_nothing(core):
+    captured = torch.zeros(4)
+    w_before = LIN.weight.detach().clone()
+
+    for fn in (lambda x: captured.add_(x), lambda x: captured.copy_(x), lambda x: LIN.weight.data[0].add_(x),
+               lambda x: captured.__setitem__(0, x[0])):
+        with pytest.raises(UnsupportedOperationError, match="shared tensor"):
+            autobatch(fn, core=core)([torch.randn(4), torch.randn(4)])
+    assert torch.equal(captured, torch.zeros(4))
+    assert torch.equal(LIN.weight.detach(), w_before)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_inplace_dtype_and_shape_rules_are_eager_s(core):
+    with pytest.raises(Exception, match="can't be cast"):
+        autobatch(lambda x: torch.zeros(3, dtype=torch.long).add_(x), core=core)([torch.randn(3)])
+    with pytest.raises(Exception, match="doesn't match the broadcast shape"):
+        autobatch(lambda x: torch.zeros(3).add_(x), core=core)([torch.randn(2, 3)])
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "mask", "add_", "mul_", "clamp_", "iadd", "view_add"]),
+                              st.integers(0, 3), st.floats(-2, 2, allow_nan=False)), min_size=1, max_size=6),
+       n=st.integers(1, 5), core=st.sampled_from(CORES))
+def test_random_inplace_sequences_match_eager(ops, n, core):
+    def fn(x):
+        y = LIN(x)
+        for op, i, c in ops:
+            if op == "set":
+                y[i] = c
+            elif op == "mask":
+                y[y > c] = c
+            elif op == "add_":
+                y.add_(c)
+            elif op == "mul_":
+                y.mul_(x)
+            elif op == "clamp_":
+                y.clamp_(max=abs(c) + 0.1)
+            elif op == "iadd":
+                y += x * c
+            else:
+                y[i:].add_(c)
+        return y
+
+    xs = [torch.randn(4) for _ in range(n)]
+    assert_matches_eager(fn, xs, PARAMS, core=core)

@@ -1,0 +1,233 @@
+"""Each fiber keeps its own thread state; the caller's state after a call equals its state before.
+
+Issue 15 item 1 (greenlet #196, PyTorch PR #49017): grad mode, inference mode, autocast, the
+default dtype, the torch-function mode stack and context variables are per thread in torch and
+Python; a fiber that waits inside ``torch.no_grad()`` must not leave the next fiber (or the caller)
+with gradients off. Every test compares with eager and checks the caller's state afterwards.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from batchcraft import autobatch
+from batchcraft.errors import InstanceError
+
+CORES = ["c", "python"]
+
+
+def _state():
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(),
+            torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch._C._len_torch_function_stack())
+
+
+@pytest.fixture(params=CORES)
+def core(request):
+    from batchcraft.autobatching import _native
+
+    if request.param == "c" and not _native.available:
+        pytest.skip("C core not built")
+    return request.param
+
+
+def test_wait_inside_no_grad_keeps_gradients_for_everyone(core):
+    lin = nn.Linear(4, 4)
+
+    def f(x):
+        with torch.no_grad():
+            x.sum().item() > 0  # the fiber waits here, inside no_grad
+        return lin(x)
+
+    xs = [torch.randn(4) for _ in range(3)]
+    before = _state()
+    out = autobatch(f, core=core)(xs)
+    assert _state() == before
+    assert [o.requires_grad for o in out] == [f(x).requires_grad for x in xs] == [True] * 3
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, f(x))
+
+
+def test_wait_inside_enable_grad_called_under_no_grad(core):
+    lin = nn.Linear(4, 4)
+
+    def f(x):
+        with torch.enable_grad():
+            h = lin(x)
+            bool(h.sum() > 0)
+            return h * 2
+
+    xs = [torch.randn(4) for _ in range(4)]
+    with torch.no_grad():
+        out = autobatch(f, core=core)(xs)
+        assert not torch.is_grad_enabled()
+        ref = [f(x) for x in xs]
+    assert [o.requires_grad for o in out] == [r.requires_grad for r in ref] == [True] * 4
+    gb = torch.autograd.grad(sum(o.sum() for o in out), lin.weight)[0]
+    ge = torch.autograd.grad(sum(r.sum() for r in ref), lin.weight)[0]
+    torch.testing.assert_close(gb, ge)
+
+
+def test_caller_state_restored_when_an_instance_raises_inside_no_grad(core):
+    def f(x):
+        with torch.no_grad():
+            if x.sum().item() > 100:
+                raise ValueError("boom")
+            bool(x.mean() > 0)
+            if x[0].item() > 1.5:
+                raise ValueError("late boom")
+        return x * 2
+
+    xs = [torch.full((3,), 2.0), torch.zeros(3), torch.ones(3)]
+    before = _state()
+    with pytest.raises(InstanceError, match="late boom") as ei:
+        autobatch(f, core=core)(xs)
+    assert ei.value.instance == 0
+    assert _state() == before
+
+
+def test_custom_autograd_function_whose_forward_waits(core):
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 3 if x.sum().item() > 0 else x * 5   # waits for a value, grad disabled
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * torch.where(x.sum() > 0, torch.tensor(3.0), torch.tensor(5.0))
+
+    lin = nn.Linear(3, 3)
+
+    def f(x):
+        return Scaled.apply(lin(x)).tanh()
+
+    xs = [torch.randn(3) for _ in range(5)]
+    before = _state()
+    out = autobatch(f, core=core)(xs)
+    assert _state() == before
+    ref = [f(x) for x in xs]
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+        assert o.requires_grad == r.requires_grad
+    gb = torch.autograd.grad(sum(o.sum() for o in out), lin.weight)[0]
+    ge = torch.autograd.grad(sum(r.sum() for r in ref), lin.weight)[0]
+    torch.testing.assert_close(gb, ge)
+
+
+def test_inference_mode_inside_instances(core):
+    lin = nn.Linear(4, 4)
+
+    def f(x):
+        with torch.inference_mode():
+            y = lin(x)
+            bool(y.sum() > 0)
+            z = y * 2
+        return z, lin(x)
+
+    xs = [torch.randn(4) for _ in range(3)]
+    before = _state()
+    out = autobatch(f, core=core)(xs)
+    assert _state() == before
+    for (z, w), x in zip(out, xs):
+        rz, rw = f(x)
+        torch.testing.assert_close(z, rz)
+        torch.testing.assert_close(w, rw)
+        assert z.is_inference() == rz.is_inference() and w.requires_grad == rw.requires_grad
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_bfloat16_autocast(core, where):
+    lin = nn.Linear(8, 8)
+
+    def f(x):
+        if where == "inside":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = lin(x)
+                bool(y.float().sum() > 0)  # a wait inside the autocast region
+                return lin(y).relu()
+        return lin(lin(x)).relu()
+
+    xs = [torch.randn(8) for _ in range(4)]
+    before = _state()
+    if where == "outside":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = autobatch(f, core=core)(xs)
+            ref = [f(x) for x in xs]
+    else:
+        out = autobatch(f, core=core)(xs)
+        ref = [f(x) for x in xs]
+    assert _state() == before
+    for o, r in zip(out, ref):
+        assert o.dtype == r.dtype == torch.bfloat16
+        torch.testing.assert_close(o, r, atol=2e-2, rtol=2e-2)
+
+
+def test_default_dtype_changed_inside_an_instance_is_its_own(core):
+    def f(x):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            bool(x.sum() > 0)
+            return x.to(torch.get_default_dtype()) + torch.tensor(0.5)
+        finally:
+            torch.set_default_dtype(old)
+
+    xs = [torch.randn(3) for _ in range(3)]
+    before = _state()
+    out = autobatch(f, core=core)(xs)
+    assert _state() == before
+    for o, x in zip(out, xs):
+        r = f(x)
+        assert o.dtype == r.dtype == torch.float64
+        torch.testing.assert_close(o, r)
+
+
+def test_user_torch_function_mode_around_and_inside(core):
+    seen = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    def f(x):
+        with Count():
+            y = x * 2
+            bool(y.sum() > 0)
+            return y + 1
+
+    xs = [torch.randn(3) for _ in range(3)]
+    before = _state()
+    out = autobatch(f, core=core)(xs)
+    assert _state() == before
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, x * 2 + 1)
+    assert seen  # the user's mode saw the instances' calls
+
+
+VAR = contextvars.ContextVar("batchcraft_test_var", default="unset")
+
+
+def test_context_variables_are_the_callers(core):
+    def f(x):
+        v = VAR.get()
+        bool(x.sum() > 0)
+        VAR.set("changed by an instance")
+        return x * (2.0 if v == "caller" else -1.0), VAR.get()
+
+    xs = [torch.randn(3) for _ in range(3)]
+    token = VAR.set("caller")
+    try:
+        out = autobatch(f, core=core)(xs)
+        assert VAR.get() == "caller"  # instance changes stay in the instance's context
+    finally:
+        VAR.reset(token)
+    for (o, seen), x in zip(out, xs):
+        torch.testing.assert_close(o, x * 2.0)
+        assert seen == "changed by an instance"
