@@ -81,3 +81,13 @@ def assert_matches_eager(fn, instances, params, *, atol=1e-5, rtol_grad=1e-4, **
         scale = b.abs().max().clamp_min(1e-6)
         assert ((a - b).abs().max() / scale) <= rtol_grad, f"gradient of {tuple(p.shape)} differs"
     return f
+
+
+def available_cores() -> list:
+    """The recording cores this install has: ``["c", "python"]``, or ``["python"]`` without the C core."""
+    from batchcraft.autobatching import _native
+
+    return ["c", "python"] if _native.available else ["python"]
+
+
+CORES = available_cores()

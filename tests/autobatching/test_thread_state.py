@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from batchcraft import autobatch
 from batchcraft.errors import InstanceError
 
-CORES = ["c", "python"]
+from equivalence import CORES
 
 
 def _state():
@@ -28,10 +28,6 @@ def _state():
 
 @pytest.fixture(params=CORES)
 def core(request):
-    from batchcraft.autobatching import _native
-
-    if request.param == "c" and not _native.available:
-        pytest.skip("C core not built")
     return request.param
 
 

@@ -13,12 +13,16 @@ batched functions), ``rules`` (batching rules), ``kernels`` (kernel selection), 
 (in-place writes, hooks).
 """
 
+from batchcraft.autobatching import _native
 from batchcraft.autobatching.api import AutoBatched, autobatch, phase
 from batchcraft.autobatching.blocks import static_block
 from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.options import Options
 from batchcraft.autobatching.rules import register_rule
 from batchcraft.autobatching.stats import RunStats
+
+if _native.available:  # give the C core the torch objects it needs, once per process
+    from batchcraft.autobatching import ccore as _ccore  # noqa: F401
 
 __all__ = ["autobatch", "AutoBatched", "static_block", "phase", "RunStats", "LazyTensor", "register_rule",
            "Options"]

@@ -1365,6 +1365,65 @@ fail:
     return NULL;
 }
 
+/* plan_slots(nodes, slots) -> plans of the given single input slots only */
+static PyObject *rec_plan_slots(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "plan_slots(nodes, slots)"); return NULL; }
+    IVec nodes, slots;
+    if (nodes_from(args[0], &nodes) < 0) return NULL;
+    if (nodes_from(args[1], &slots) < 0) { PyMem_Free(nodes.v); return NULL; }
+    Py_ssize_t n = nodes.n;
+    PyObject *plans = PyList_New(0);
+    int32_t *bufs = (int32_t *)PyMem_Malloc((n + 1) * sizeof(int32_t));
+    int64_t *rows = (int64_t *)PyMem_Malloc((n + 1) * sizeof(int64_t));
+    if (!plans || !bufs || !rows) { PyErr_NoMemory(); goto fail; }
+    for (Py_ssize_t q = 0; q < slots.n; q++) {
+        int j = slots.v[q];
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t nd = nodes.v[i];
+            Py_ssize_t k = self->in_start[nd] + j;
+            Py_ssize_t p = self->in_node.v[k];
+            if (self->loc_buf[p] < 0 && self->sid[p] == 0 && ensure_leaf(self, p) < 0) goto fail;
+            if (self->loc_buf[p] < 0) { PyErr_SetString(PyExc_RuntimeError, "batchcraft: hoisted input not computed"); goto fail; }
+            bufs[i] = self->loc_buf[p] + self->in_slot.v[k];
+            rows[i] = self->loc_row[p];
+        }
+        PyObject *pl = plan_rows(bufs, rows, n);
+        if (!pl || PyList_Append(plans, pl) < 0) { Py_XDECREF(pl); goto fail; }
+        Py_DECREF(pl);
+    }
+    PyMem_Free(bufs); PyMem_Free(rows); PyMem_Free(nodes.v); PyMem_Free(slots.v);
+    return plans;
+fail:
+    PyMem_Free(bufs); PyMem_Free(rows); PyMem_Free(nodes.v); PyMem_Free(slots.v);
+    Py_XDECREF(plans);
+    return NULL;
+}
+
+/* input_depths(nodes, n_single) -> (min node depth, [deepest pending producer per single slot]) */
+static PyObject *rec_input_depths(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "input_depths(nodes, n_single)"); return NULL; }
+    IVec nodes;
+    if (nodes_from(args[0], &nodes) < 0) return NULL;
+    int n_single = (int)PyLong_AsLong(args[1]);
+    int32_t mind = INT32_MAX;
+    int32_t *deep = (int32_t *)PyMem_Calloc(n_single + 1, sizeof(int32_t));
+    if (!deep) { PyMem_Free(nodes.v); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < nodes.n; i++) {
+        Py_ssize_t nd = nodes.v[i];
+        if (self->depth[nd] < mind) mind = self->depth[nd];
+        for (int j = 0; j < n_single && j < self->in_count[nd]; j++) {
+            Py_ssize_t p = self->in_node.v[self->in_start[nd] + j];
+            if (self->loc_buf[p] >= 0 || self->sid[p] == 0 || self->phase[p] < self->phase[nd]) continue;
+            int32_t d = self->phase[p] > self->phase[nd] ? INT32_MAX - 1 : self->depth[p];
+            if (d > deep[j]) deep[j] = d;
+        }
+    }
+    PyObject *lst = PyList_New(n_single);
+    for (int j = 0; lst && j < n_single; j++) PyList_SET_ITEM(lst, j, PyLong_FromLong(deep[j]));
+    PyMem_Free(deep); PyMem_Free(nodes.v);
+    return lst ? Py_BuildValue("(iN)", mind == INT32_MAX ? 0 : mind, lst) : NULL;
+}
+
 static PyObject *rec_place(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "place(nodes, buf, base)"); return NULL; }
     IVec nodes;
@@ -1560,6 +1619,8 @@ static PyMethodDef rec_methods[] = {
     {"take_buckets", (PyCFunction)rec_take_buckets, METH_NOARGS, "remove and return the pending buckets"},
     {"plan_group", (PyCFunction)(void (*)(void))rec_plan_group, METH_FASTCALL, "gather plans of a group"},
     {"place", (PyCFunction)(void (*)(void))rec_place, METH_FASTCALL, "place(nodes, buf, base)"},
+    {"plan_slots", (PyCFunction)(void (*)(void))rec_plan_slots, METH_FASTCALL, "plans of some single slots"},
+    {"input_depths", (PyCFunction)(void (*)(void))rec_input_depths, METH_FASTCALL, "depths of pending inputs"},
     {"node_sid", (PyCFunction)rec_node_sid, METH_O, NULL},
     {"node_inst", (PyCFunction)rec_node_inst, METH_O, NULL},
     {"node_inputs", (PyCFunction)rec_node_inputs, METH_O, NULL},
@@ -1719,11 +1780,14 @@ static PyTypeObject ModeType = {
 /* ------------------------------------------------------------------------------------------ */
 /* BlockCall: __call__ of static blocks and static-block modules                               */
 /* ------------------------------------------------------------------------------------------ */
+static int require_setup(void);
+
 typedef struct { PyObject_HEAD vectorcallfunc vectorcall; } BlockCallObject;
 
 static PyObject *blockcall_vectorcall(BlockCallObject *bc, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs < 1) { PyErr_SetString(PyExc_TypeError, "block call needs self"); return NULL; }
+    if (require_setup() < 0) return NULL;
     PyObject *self = args[0];
     PyObject *block;
     if (PyObject_TypeCheck(self, (PyTypeObject *)g_StaticBlock)) { block = self; Py_INCREF(block); }

@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import nn
 
-from batchcraft.autobatching import _native, stack
+from batchcraft.autobatching import _native, cells as _cells, stack
 from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.lazy import LazyTensor
@@ -156,6 +156,10 @@ class BlockTracer:
 
     # -- recording ---------------------------------------------------------------------------------
     def record(self, func, args, kwargs):
+        if func in _cells.CELL_FUNCS:
+            out = _cells.record_cell(self, func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         leaves: list = []
         struct = (flatten(args, leaves, _Lazy), flatten(kwargs, leaves, _Lazy) if kwargs else None)
         refs, dids, batched, specs = [], [], [], []

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching.descs import row_bytes
 from batchcraft.autobatching.gather import index_tensor, take
 from batchcraft.autobatching.lower import Runner
@@ -122,7 +123,35 @@ class Executor:
                                                     if info.ragged else None)
         return r
 
-    def run_group(self, key, nodes) -> None:
+    def runner_for(self, prog) -> Runner:
+        """The runner of a derived (hoisting) program."""
+        r = prog.lowered.get(self.kernels)
+        if r is None:
+            r = prog.lowered[self.kernels] = Runner(prog, self.kernels)
+        return r
+
+    # -- hoisting (hoist.py) -----------------------------------------------------------------------
+    def plan_hoists(self, groups) -> dict:
+        """(phase, sid) -> [split, groups of that signature (in order), prefix outputs or None, next row]."""
+        if not self.options.hoist:
+            return {}
+        by_sig: dict = {}
+        for key, nodes in groups:
+            by_sig.setdefault((key[0], key[2]), []).append(nodes)
+        out = {}
+        by_sid = SIGNATURES.by_sid
+        for (phase, sid), gl in by_sig.items():
+            if len(gl) < 2:
+                continue
+            info = by_sid[sid]
+            if info.ragged:
+                continue
+            sp = _hoist.plan(self.rec, program_of(info), gl)
+            if sp is not None:
+                out[(phase, sid)] = [sp, gl, None, 0]
+        return out
+
+    def run_group(self, key, nodes, hoisted=None) -> None:
         rec = self.rec
         st = self.stats
         info = SIGNATURES.by_sid[key[2]]
@@ -133,6 +162,17 @@ class Executor:
         plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
         bufs = rec.buffers
         ins = [take(bufs, p) for p in plans[:prog.n_in]]
+        if hoisted is not None:
+            sp = hoisted[0]
+            if hoisted[2] is None:  # first group of the signature: the prefix for all of them
+                with run_under(info.state):
+                    hoisted[2] = _hoist.run_prefix(self, sp, [nd for g in hoisted[1] for nd in g])
+                st.groups_by_rule["hoisted"] = st.groups_by_rule.get("hoisted", 0) + 1
+                st.batched_calls += 1
+            r0 = hoisted[3]
+            ins = ins + [t[r0:r0 + n] for t in hoisted[2]]
+            hoisted[3] = r0 + n
+            runner = self.runner_for(sp.rest)
         rags, segs, cnts = [], [], []
         if prog.n_ragged:
             seen = set()

@@ -1,19 +1,256 @@
-"""Kernel selection for batched matrix multiplies (placeholder until measured; see below)."""
+"""Kernel selection for the batched matrix multiplies of auto-batched programs.
+
+On some CPUs PyTorch's default fp32 matrix multiply (MKL's GEMM) runs well below oneDNN, which
+torch also ships: REFERENCES §7 measured 106-112 GFLOP/s for MKL against 200-243 for
+``torch.ops.mkldnn._linear_pointwise`` on one core of this machine kind. Which one wins depends
+on the shape and the machine, so for each batched ``F.linear`` the selector measures both kernels
+once per (machine, torch version, intra-op threads, dtype, autograd, bias, K, N, row bucket), keeps
+the faster (oneDNN only with a clear lead), and caches the choice in SQLite beside the
+micro-batching measurements (``$BATCHCRAFT_CACHE_DIR`` or ``~/.cache/batchcraft``).
+
+:func:`onednn_linear` is differentiable (a custom autograd Function: the forward and the input
+gradient through oneDNN, the weight gradient as a plain matrix product), so training stays
+correct through the chosen kernel; results agree with ``F.linear`` within float32 rounding.
+Autocast regions and non-CPU tensors always use ``F.linear``.
+"""
 
 from __future__ import annotations
 
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import torch
 import torch.nn.functional as F
 
+_lp = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+LEAD = 1.10            # oneDNN must be this much faster to be chosen (noise margin)
+SCHEMA = "kernels_v1"
 
-class _Default:
-    name = "default"
+
+def onednn_available() -> bool:
+    if _lp is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x = torch.ones(2, 3)
+        w = torch.ones(4, 3)
+        return bool(torch.allclose(_lp(x, w, None, "none", [], ""), F.linear(x, w)))
+    except Exception:  # the op exists but has no kernel in this build
+        return False
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return _lp(x, w, b, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = gw = gb = None
+        g2 = g.reshape(-1, g.shape[-1])
+        if ctx.needs_input_grad[0]:
+            gx = _lp(g2, w.t().contiguous(), None, "none", [], "").reshape(*g.shape[:-1], w.shape[1])
+        if ctx.needs_input_grad[1]:
+            gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        return gx, gw, gb
+
+
+def onednn_linear(x, weight, bias=None):
+    """``F.linear(x, weight, bias)`` through oneDNN (differentiable). ``x`` (..., K), ``weight`` (N, K)."""
+    if x.dim() != 2:
+        lead = x.shape[:-1]
+        return onednn_linear(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*lead, weight.shape[0])
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _OneDNNLinear.apply(x, weight, bias)
+    return _lp(x, weight, bias, "none", [], "")
+
+
+def _bucket(m: int) -> int:
+    b = 1
+    while b < m:
+        b *= 2
+    return b
+
+
+def _machine() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+class _Store:
+    """SQLite table of kernel choices (WAL, busy timeout; a file SQLite cannot read is rebuilt)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.db = None
+        if path is None:
+            return
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(path), timeout=10, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute(f"CREATE TABLE IF NOT EXISTS {SCHEMA} (key TEXT PRIMARY KEY, choice TEXT, "
+                            "default_us REAL, onednn_us REAL)")
+        except sqlite3.DatabaseError:
+            try:
+                os.replace(path, f"{path}.corrupt-{int(time.time())}")
+                self.db = sqlite3.connect(str(path), timeout=10, check_same_thread=False)
+                self.db.execute(f"CREATE TABLE IF NOT EXISTS {SCHEMA} (key TEXT PRIMARY KEY, choice TEXT, "
+                                "default_us REAL, onednn_us REAL)")
+            except (OSError, sqlite3.DatabaseError):
+                self.db = None
+        except OSError:
+            self.db = None
+
+    def get(self, key):
+        if self.db is None:
+            return None
+        with self.lock:
+            try:
+                row = self.db.execute(f"SELECT choice, default_us, onednn_us FROM {SCHEMA} WHERE key=?", (key,)).fetchone()
+            except sqlite3.DatabaseError:
+                return None
+        return row
+
+    def put(self, key, choice, t_default, t_onednn) -> None:
+        if self.db is None:
+            return
+        with self.lock:
+            try:
+                self.db.execute(f"INSERT OR REPLACE INTO {SCHEMA} VALUES (?, ?, ?, ?)", (key, choice, t_default, t_onednn))
+                self.db.commit()
+            except sqlite3.DatabaseError:
+                pass
+
+
+def default_cache_path():
+    if os.environ.get("BATCHCRAFT_KERNEL_CACHE", "1") == "0":
+        return None
+    base = os.environ.get("BATCHCRAFT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "batchcraft")
+    return os.path.join(base, "kernels.sqlite")
+
+
+def _time_us(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
+
+
+class Selector:
+    """Chooses the kernel of each batched linear (see the module docstring).
+
+    Args:
+        mode (str): ``"auto"`` (measured), ``"default"`` (always ``F.linear``), ``"onednn"``.
+        store: where choices persist (None: memory only); ``timer``: ``fn -> microseconds``.
+    """
+
+    def __init__(self, mode: str = "auto", store=None, timer=_time_us):
+        self.mode = mode
+        self.name = mode
+        self.store = store
+        self.timer = timer
+        self.choices: dict = {}
+        self.measured: dict = {}
+        self.onednn = onednn_available()
+        self.machine = _machine()
+
+    def key(self, x, w, b) -> tuple:
+        m = x.numel() // x.shape[-1] if x.dim() else 1
+        grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+        return (x.dtype, grad, b is not None, x.shape[-1], w.shape[0], _bucket(m), torch.get_num_threads())
+
+    def choose(self, x, w, b) -> str:
+        if (self.mode == "default" or not self.onednn or x.device.type != "cpu" or x.dtype != torch.float32
+                or x.dim() == 0 or torch.is_autocast_enabled("cpu") or w.dim() != 2):
+            return "default"
+        if self.mode == "onednn":
+            return "onednn"
+        k = self.key(x, w, b)
+        c = self.choices.get(k)
+        if c is None:
+            c = self.choices[k] = self._decide(k, x, w, b)
+        return c
+
+    def _decide(self, k, x, w, b) -> str:
+        skey = f"{self.machine}|{torch.__version__}|{k[0]}|grad={k[1]}|bias={k[2]}|K={k[3]}|N={k[4]}|M<={k[5]}|t={k[6]}"
+        row = self.store.get(skey) if self.store is not None else None
+        if row is not None:
+            self.measured[k] = (row[1], row[2])
+            return row[0]
+        m = k[5]
+        xs = torch.randn(m, k[3])
+        ws = w.detach()
+        bs = None if b is None else b.detach()
+        grad = k[1]
+
+        def run(fn):
+            def go():
+                if grad:
+                    xg = xs.requires_grad_(True)
+                    fn(xg, ws.requires_grad_(True), bs).sum().backward()
+                    xs.grad = None
+                    ws.grad = None
+                else:
+                    with torch.no_grad():
+                        fn(xs, ws, bs)
+            return go
+
+        with torch._C.DisableTorchFunction():
+            t_d = self.timer(run(F.linear))
+            t_o = self.timer(run(onednn_linear))
+            ws.requires_grad_(False)
+        choice = "onednn" if t_o * LEAD < t_d else "default"
+        self.measured[k] = (t_d, t_o)
+        if self.store is not None:
+            self.store.put(skey, choice, t_d, t_o)
+        return choice
+
+    def linear(self, x, w, b=None):
+        """``F.linear`` with the kernel chosen for this shape class."""
+        if self.choose(x, w, b) == "onednn":
+            return onednn_linear(x, w, b)
+        return F.linear(x, w, b)
 
     def linear_for(self, lw, shapes):
-        return F.linear
+        """The function a lowered program calls for a batched ``F.linear``."""
+        if self.mode == "default" or not self.onednn:
+            return F.linear
+        return self.linear
 
 
-_DEFAULT = _Default()
+_SELECTORS: dict = {}
+_STORE = None
 
 
-def selector(name: str):
-    return _DEFAULT
+def selector(mode: str) -> Selector:
+    """The process-wide selector for ``mode`` (``"auto"``, ``"default"`` or ``"onednn"``)."""
+    global _STORE
+    s = _SELECTORS.get(mode)
+    if s is None:
+        if mode == "auto" and _STORE is None:
+            _STORE = _Store(default_cache_path())
+        s = _SELECTORS[mode] = Selector(mode, _STORE if mode == "auto" else None)
+    return s
+
+
+__all__ = ["Selector", "selector", "onednn_linear", "onednn_available"]

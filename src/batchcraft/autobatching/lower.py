@@ -300,7 +300,8 @@ class Runner:
                 if d is None:
                     continue  # consts are inside the nested trace
                 ins.append(e if b else f"{e}.unsqueeze(0).expand((n,) + {tuple(DESCS[d][0])!r})")
-            return f"{em.name(nested, 'B')}.dense(n, {', '.join(ins)})", "block"
+            tail = "[0]" if st.out_struct is LEAF else ""
+            return f"{em.name(nested, 'B')}.dense(n, {', '.join(ins)}){tail}", "block"
         rule = rule_for(st.func)
         if rule is None:
             self.fallbacks[st.index] = "no batching rule (custom operator without a vmap rule)"

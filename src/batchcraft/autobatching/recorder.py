@@ -23,6 +23,7 @@ from weakref import ref as _weakref
 import torch
 
 from batchcraft.autobatching import buffers as _buffers
+from batchcraft.autobatching import cells as _cells
 from batchcraft.autobatching import functional as _functional
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
@@ -222,6 +223,10 @@ class RecorderBase:
             return self.inplace(args[0], func, args, kwargs), None
         if func in _buffers.BATCH_NORMS:
             out = _buffers.record_batch_norm(self, args, kwargs)
+            if out is not NotImplemented:
+                return out, None
+        if func in _cells.CELL_FUNCS:
+            out = _cells.record_cell(self, func, args, kwargs)
             if out is not NotImplemented:
                 return out, None
         leaves: list = []
@@ -694,6 +699,30 @@ class PyRecorder(RecorderBase):
             bufs, rows = self._refs_rows(refs)
             plans.append((plan_rows(bufs, rows), seg, cnt))
         return plans
+
+    def plan_slots(self, nodes, slots):
+        """Plans of the single input ``slots`` of ``nodes`` (their producers must be computed)."""
+        ins = self.ins
+        plans = []
+        for j in slots:
+            bufs, rows = self._refs_rows([ins[nd][j] for nd in nodes])
+            if min(bufs) < 0:  # pragma: no cover - the hoisting planner checked the depths
+                raise RuntimeError("batchcraft: hoisted input not computed")
+            plans.append(plan_rows(bufs, rows))
+        return plans
+
+    def input_depths(self, nodes, n_single: int):
+        """``(min depth of nodes, [deepest pending producer of each single slot])``."""
+        mind = min(self.depth[nd] for nd in nodes)
+        deep = [0] * n_single
+        for nd in nodes:
+            for j, (p, _) in enumerate(self.ins[nd][:n_single]):
+                if self.loc_buf[p] >= 0 or self.sid[p] == 0 or self.nphase[p] < self.nphase[nd]:
+                    continue
+                d = 2 ** 31 if self.nphase[p] > self.nphase[nd] else self.depth[p]
+                if d > deep[j]:
+                    deep[j] = d
+        return mind, deep
 
     def place(self, nodes, buf: int, base: int) -> None:
         """The outputs of ``nodes`` are rows ``base, base+1, ...`` of buffers ``buf, buf+1, ...``."""

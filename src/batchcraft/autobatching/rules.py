@@ -583,7 +583,10 @@ def _register_functional():
     from batchcraft.autobatching.buffers import batch_norm_train, rule_batch_norm_train
     from batchcraft.autobatching.functional import setitem_functional
 
+    from batchcraft.autobatching.cells import GATES, lower_gates, rule_gates
+
     _register([setitem_functional], Rule("setitem", rule_setitem_functional))
+    _register(list(GATES), Rule("gates", rule_gates, lower_gates))
     _register([batch_norm_train], Rule("batch_norm", rule_batch_norm_train))
 
 

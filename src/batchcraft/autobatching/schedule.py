@@ -26,11 +26,12 @@ class DepthScheduler:
         t0 = _perf()
         groups = rec.take_buckets()
         groups.sort(key=lambda kv: (kv[0][0], kv[0][1]))
+        hoists = executor.plan_hoists(groups)
         stats.schedule_s += _perf() - t0
         executor.begin(groups)
         try:
             for key, nodes in groups:
-                executor.run_group(key, nodes)
+                executor.run_group(key, nodes, hoists.get((key[0], key[2])))
         finally:
             executor.end()
 
