@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 from batchcraft.errors import ConfigurationError
 from batchcraft.parallel import BASELINES, ParallelConfig
 from batchcraft.parallel.analysis import GraphAnalysis, HeavyOp
+from batchcraft.parallel.budget import Budget
 from batchcraft.parallel.halving import CostModel, HalvingSearch
-from batchcraft.parallel.launcher import TrialResult
-from batchcraft.parallel.search import _tune
+from batchcraft.parallel.objective import Objective
+from batchcraft.parallel.search import run_search
+from batchcraft.parallel.trial import TrialResult
 
 
 class FakeClock:
@@ -56,6 +58,9 @@ class FakeGroups:
     def close(self):
         self.closed = True
 
+    def drop(self, cfg):
+        pass
+
 
 WIDE = GraphAnalysis(heavy_ops=[HeavyOp("a", "conv", "a", 100, 1), HeavyOp("b", "conv", "b", 100, 1),
                                 HeavyOp("c", "conv", "c", 100, 2)],
@@ -66,9 +71,12 @@ def by_label(table, default=100.0):
     return lambda cfg: table.get(cfg.label, default) * (cfg.instances if cfg.label == "grid" else 1)
 
 
-def run_tune(groups, clock, budget_s, *, cpus=(0, 1), batch_sizes=(1, 8, 64), objective="throughput"):
-    return _tune(groups, clock, clock(), "fake", list(batch_sizes), objective, budget_s, None, WIDE, True,
-                 list(cpus), eta=3, repeats=3, k_final=2, progress=False)
+def run_tune(groups, clock, budget_s, *, cpus=(0, 1), batch_sizes=(1, 8, 64), objective="throughput", limit=None,
+             knobs=(), **kw):
+    # knobs=(): no knob race (tests of it pass knobs explicitly)
+    return run_search(groups, Budget(budget_s, clock), "fake", list(batch_sizes), Objective(objective, limit), WIDE,
+                      True, list(cpus), eta=3, repeats=3, k_final=2, progress=False, knobs=knobs, **kw)
+
 
 def ranked_by_trial_length(long_from_s):
     """Speeds under which trials shorter than ``long_from_s`` rank pytorch-default first and
@@ -336,7 +344,7 @@ def test_reported_numbers_agree_with_the_ratios_after_a_playoff():
             shown = pb["best"]["throughput_items_per_s"] / base["throughput_items_per_s"]
             assert shown == pytest.approx(pb["ratios"][label]), label
     assert pb["decided_by"]["pytorch-default"] == "playoff"
-    from batchcraft.parallel.report import comparison_table
+    from batchcraft.parallel.tables import comparison_table
 
     assert "playoff" in comparison_table(res.to_dict())
 
@@ -355,8 +363,7 @@ def test_ratios_with_a_latency_limit_are_never_below_one():
 
     clock = FakeClock()
     groups = LatencyGroups(clock, lambda c: 100.0, call_s=0.002)
-    res = _tune(groups, clock, clock(), "fake", [8], "latency", 30.0, 10.0, WIDE, True, [0, 1],
-                eta=3, repeats=3, k_final=2, progress=False)
+    res = run_tune(groups, clock, 30.0, batch_sizes=[8], objective="latency", limit=10.0)
     pb = res.per_batch[0]
     assert pb["best"]["config"]["label"] == "intel-recommended"
     assert min(pb["ratios"].values()) >= 1.0, pb["ratios"]
@@ -379,3 +386,91 @@ def test_a_failed_playoff_is_not_played_again():
         rounds = {t["round"] for t in res.trials if t["role"] == "playoff" and t["batch_size"] == pb["batch_size"]}
         assert len(rounds) <= 1
         assert not pb["playoff"]
+
+
+# -- the knob race ------------------------------------------------------------------------------
+
+def knob_speed(factors):
+    """items/s from the configuration itself: 50 per instance, times a factor per knob value."""
+    def speed(cfg):
+        s = 50.0 * cfg.instances
+        for knob in ("matmul", "conv", "allocator", "omp_wait_policy"):
+            s *= factors.get((knob, getattr(cfg, knob)), 1.0)
+        return s
+    return speed
+
+
+@pytest.fixture
+def with_jemalloc(monkeypatch):
+    import batchcraft.parallel.knobs as knobs
+
+    monkeypatch.setattr(knobs, "available_allocators", lambda: ("default", "jemalloc"))
+
+
+VARIANTS = [("default", "default"), ("onednn", "default")]
+ALL_KNOBS = ("matmul", "conv", "allocator", "omp_wait_policy")
+
+
+def test_the_knob_race_measures_every_one_knob_change_beside_the_choice(with_jemalloc):
+    clock = FakeClock()
+    groups = FakeGroups(clock, knob_speed({("matmul", "onednn"): 1.3}), call_s=0.002)
+    res = run_tune(groups, clock, 60.0, batch_sizes=(8,), knobs=ALL_KNOBS, variants=VARIANTS)
+    assert (res.best.instances, res.best.matmul) == (2, "onednn")  # found in the search itself
+    rows = {r["label"]: r for r in res.knobs["rows"]}
+    assert set(rows) >= {"choice", "matmul default, conv default", "allocator jemalloc", "omp_wait_policy passive",
+                         "omp_wait_policy active"}
+    assert any(r["role"] == "baseline" for r in rows.values())
+    back = rows["matmul default, conv default"]["ratio"]  # oneDNN's gain, measured beside the choice
+    assert back["estimate"] == pytest.approx(1 / 1.3) and back["high"] < 1
+    assert res.knobs["adopted"] is None and res.best_round == "knobs"
+    assert clock() - 1000.0 <= 60.0 + 0.05
+
+
+def test_a_knob_change_faster_in_every_round_is_adopted(with_jemalloc):
+    clock = FakeClock()
+    groups = FakeGroups(clock, knob_speed({("omp_wait_policy", "active"): 1.2}), call_s=0.002, noise=0.02)
+    res = run_tune(groups, clock, 60.0, batch_sizes=(8,), knobs=ALL_KNOBS, final_repeats=5)
+    assert res.knobs["adopted"] == "omp_wait_policy active"
+    assert res.best.omp_wait_policy == "active" and res.best.instances == 2
+    assert res.best_result.throughput_items_per_s == pytest.approx(120.0, rel=0.05)
+
+
+def test_a_change_that_does_not_matter_is_rarely_adopted_whatever_the_noise():
+    adopted = 0
+    for seed in range(40):
+        clock = FakeClock()
+        groups = FakeGroups(clock, knob_speed({}), call_s=0.002, noise=0.1, seed=seed)
+        res = run_tune(groups, clock, 40.0, batch_sizes=(8,), knobs=("omp_wait_policy",), final_repeats=5)
+        assert res.knobs["rounds"] == 5
+        adopted += res.knobs["adopted"] is not None
+    # two equal alternatives, 5 rounds: P(one has every paired ratio > 1) = 1 - (31/32)^2, about 6%
+    assert adopted <= 6
+
+
+def test_three_rounds_are_too_few_to_adopt_anything():
+    clock = FakeClock()
+    groups = FakeGroups(clock, knob_speed({("omp_wait_policy", "active"): 1.2}), call_s=0.002)
+    res = run_tune(groups, clock, 60.0, batch_sizes=(8,), knobs=("omp_wait_policy",), final_repeats=3)
+    assert res.knobs["rounds"] == 3 and res.knobs["adopted"] is None
+    assert any("below the 90% needed" in n for n in res.notes)
+
+
+def test_an_alternative_that_fails_is_left_out_with_a_note(with_jemalloc):
+    from batchcraft.errors import WorkerError
+
+    class Failing(FakeGroups):
+        def measure(self, cfg, duration_s, warmup_s):
+            if cfg.allocator == "jemalloc":
+                raise WorkerError("instance 0 died with exit code -11")
+            return super().measure(cfg, duration_s, warmup_s)
+
+    clock = FakeClock()
+    res = run_tune(Failing(clock, knob_speed({}), call_s=0.002), clock, 60.0, batch_sizes=(8,), knobs=ALL_KNOBS)
+    assert "allocator jemalloc" not in {r["label"] for r in res.knobs["rows"]}
+    assert any("allocator jemalloc left out" in n for n in res.notes)
+
+
+def test_no_knob_race_below_its_budget():
+    clock = FakeClock()
+    res = run_tune(FakeGroups(clock, knob_speed({}), call_s=0.002), clock, 20.0, batch_sizes=(8,), knobs=ALL_KNOBS)
+    assert res.knobs is None and res.best_round == "final"

@@ -1,0 +1,77 @@
+"""Worker groups by process-level configuration, started together and closed together.
+
+The tuner, the sweep and :func:`~batchcraft.parallel.compare.head_to_head` measure through a
+:class:`Groups`: one :class:`~batchcraft.parallel.workers.WorkerGroup` per process-level key
+(instances, threads, pinning, environment, allocator, wait policy); configurations that differ
+only in batch size or model-level knobs share it. ``measure(cfg, duration_s, warmup_s)`` is the
+interface the search engine sees (tests replace it with fake groups on a fake clock).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from batchcraft.parallel.config import ParallelConfig
+from batchcraft.parallel.trial import TrialResult
+from batchcraft.parallel.workers import WorkerGroup
+
+__all__ = ["Groups"]
+
+
+class Groups:
+    """Worker groups of one model on ``cpus``.
+
+    Args:
+        spec (ModelSpec): the model.
+        cpus (list[int]): CPUs to spread instances over.
+    """
+
+    def __init__(self, spec, cpus: list[int]):
+        self.spec, self.cpus = spec, cpus
+        self._groups: dict[tuple, WorkerGroup] = {}
+
+    def _new(self, cfg: ParallelConfig) -> WorkerGroup:
+        # baselines are measured as recommended, oversubscribed or not
+        return WorkerGroup(cfg, self.spec, cpus=self.cpus, oversubscribe=cfg.label not in ("grid", "tuned"))
+
+    def start_all(self, configs, timeout_s: float = math.inf) -> list[ParallelConfig]:
+        """Spawn every configuration's processes at once (start-up overlaps) and wait for them.
+
+        Returns the configurations whose instances were not ready within ``timeout_s`` (their
+        processes are stopped). An instance that fails raises WorkerError.
+        """
+        deadline = time.monotonic() + timeout_s
+        try:
+            for cfg in configs:
+                if cfg.key() not in self._groups:
+                    self._groups[cfg.key()] = self._new(cfg).spawn()
+            late = [cfg for cfg in configs if cfg.key() in self._groups
+                    and not self._groups[cfg.key()].ready(min(3600.0, max(0.0, deadline - time.monotonic())))]
+        except BaseException:
+            self.close()
+            raise
+        for cfg in late:
+            g = self._groups.pop(cfg.key(), None)
+            if g is not None:
+                g.close()
+        return late
+
+    def measure(self, cfg: ParallelConfig, duration_s: float, warmup_s: float = 0.3) -> TrialResult:
+        g = self._groups.get(cfg.key())
+        if g is None:
+            self._groups[cfg.key()] = g = self._new(cfg).start()
+        res = g.measure(cfg.batch_size, duration_s, warmup_s=warmup_s, variant=cfg.variant())
+        res.config["label"] = cfg.label
+        return res
+
+    def drop(self, cfg: ParallelConfig) -> None:
+        """Stop the group of ``cfg`` (e.g. after it failed)."""
+        g = self._groups.pop(cfg.key(), None)
+        if g is not None:
+            g.close()
+
+    def close(self):
+        for g in self._groups.values():
+            g.close()
+        self._groups.clear()

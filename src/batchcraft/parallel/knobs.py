@@ -1,0 +1,221 @@
+"""The knobs beyond threads: which to try, and the knob race that measures them on the choice.
+
+Model-level knobs (``matmul`` and ``conv`` backends) are searched with the threads: every grid
+point in every backend variant worth trying (:func:`model_variants`), since they switch inside
+running instances at no start-up cost. Process-level knobs (``allocator``, ``omp_wait_policy``)
+and ``compile`` need new processes or a long first call, so they are measured once, on the
+choice, in a **knob race** (:func:`knob_race`): the choice, the best baseline of its batch size and
+the choice with one knob changed at a time, side by side in interleaved rounds
+(:class:`batchcraft.measure.race.Race`). A change is adopted when it is faster with its whole
+interval above 1 (every round agreeing, with 5 rounds); at most one change (the fastest such):
+the knobs' effects are not assumed to add up. Every alternative's ratio to the choice, with its
+interval, goes into the report whether adopted or not; that the choice without a backend knob is
+slower (e.g. oneDNN's gain) is measured in the same race.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from batchcraft.errors import BatchcraftError
+from batchcraft.measure.race import Race
+from batchcraft.parallel.backends import convert, relevant_knobs
+from batchcraft.parallel.config import ParallelConfig
+from batchcraft.parallel.env_knobs import WAIT_POLICIES, available_allocators
+from batchcraft.parallel.workload import invoke
+
+__all__ = ["KNOB_NAMES", "DEFAULT_KNOBS", "model_variants", "alternatives", "knob_race", "KnobRaceResult"]
+
+KNOB_NAMES = ("matmul", "conv", "allocator", "omp_wait_policy", "compile")
+DEFAULT_KNOBS = ("matmul", "conv", "allocator", "omp_wait_policy")  # compile: opt-in (see tune())
+KNOB_SHARE = 0.3  # of the budget, set aside for the knob race when the budget allows one
+KNOB_MIN_TRIAL_S = 0.1
+KNOB_MIN_CALLS = 3
+KNOB_ROUNDS = 5
+ADOPT_CONFIDENCE = 0.9  # a change is adopted only on an interval this sure (5 rounds or more)
+
+
+def model_variants(work, analysis, knobs=DEFAULT_KNOBS, *, min_fraction: float | None = None
+                   ) -> tuple[list[tuple[str, str]], list[str]]:
+    """((matmul, conv) pairs to search, default first; notes) for a workload.
+
+    A backend is kept only if this torch build has it, the model has enough of the layer kind
+    (:func:`relevant_knobs`) and the converted model's output on a batch of 2 equals the
+    default's to float32 rounding (checked here, in the tuning process).
+    """
+    from batchcraft.parallel._worker import check_close
+
+    if not work.traceable or analysis is None:
+        return [("default", "default")], []
+    rel = relevant_knobs(analysis) if min_fraction is None else relevant_knobs(analysis, min_fraction=min_fraction)
+    matmuls = rel["matmul"] if "matmul" in knobs else ("default",)
+    convs = rel["conv"] if "conv" in knobs else ("default",)
+    pairs, notes = [], []
+    x = work.make_batch(2)
+    with torch.inference_mode():
+        ref = work.call(x)
+        for m in matmuls:
+            for c in convs:
+                if (m, c) == ("default", "default"):
+                    pairs.insert(0, (m, c))
+                    continue
+                try:
+                    check_close(invoke(convert(work.model, matmul=m, conv=c), x), ref, f"matmul {m}, conv {c}")
+                except (AssertionError, RuntimeError) as exc:
+                    notes.append(f"backend variant matmul {m} / conv {c} left out: {str(exc).splitlines()[0]}")
+                    continue
+                pairs.append((m, c))
+    return pairs, notes
+
+
+def alternatives(cfg: ParallelConfig, knobs=DEFAULT_KNOBS, *, traceable: bool = True,
+                 variants=(("default", "default"),)) -> list[ParallelConfig]:
+    """The choice with one knob changed at a time (labels name the change).
+
+    Backends: every other searched variant of ``cfg``'s process (its gain or loss against the
+    choice, measured side by side); allocators installed here; the two other wait policies;
+    ``torch.compile`` when asked for, the model is traceable and runs in one pool.
+    """
+    out = []
+
+    def add(label, **change):
+        alt = cfg.replace(label=label, **change)
+        if alt.trial_key() != cfg.trial_key() and all(alt.trial_key() != o.trial_key() for o in out):
+            out.append(alt)
+
+    for m, c in variants:
+        if (m, c) != (cfg.matmul, cfg.conv):
+            add(f"matmul {m}, conv {c}", matmul=m, conv=c, compile=False)
+    if "allocator" in knobs:
+        for a in available_allocators():
+            add(f"allocator {a}", allocator=a)
+    if "omp_wait_policy" in knobs:
+        for w in WAIT_POLICIES:
+            add(f"omp_wait_policy {w}", omp_wait_policy=w)
+    if "compile" in knobs and traceable and cfg.inter_op_threads == 1:
+        add("compile", compile=not cfg.compile, matmul="default", conv="default")
+    return out
+
+
+@dataclass
+class KnobRaceResult:
+    """What the knob race measured.
+
+    Attributes:
+        choice (ParallelConfig): the configuration after the race (an adopted change included).
+        adopted (str | None): label of the adopted change, or None.
+        rows (list[dict]): per contender: label, config, median result, ratio to the choice
+            before the race (``ratio``: estimate, low, high, confidence, units).
+        notes (list[str]): contenders dropped, rounds cut short.
+        rounds (int), trial_s (float): rounds run, trial length.
+    """
+
+    choice: ParallelConfig
+    adopted: str | None = None
+    rows: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    rounds: int = 0
+    trial_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"choice": self.choice.to_dict(), "adopted": self.adopted, "rows": self.rows,
+                "notes": self.notes, "rounds": self.rounds, "trial_s": self.trial_s}
+
+
+def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baseline: ParallelConfig | None,
+              alts: list[ParallelConfig], *, rounds: int = KNOB_ROUNDS, rnd: int = 0,
+              max_trial_s: float = 1.0) -> KnobRaceResult:
+    """Race ``choice``, ``baseline`` and ``alts`` side by side until the budget's hard end.
+
+    New process groups start together (their start-up is waited for up to half of what is left);
+    an alternative whose instances fail or whose values differ is dropped with a note. The
+    trial length is fitted so that ``rounds`` rounds end by the hard end (at least
+    KNOB_MIN_TRIAL_S and KNOB_MIN_CALLS calls, at most ``max_trial_s``); trials that would pass it
+    are skipped.
+    """
+    out = KnobRaceResult(choice)
+    contenders = [choice] + ([baseline] if baseline is not None and baseline.trial_key() != choice.trial_key() else [])
+    contenders += alts
+    late = groups.start_all(contenders, max(0.0, 0.5 * budget.left(budget.hard_end)))
+    if late:
+        out.notes.append("not started in time, left out: " + ", ".join(c.label for c in late))
+    late_keys = {c.key() for c in late}
+    live = [c for c in contenders if c.key() not in late_keys]
+    # warm up (packs weights, compiles): one probe each; a failing alternative is dropped
+    ok = []
+    for c in live:
+        t0 = budget.clock()
+        if t0 + engine.cost.wall(c, 0.0) > budget.hard_end:
+            out.notes.append(f"no time to warm up {c.label}")
+            continue
+        try:
+            res = engine.measure(c, 1e-3, engine.cost.warmup_s)
+        except BatchcraftError as exc:
+            if c is choice:
+                raise
+            out.notes.append(f"{c.label} left out: {str(exc).splitlines()[0]}")
+            if all(o.key() != c.key() for o in live if o is not c):
+                groups.drop(c)  # its own processes (a process-level knob): not needed any more
+            continue
+        engine.cost.learn(c, 1e-3, budget.clock() - t0, res)
+        ok.append(c)
+    live = ok
+    if len(live) < 2:
+        out.notes.append("knob race: nothing to compare the choice with")
+        return out
+    left = budget.left(budget.hard_end)
+    per_round = sum(engine.cost.wall(c, 0.0, with_warmup=False) for c in live)
+    length = max(KNOB_MIN_TRIAL_S, (left / rounds - per_round) / len(live))
+    length = min(length, max(KNOB_MIN_TRIAL_S, max_trial_s))
+
+    def variant(c):
+        def trial():
+            n = max(length, engine.cost.floor(c, KNOB_MIN_CALLS, KNOB_MIN_TRIAL_S))
+            t0 = budget.clock()
+            if t0 + engine.cost.wall(c, n) > budget.hard_end:
+                return None
+            res = engine.measure(c, n, engine.cost.warmup_s)
+            engine.cost.learn(c, n, budget.clock() - t0, res)
+            res.config["label"] = c.label
+            engine.trials.append({"round": rnd, "role": "knobs", "repeat": race.rounds, "duration_s": n,
+                                  **res.to_dict()})
+            engine.on_trial()
+            return res
+        return trial
+
+    race = Race([variant(c) for c in live], labels=[c.label for c in live], value=objective.value)
+    while race.rounds < rounds:
+        if not race.run_round():
+            break
+    out.rounds, out.trial_s = race.rounds, length
+    if race.rounds < rounds:
+        out.notes.append(f"knob race: {race.rounds} of {rounds} rounds fitted the budget")
+    if not race.raw(0):
+        out.notes.append("knob race: the choice was not measured")
+        return out
+    for i, c in enumerate(live):
+        if not race.raw(i):
+            continue
+        iv = race.ratio(i, 0, pair=objective.ratio) if i else None
+        med = objective.median(race.raw(i))
+        engine.rounds.append({"round": rnd, "role": "knobs", "repeats": len(race.raw(i)), **med.to_dict()})
+        out.rows.append({"label": c.label if i else "choice", "config": c.to_dict(), "result": med.to_dict(),
+                         "ratio": None if iv is None else iv.to_dict(),
+                         "role": "choice" if i == 0 else ("baseline" if c is baseline else "alternative")})
+    best_alt, best_est = None, 1.0
+    for i, c in enumerate(live[1:], start=1):
+        if c is baseline or not race.raw(i):
+            continue
+        iv = race.ratio(i, 0, pair=objective.ratio)
+        if iv.confidence >= ADOPT_CONFIDENCE and iv.low > 1.0 and iv.estimate > best_est and not math.isnan(iv.estimate):
+            best_alt, best_est = c, iv.estimate
+    if race.rounds and race.ratio(1, 0).confidence < ADOPT_CONFIDENCE:
+        out.notes.append(f"knob race: {race.rounds} rounds give {race.ratio(1, 0).confidence:.0%} intervals, "
+                         f"below the {ADOPT_CONFIDENCE:.0%} needed to adopt a change; nothing adopted")
+    if best_alt is not None:
+        out.adopted = best_alt.label
+        out.choice = best_alt.replace(label=choice.label)
+    return out
