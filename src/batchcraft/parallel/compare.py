@@ -6,8 +6,8 @@ interleaved rounds with a rotating start, median per configuration.
 * :func:`sweep` measures every configuration of the unpruned search space (the grid with every
   inter-op pool count up to the graph's width, in every backend variant the model's layer kinds
   allow, and the baselines) at every batch size, then the best one with each process-level knob
-  changed (allocator, OpenMP wait policy: a coordinate step; the full product would be hundreds
-  of process configurations). The tuner is checked against it.
+  changed (allocator; OpenMP wait policy where a pool has a team of threads: a coordinate step, the
+  full product would be hundreds of process configurations). The tuner is checked against it.
 * :func:`head_to_head` re-measures a few configurations side by side, optionally in several
   fresh sets of processes (``starts``), and returns their medians and the race, whose paired
   ratios give confidence intervals. One set of processes measures the noise within those
@@ -28,7 +28,7 @@ from batchcraft.parallel.env_knobs import WAIT_POLICIES, available_allocators
 from batchcraft.parallel.grid import candidates
 from batchcraft.parallel.groups import Groups
 from batchcraft.parallel.halving import SPREAD_LIMIT, CostModel
-from batchcraft.parallel.knobs import DEFAULT_KNOBS
+from batchcraft.parallel.knobs import DEFAULT_KNOBS, team_threads
 from batchcraft.parallel.objective import Objective
 from batchcraft.parallel.search import prepare_model
 from batchcraft.parallel.threads import preserved_thread_state
@@ -58,7 +58,7 @@ def _process_alternatives(cfg: ParallelConfig, knobs) -> list[ParallelConfig]:
     out = []
     if "allocator" in knobs:
         out += [cfg.replace(allocator=a, label=f"{cfg.label}+{a}") for a in available_allocators() if a != cfg.allocator]
-    if "omp_wait_policy" in knobs:
+    if "omp_wait_policy" in knobs and team_threads(cfg) > 1:
         out += [cfg.replace(omp_wait_policy=w, label=f"{cfg.label}+wait {w}") for w in WAIT_POLICIES
                 if w != cfg.omp_wait_policy]
     return out

@@ -57,6 +57,21 @@ class Groups:
                 g.close()
         return late
 
+    def spawn_all(self, configs) -> None:
+        """Start the processes of configurations not running yet, without waiting for them."""
+        try:
+            for cfg in configs:
+                if cfg.key() not in self._groups:
+                    self._groups[cfg.key()] = self._new(cfg).spawn()
+        except BaseException:
+            self.close()
+            raise
+
+    def is_ready(self, cfg: ParallelConfig) -> bool:
+        """True once ``cfg``'s instances have built the model (WorkerError if one failed)."""
+        g = self._groups.get(cfg.key())
+        return g is not None and g.ready(0.0)
+
     def measure(self, cfg: ParallelConfig, duration_s: float, warmup_s: float = 0.3) -> TrialResult:
         g = self._groups.get(cfg.key())
         if g is None:

@@ -16,6 +16,7 @@ slower (e.g. oneDNN's gain) is measured in the same race.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -76,8 +77,9 @@ def alternatives(cfg: ParallelConfig, knobs=DEFAULT_KNOBS, *, traceable: bool = 
     """The choice with one knob changed at a time (labels name the change).
 
     Backends: every other searched variant of ``cfg``'s process (its gain or loss against the
-    choice, measured side by side); allocators installed here; the two other wait policies;
-    ``torch.compile`` when asked for, the model is traceable and runs in one pool.
+    choice, measured side by side); allocators installed here; the two other wait policies where
+    a pool has an OpenMP team (more than one intra-op thread: a single thread never waits for a
+    team); ``torch.compile`` when asked for, the model is traceable and runs in one pool.
     """
     out = []
 
@@ -92,12 +94,21 @@ def alternatives(cfg: ParallelConfig, knobs=DEFAULT_KNOBS, *, traceable: bool = 
     if "allocator" in knobs:
         for a in available_allocators():
             add(f"allocator {a}", allocator=a)
-    if "omp_wait_policy" in knobs:
+    if "omp_wait_policy" in knobs and team_threads(cfg) > 1:  # one thread per pool: no team waits
         for w in WAIT_POLICIES:
             add(f"omp_wait_policy {w}", omp_wait_policy=w)
     if "compile" in knobs and traceable and cfg.inter_op_threads == 1:
         add("compile", compile=not cfg.compile, matmul="default", conv="default")
     return out
+
+
+def team_threads(cfg: ParallelConfig) -> int:
+    """OpenMP threads in one pool's team (PyTorch's default: every usable core)."""
+    if cfg.intra_op_threads is not None:
+        return cfg.intra_op_threads
+    import os
+
+    return len(os.sched_getaffinity(0))
 
 
 @dataclass
@@ -130,45 +141,24 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
               max_trial_s: float = 1.0) -> KnobRaceResult:
     """Race ``choice``, ``baseline`` and ``alts`` side by side until the budget's hard end.
 
-    New process groups start together (their start-up is waited for up to half of what is left);
-    an alternative whose instances fail or whose values differ is dropped with a note. The
-    trial length is fitted so that ``rounds`` rounds end by the hard end (at least
-    KNOB_MIN_TRIAL_S and KNOB_MIN_CALLS calls, at most ``max_trial_s``); trials that would pass it
-    are skipped.
+    Contenders whose processes are already running (the choice, the baseline, backend variants of
+    the choice's process) start racing at once; the processes of process-level alternatives are
+    started at the same time and each joins the race when it is ready (until half of the time
+    is gone; later ones are left out with a note), so their start-up does not idle the cores.
+    ``rounds`` rounds are run after the last one joined, as time allows. A contender whose
+    instances fail or whose values differ is dropped with a note. The trial length is fitted so
+    that ``rounds`` rounds of every contender fit in what is left (at least KNOB_MIN_TRIAL_S and
+    KNOB_MIN_CALLS calls, at most ``max_trial_s``); trials that would pass the hard end are
+    skipped.
     """
     out = KnobRaceResult(choice)
     contenders = [choice] + ([baseline] if baseline is not None and baseline.trial_key() != choice.trial_key() else [])
     contenders += alts
-    late = groups.start_all(contenders, max(0.0, 0.5 * budget.left(budget.hard_end)))
-    if late:
-        out.notes.append("not started in time, left out: " + ", ".join(c.label for c in late))
-    late_keys = {c.key() for c in late}
-    live = [c for c in contenders if c.key() not in late_keys]
-    # warm up (packs weights, compiles): one probe each; a failing alternative is dropped
-    ok = []
-    for c in live:
-        t0 = budget.clock()
-        if t0 + engine.cost.wall(c, 0.0) > budget.hard_end:
-            out.notes.append(f"no time to warm up {c.label}")
-            continue
-        try:
-            res = engine.measure(c, 1e-3, engine.cost.warmup_s)
-        except BatchcraftError as exc:
-            if c is choice:
-                raise
-            out.notes.append(f"{c.label} left out: {str(exc).splitlines()[0]}")
-            if all(o.key() != c.key() for o in live if o is not c):
-                groups.drop(c)  # its own processes (a process-level knob): not needed any more
-            continue
-        engine.cost.learn(c, 1e-3, budget.clock() - t0, res)
-        ok.append(c)
-    live = ok
-    if len(live) < 2:
-        out.notes.append("knob race: nothing to compare the choice with")
-        return out
+    groups.spawn_all(contenders)
+    start_end = budget.clock() + 0.5 * budget.left(budget.hard_end)
     left = budget.left(budget.hard_end)
-    per_round = sum(engine.cost.wall(c, 0.0, with_warmup=False) for c in live)
-    length = max(KNOB_MIN_TRIAL_S, (left / rounds - per_round) / len(live))
+    per_round = sum(engine.cost.wall(c, 0.0, with_warmup=False) for c in contenders)
+    length = max(KNOB_MIN_TRIAL_S, (0.8 * left / rounds - per_round) / len(contenders))
     length = min(length, max(KNOB_MIN_TRIAL_S, max_trial_s))
 
     def variant(c):
@@ -186,17 +176,63 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
             return res
         return trial
 
-    race = Race([variant(c) for c in live], labels=[c.label for c in live], value=objective.value)
-    while race.rounds < rounds:
-        if not race.run_round():
+    race = Race([variant(c) for c in contenders], labels=[c.label for c in contenders], value=objective.value)
+    pending, joined, dropped = list(range(len(contenders))), [], set()
+
+    def join_ready():
+        for i in list(pending):
+            c = contenders[i]
+            try:
+                if not groups.is_ready(c):
+                    continue
+                t0 = budget.clock()
+                if t0 + engine.cost.wall(c, 0.0) > budget.hard_end:
+                    continue
+                res = engine.measure(c, 1e-3, engine.cost.warmup_s)  # warm up: packs weights, compiles
+                engine.cost.learn(c, 1e-3, budget.clock() - t0, res)
+            except BatchcraftError as exc:
+                if i == 0:
+                    raise
+                pending.remove(i)
+                dropped.add(i)
+                out.notes.append(f"{c.label} left out: {str(exc).splitlines()[0]}")
+                if all(o.key() != c.key() for j, o in enumerate(contenders) if j != i and j not in dropped):
+                    groups.drop(c)  # its own processes (a process-level knob): not needed any more
+                continue
+            pending.remove(i)
+            joined.append(i)
+        return bool(joined)
+
+    since_all = 0
+    while since_all < rounds and budget.left(budget.hard_end) > 0:
+        join_ready()
+        if pending and budget.clock() > start_end:
+            for i in pending:
+                out.notes.append(f"not started in time, left out: {contenders[i].label}")
+                dropped.add(i)
+                if all(o.key() != contenders[i].key() for j, o in enumerate(contenders) if j in joined):
+                    groups.drop(contenders[i])
+            pending.clear()
+        if 0 not in joined:
+            if not pending:
+                break
+            time.sleep(0.05)
+            continue
+        if len(joined) < 2 and pending:
+            time.sleep(0.05)  # nothing to compare with yet
+            continue
+        if not race.run_round(sorted(joined)):
             break
+        since_all = 0 if pending else since_all + 1
     out.rounds, out.trial_s = race.rounds, length
-    if race.rounds < rounds:
-        out.notes.append(f"knob race: {race.rounds} of {rounds} rounds fitted the budget")
-    if not race.raw(0):
-        out.notes.append("knob race: the choice was not measured")
+    if not race.raw(0) or len(joined) < 2:
+        out.notes.append("knob race: nothing was compared with the choice")
         return out
-    for i, c in enumerate(live):
+    if since_all < rounds:
+        out.notes.append(f"knob race: {since_all} of {rounds} rounds with every contender fitted the budget")
+    live = sorted(joined)
+    for i in live:
+        c = contenders[i]
         if not race.raw(i):
             continue
         iv = race.ratio(i, 0, pair=objective.ratio) if i else None
@@ -205,16 +241,18 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
         out.rows.append({"label": c.label if i else "choice", "config": c.to_dict(), "result": med.to_dict(),
                          "ratio": None if iv is None else iv.to_dict(),
                          "role": "choice" if i == 0 else ("baseline" if c is baseline else "alternative")})
-    best_alt, best_est = None, 1.0
-    for i, c in enumerate(live[1:], start=1):
+    best_alt, best_est, best_conf = None, 1.0, 0.0
+    for i in live[1:]:
+        c = contenders[i]
         if c is baseline or not race.raw(i):
             continue
         iv = race.ratio(i, 0, pair=objective.ratio)
+        best_conf = max(best_conf, iv.confidence)
         if iv.confidence >= ADOPT_CONFIDENCE and iv.low > 1.0 and iv.estimate > best_est and not math.isnan(iv.estimate):
             best_alt, best_est = c, iv.estimate
-    if race.rounds and race.ratio(1, 0).confidence < ADOPT_CONFIDENCE:
-        out.notes.append(f"knob race: {race.rounds} rounds give {race.ratio(1, 0).confidence:.0%} intervals, "
-                         f"below the {ADOPT_CONFIDENCE:.0%} needed to adopt a change; nothing adopted")
+    if best_conf < ADOPT_CONFIDENCE:
+        out.notes.append(f"knob race: its intervals reach {best_conf:.0%}, below the {ADOPT_CONFIDENCE:.0%} "
+                         f"needed to adopt a change; nothing adopted")
     if best_alt is not None:
         out.adopted = best_alt.label
         out.choice = best_alt.replace(label=choice.label)

@@ -29,11 +29,11 @@ import subprocess
 import tempfile
 import time
 
-from batchcraft.errors import ConfigurationError, WorkerError
+from batchcraft.errors import WorkerError
 from batchcraft.parallel.backends import available_matmul
 from batchcraft.parallel.budget import Budget
-from batchcraft.parallel.config import ParallelConfig, usable_cpus
-from batchcraft.parallel.knobs import DEFAULT_KNOBS, KNOB_NAMES
+from batchcraft.parallel.config import ParallelConfig
+from batchcraft.parallel.knobs import DEFAULT_KNOBS
 from batchcraft.parallel.launcher import program_mode
 from batchcraft.parallel.objective import Objective
 from batchcraft.parallel.processes import bootstrap_code, instance_env, instance_spec, spawn, stop
@@ -107,6 +107,12 @@ class ProgramGroups:
 
     def drop(self, cfg) -> None:
         pass
+
+    def spawn_all(self, configs) -> None:
+        pass
+
+    def is_ready(self, cfg) -> bool:
+        return True
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -209,16 +215,12 @@ def tune_program(argv: list[str], *, batch_sizes=(1,), objective: str = "through
         ConfigurationError: an unknown command or missing script, bad arguments.
         WorkerError: the program failed, or neither reported work nor ended in time.
     """
-    from batchcraft.parallel.search import run_search
+    from batchcraft.parallel.search import check_arguments, run_search
 
     budget = Budget(budget_s)
     goal = Objective(objective, latency_limit_ms)
-    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
-        raise ConfigurationError(f"tune: batch sizes must be ints >= 1, got {batch_sizes!r}")
-    unknown = set(knobs) - set(KNOB_NAMES)
-    if unknown:
-        raise ConfigurationError(f"tune: unknown knobs {sorted(unknown)}; known: {', '.join(KNOB_NAMES)}")
-    cpus = usable_cpus() if cpus is None else list(cpus)
+    cpus = check_arguments(list(batch_sizes), knobs, cpus, eta=eta, repeats=repeats, final_repeats=final_repeats,
+                           max_trial_s=max_trial_s)
     groups = ProgramGroups(argv, cpus, first_report_timeout_s=first_report_timeout_s)
     alt_variants = [("default", "default")]
     if groups.mode != "exec":

@@ -40,7 +40,7 @@ from batchcraft.parallel.threads import preserved_thread_state
 from batchcraft.parallel.trial import TrialResult
 from batchcraft.parallel.workload import build_workload, model_spec
 
-__all__ = ["TuneResult", "tune", "prepare_model"]
+__all__ = ["TuneResult", "tune", "prepare_model", "check_arguments", "run_search"]
 
 KNOB_MIN_BUDGET_S = 30.0  # below this budget no time is set aside for the knob race
 
@@ -111,12 +111,7 @@ def prepare_model(spec, batch_sizes, objective: Objective, cpus, knobs, *, min_f
     Returns:
         (cpus, analysis, traceable, variants, notes)
     """
-    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
-        raise ConfigurationError(f"tune: batch sizes must be ints >= 1, got {batch_sizes!r}")
-    unknown = set(knobs) - set(KNOB_NAMES)
-    if unknown:
-        raise ConfigurationError(f"tune: unknown knobs {sorted(unknown)}; known: {', '.join(KNOB_NAMES)}")
-    cpus = usable_cpus() if cpus is None else list(cpus)
+    cpus = check_arguments(batch_sizes, knobs, cpus)
     work = build_workload(spec)
     analysis, traceable = None, False
     if work.traceable:
@@ -132,6 +127,26 @@ def prepare_model(spec, batch_sizes, objective: Objective, cpus, knobs, *, min_f
 def _check_int(name, v, least):
     if not isinstance(v, int) or isinstance(v, bool) or v < least:
         raise ConfigurationError(f"tune: {name} must be an int >= {least}, got {v!r}")
+
+
+def check_arguments(batch_sizes, knobs, cpus, *, eta: int = 3, repeats: int = 3, final_repeats: int = 5,
+                    max_trial_s: float = 0.5) -> list[int]:
+    """Check the search's arguments (shared by :func:`tune` and ``tune_program``); return the CPUs.
+
+    Raises:
+        ConfigurationError: bad batch sizes, unknown knobs, eta < 2, repeats < 1, max_trial_s <= 0.
+    """
+    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
+        raise ConfigurationError(f"tune: batch sizes must be ints >= 1, got {batch_sizes!r}")
+    unknown = set(knobs) - set(KNOB_NAMES)
+    if unknown:
+        raise ConfigurationError(f"tune: unknown knobs {sorted(unknown)}; known: {', '.join(KNOB_NAMES)}")
+    _check_int("eta", eta, 2)
+    _check_int("repeats", repeats, 1)
+    _check_int("final_repeats", final_repeats, 1)
+    if isinstance(max_trial_s, bool) or not isinstance(max_trial_s, (int, float)) or not max_trial_s > 0:
+        raise ConfigurationError(f"tune: max_trial_s must be > 0, got {max_trial_s!r}")
+    return usable_cpus() if cpus is None else list(cpus)
 
 
 def tune(model, *, example_input=None, input_shape=None, batch_sizes=(1, 8, 64), objective: str = "throughput",
@@ -181,11 +196,8 @@ def tune(model, *, example_input=None, input_shape=None, batch_sizes=(1, 8, 64),
     """
     budget = Budget(budget_s)
     goal = Objective(objective, latency_limit_ms)
-    _check_int("eta", eta, 2)
-    _check_int("repeats", repeats, 1)
-    _check_int("final_repeats", final_repeats, 1)
-    if not isinstance(max_trial_s, (int, float)) or not max_trial_s > 0:
-        raise ConfigurationError(f"tune: max_trial_s must be > 0, got {max_trial_s!r}")
+    check_arguments(list(batch_sizes), knobs, cpus, eta=eta, repeats=repeats, final_repeats=final_repeats,
+                    max_trial_s=max_trial_s)
     tmpdir = tempfile.mkdtemp(prefix="batchcraft-tune-")
     try:
         with preserved_thread_state():
