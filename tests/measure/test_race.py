@@ -168,3 +168,11 @@ def test_to_dict_reports_every_variant_against_the_best():
     d = race([lambda: next(a), lambda: next(b)], rounds=3, labels=["fast", "slow"]).to_dict()
     assert d["rounds"] == 3 and "ratio_to_best" not in d["variants"]["fast"]
     assert d["variants"]["slow"]["ratio_to_best"]["estimate"] == 0.5
+
+
+def test_a_race_from_samples_run_elsewhere():
+    r = Race.from_samples([[2.0, 2.2, None, 2.1], [1.0, 1.0, 1.0, 1.05]], labels=["a", "b"])
+    assert r.rounds == 4 and r.values(0) == [2.0, 2.2, 2.1]
+    assert r.ratio(0, 1).units == 3 and r.ranking() == [0, 1]
+    with pytest.raises(ValueError, match="same number of rounds"):
+        Race.from_samples([[1.0], [1.0, 2.0]])

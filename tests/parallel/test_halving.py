@@ -61,6 +61,21 @@ class FakeGroups:
     def drop(self, cfg):
         pass
 
+    def race_variants(self, cfgs, duration_s, warmup_s, block_s):
+        """Backend variants taking turns in blocks, on the fake clock (see WorkerGroup.race_variants)."""
+        from batchcraft.parallel.groups import variant_race_result
+
+        b = cfgs[0].batch_size
+        call = self.call_s * b ** 0.5  # the default variant's call, as in measure(); others scale by speed
+        ref = self.speed(cfgs[0])
+        n = max(1, math.ceil(block_s / call))
+        rounds = max(7, math.ceil(duration_s / (n * call * len(cfgs))))
+        blocks = [[(r, j, n, n * call * ref / self.speed(c) * (1 + self.rng.uniform(-self.noise, self.noise)))
+                   for r in range(rounds) for j, c in enumerate(cfgs)] for _ in range(cfgs[0].instances)]
+        self.clock.t += sum(max(warmup_s, call) for c in cfgs) + rounds * len(cfgs) * n * call + self.overhead_s
+        self.variant_races = getattr(self, "variant_races", 0) + 1
+        return variant_race_result(cfgs, blocks, duration_s)
+
     def spawn_all(self, configs):  # the knob race's new processes: start-up takes fake time
         self.clock.t += self.start_s / 3
 
@@ -423,15 +438,36 @@ def test_the_knob_race_measures_every_one_knob_change_beside_the_choice(with_jem
     clock = FakeClock()
     groups = FakeGroups(clock, knob_speed({("matmul", "onednn"): 1.3}), call_s=0.002)
     res = run_tune(groups, clock, 60.0, batch_sizes=(8,), knobs=ALL_KNOBS, variants=VARIANTS)
-    assert (res.best.instances, res.best.matmul) == (2, "onednn")  # found in the search itself
+    assert (res.best.instances, res.best.matmul) == (2, "onednn")  # the backend race chose it
     rows = {r["label"]: r for r in res.knobs["rows"]}
-    assert set(rows) >= {"choice", "matmul default, conv default", "allocator jemalloc"}
+    assert set(rows) >= {"choice", "allocator jemalloc"}
     assert not any("omp_wait_policy" in label for label in rows)  # one thread per pool: nothing waits
     assert any(r["role"] == "baseline" for r in rows.values())
-    back = rows["matmul default, conv default"]["ratio"]  # oneDNN's gain, measured beside the choice
-    assert back["estimate"] == pytest.approx(1 / 1.3) and back["high"] < 1
     assert res.knobs["adopted"] is None and res.best_round == "knobs"
     assert clock() - 1000.0 <= 60.0 + 0.05
+
+
+def test_backends_are_raced_per_process_configuration_and_the_faster_kept():
+    clock = FakeClock()
+    groups = FakeGroups(clock, knob_speed({("matmul", "onednn"): 1.3}), call_s=0.002, noise=0.05)
+    res = run_tune(groups, clock, 60.0, batch_sizes=(1, 8), variants=VARIANTS)
+    assert groups.variant_races >= 2 and not any("no time to race" in n for n in res.notes)
+    by = {(v["batch_size"], v["process"]): v for v in res.variants}
+    for v in by.values():
+        onednn = next(r for r in v["variants"] if r["matmul"] == "onednn")
+        assert onednn["ratio_to_default"]["low"] > 1.2  # 1.3 +- 5% noise, paired blocks
+        assert v["chosen"] == {"matmul": "onednn", "conv": "default"} and v["rounds"] >= 7
+    grid_finals = [t for t in res.rounds if t["role"] == "final" and t["config"]["label"] == "grid"]
+    assert grid_finals and all(t["config"]["matmul"] == "onednn" for t in grid_finals)  # one variant each
+    assert all(b["config"]["matmul"] == "default" for pb in res.per_batch for b in pb["baselines"].values())
+
+
+def test_a_backend_that_is_not_faster_leaves_the_default():
+    clock = FakeClock()
+    groups = FakeGroups(clock, knob_speed({("matmul", "onednn"): 0.97}), call_s=0.002, noise=0.05)
+    res = run_tune(groups, clock, 30.0, batch_sizes=(8,), variants=VARIANTS)
+    assert res.variants and all(v["chosen"]["matmul"] == "default" for v in res.variants)
+    assert res.best.matmul == "default"
 
 
 def test_a_knob_change_faster_in_every_round_is_adopted(with_jemalloc):

@@ -285,3 +285,20 @@ def test_worker_groups_apply_process_knobs_and_switch_model_variants():
         b = g.measure(4, 0.1, warmup_s=0.02, variant=("onednn", "default", False))
     assert a.throughput_items_per_s > 0 and b.throughput_items_per_s > 0
     assert (a.config["matmul"], b.config["matmul"]) == ("default", "onednn")
+
+
+@needs_two
+@pytest.mark.slow
+def test_backends_race_inside_the_instances_for_real():
+    from batchcraft.parallel.groups import variant_race_result
+
+    cfg = ParallelConfig(instances=2, intra_op_threads=1, batch_size=8)
+    cfgs = [cfg, cfg.replace(matmul="onednn"), cfg.replace(matmul="mkl-packed")]
+    with WorkerGroup(cfg, "mlp_fc512", cpus=usable_cpus()[:2]) as g:
+        blocks = g.race_variants(8, [c.variant() for c in cfgs], 0.2, warmup_s=0.02, block_s=0.005, min_rounds=5)
+    assert len(blocks) == 2 and all(len({(r, j) for r, j, _, _ in bl}) == len(bl) for bl in blocks)
+    results, race = variant_race_result(cfgs, blocks, 0.2)
+    assert race.rounds >= 5 and all(r.throughput_items_per_s > 0 and r.calls >= 5 for r in results)
+    assert [r.config["matmul"] for r in results] == ["default", "onednn", "mkl-packed"]
+    iv = race.ratio(1, 0)
+    assert iv.units == race.rounds and iv.low <= iv.estimate <= iv.high

@@ -111,7 +111,7 @@ def run(args) -> int:
     from batchcraft.measure import machine_info
     from batchcraft.parallel import tune, tune_program
     from batchcraft.parallel.knobs import DEFAULT_KNOBS
-    from batchcraft.parallel.tables import comparison_table, knob_table, plot, tried_table
+    from batchcraft.parallel.tables import comparison_table, knob_table, plot, tried_table, variant_table
 
     argv = list(args.command)
     if argv and argv[0] == "--":
@@ -162,6 +162,11 @@ def run(args) -> int:
     print("\ntuned vs baselines (same final round; ratio interval from its paired passes, within one set "
           "of processes):")
     print(comparison_table(out))
+    vt = variant_table(out)
+    if vt:
+        print("\nbackends (each process configuration's instances run the variants in turns of 10 ms; ratio "
+              "to PyTorch's default):")
+        print(vt)
     kt = knob_table(out)
     if kt:
         print(f"\nknob race at batch {result.best.batch_size} (the choice with one knob changed, side by side; "

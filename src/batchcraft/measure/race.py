@@ -191,6 +191,29 @@ class Race:
         self.samples: list[list] = [[] for _ in self.variants]
         self.clusters: list[Hashable] = []
 
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sequence], *, labels: Sequence[str] | None = None,
+                     higher_is_better: bool = True, value: Callable[[Any], float] = float,
+                     clusters: Sequence[Hashable] | None = None) -> "Race":
+        """A race whose rounds were run elsewhere (e.g. inside a worker process).
+
+        Args:
+            samples: ``samples[i][r]``: variant i's sample of round r (None: not measured); every
+                variant the same number of rounds.
+            clusters: each round's cluster. Default: the round index.
+        Raises:
+            ValueError: no variants, or variants with different numbers of rounds.
+        """
+        if not samples or len({len(col) for col in samples}) != 1:
+            raise ValueError("Race.from_samples: every variant needs the same number of rounds")
+        n = len(samples[0])
+        race = cls([lambda: None] * len(samples), labels=labels, higher_is_better=higher_is_better, value=value)
+        race.samples = [list(col) for col in samples]
+        race.clusters = list(range(n)) if clusters is None else list(clusters)
+        if len(race.clusters) != n:
+            raise ValueError("Race.from_samples: one cluster per round")
+        return race
+
     @property
     def rounds(self) -> int:
         """Rounds run so far."""

@@ -3,6 +3,10 @@
 Protocol over a ``multiprocessing`` connection (pickled tuples), parent -> worker:
 ``("prepare", batch_size, warmup_s, variant)`` -> ``("prepared", calls, seconds_per_call)``;
 ``("run", start_at_monotonic_s, duration_s)`` -> ``("result", latencies_s, items, elapsed_s)``;
+``("vrace", batch_size, variants, start_at, duration_s, block_s, min_rounds)`` ->
+``("vraced", blocks)`` with blocks ``(round, variant index, calls, seconds)``: the variants
+(already prepared) take turns in blocks of at least ``block_s`` seconds and one call, the first of
+each round rotating, from ``start_at`` until ``duration_s`` and ``min_rounds`` rounds are done;
 ``("info",)`` -> ``("info", dict)``; ``("stop",)`` ends the worker. The worker says
 ``("ready", info)`` once its model is built. Any exception is sent as ``("error", text)``.
 
@@ -100,6 +104,28 @@ class Variants:
         return runner
 
 
+def _variant_race(runners, x, start_at, duration_s, block_s, min_rounds, first_call_s):
+    """Blocks (round, variant, calls, seconds) of the variants taking turns (see the protocol)."""
+    import torch
+
+    blocks, k = [], len(runners)
+    with torch.inference_mode():
+        while time.monotonic() + first_call_s < start_at:  # keep the threads awake until the start
+            runners[0](x)
+        while time.monotonic() < start_at:
+            time.sleep(max(0.0, min(0.002, start_at - time.monotonic())))
+        end, r = start_at + duration_s, 0
+        while r < min_rounds or time.monotonic() < end:
+            for j in [(r + i) % k for i in range(k)]:
+                n, t0 = 0, time.monotonic()
+                while n < 1 or time.monotonic() - t0 < block_s:
+                    runners[j](x)
+                    n += 1
+                blocks.append((r, j, n, time.monotonic() - t0))
+            r += 1
+    return blocks
+
+
 def serve(spec: dict, *, torch_preloaded: bool) -> None:
     import torch
 
@@ -164,6 +190,12 @@ def serve(spec: dict, *, torch_preloaded: bool) -> None:
                         runner(x)
                         latencies.append(time.monotonic() - t0)
                 conn.send(("result", latencies, len(latencies) * items, time.monotonic() - start_at))
+            elif msg[0] == "vrace":
+                _, batch_size, variant_list, start_at, duration_s, block_s, min_rounds = msg
+                xb = inputs[batch_size]
+                runners = [variants.get(v, xb) for v in variant_list]
+                conn.send(("vraced", _variant_race(runners, xb, start_at, duration_s, block_s, min_rounds,
+                                                   call_s.get((batch_size, tuple(variant_list[0])), 0.0))))
             else:
                 conn.send(("error", f"unknown command {msg[0]!r}"))
         except BaseException:  # noqa: BLE001

@@ -298,12 +298,12 @@ class HalvingSearch:
             return False
         outcome.playoff, outcome.playoff_trial_s = ranked, length
         winner = ranked[0][0]
-        if winner.key() != outcome.best.key():
+        if winner.trial_key() != outcome.best.trial_key():
             outcome.notes.append(f"playoff with {length:.2g}-s trials chose {winner.short()} "
                                  f"[{winner.label}] over the final round's {outcome.best.short()} "
                                  f"[{outcome.best.label}]")
         # best_result stays a final-round median: comparable with the baselines' medians there
-        outcome.best, outcome.best_result = next((c, r) for c, r in outcome.final if c.key() == winner.key())
+        outcome.best, outcome.best_result = next((c, r) for c, r in outcome.final if c.trial_key() == winner.trial_key())
         return True
 
     # -- measuring --------------------------------------------------------------------------
@@ -396,12 +396,12 @@ class HalvingSearch:
             levels, final_s, fits = self.plan(alive, baselines, deadline - self.clock())
         if not fits:
             alive = alive[:self.k_final]  # ranked by the last search round, else in prior order
-        final_cfgs = alive + [b for b in baselines if all(b.key() != c.key() for c in alive)]
+        final_cfgs = alive + [b for b in baselines if all(b.trial_key() != c.trial_key() for c in alive)]
         out.final_trial_s = final_s
         out.final = self._round(final_cfgs, final_s, self.min_calls[1], rnd, "final", hard_deadline, out,
                                 extra_end=deadline)
-        by_key = {c.key(): r for c, r in out.final}
-        out.baselines = {b.label: by_key[b.key()] for b in baselines if b.key() in by_key}
+        by_key = {c.trial_key(): r for c, r in out.final}
+        out.baselines = {b.label: by_key[b.trial_key()] for b in baselines if b.trial_key() in by_key}
         missing = [b.label for b in baselines if b.label not in out.baselines]
         if missing:
             out.notes.append(f"not measured in the final round (budget): {', '.join(missing)}")

@@ -1,8 +1,11 @@
 """The knobs beyond threads: which to try, and the knob race that measures them on the choice.
 
-Model-level knobs (``matmul`` and ``conv`` backends) are searched with the threads: every grid
-point in every backend variant worth trying (:func:`model_variants`), since they switch inside
-running instances at no start-up cost. Process-level knobs (``allocator``, ``omp_wait_policy``)
+Model-level knobs (``matmul`` and ``conv`` backends) switch inside running instances at no
+start-up cost, so each process configuration of the grid races its backend variants *inside* its
+instances before the search (:func:`pick_variants`: the variants take turns in 10-ms blocks, so
+other processes' load and drift hit them alike and a few percent are resolved in a fraction of a
+second); the grid keeps, per process configuration, the fastest variant when its whole interval
+against PyTorch's default lies above 1, else the default. Process-level knobs (``allocator``, ``omp_wait_policy``)
 and ``compile`` need new processes or a long first call, so they are measured once, on the
 choice, in a **knob race** (:func:`knob_race`): the choice, the best baseline of its batch size and
 the choice with one knob changed at a time, side by side in interleaved rounds
@@ -28,7 +31,8 @@ from batchcraft.parallel.config import ParallelConfig
 from batchcraft.parallel.env_knobs import WAIT_POLICIES, available_allocators
 from batchcraft.parallel.workload import invoke
 
-__all__ = ["KNOB_NAMES", "DEFAULT_KNOBS", "model_variants", "alternatives", "knob_race", "KnobRaceResult"]
+__all__ = ["KNOB_NAMES", "DEFAULT_KNOBS", "model_variants", "pick_variants", "alternatives", "knob_race",
+           "KnobRaceResult"]
 
 KNOB_NAMES = ("matmul", "conv", "allocator", "omp_wait_policy", "compile")
 DEFAULT_KNOBS = ("matmul", "conv", "allocator", "omp_wait_policy")  # compile: opt-in (see tune())
@@ -37,6 +41,10 @@ KNOB_MIN_TRIAL_S = 0.1
 KNOB_MIN_CALLS = 3
 KNOB_ROUNDS = 5
 ADOPT_CONFIDENCE = 0.9  # a change is adopted only on an interval this sure (5 rounds or more)
+VARIANT_RACE_S = 0.3  # per process configuration and batch size (at least VARIANT_MIN_ROUNDS rounds)
+VARIANT_BLOCK_S = 0.01
+VARIANT_MIN_ROUNDS = 7
+VARIANT_SHARE = 0.25  # of a batch size's time, at most, for its variant races
 
 
 def model_variants(work, analysis, knobs=DEFAULT_KNOBS, *, min_fraction: float | None = None
@@ -70,6 +78,74 @@ def model_variants(work, analysis, knobs=DEFAULT_KNOBS, *, min_fraction: float |
                     continue
                 pairs.append((m, c))
     return pairs, notes
+
+
+def pick_variants(groups, engine, search: list[ParallelConfig], variants, end: float, rnd: int = 0
+                  ) -> tuple[list[ParallelConfig], list[dict], list[str]]:
+    """Per process configuration of ``search``, race its backend variants inside its instances.
+
+    Args:
+        search: grid candidates in every variant (most promising first).
+        variants: the (matmul, conv) pairs searched, default first.
+        end: clock time by which the races must be done; one that would pass it is not run
+            (its process configuration keeps every variant for the search).
+    Returns:
+        (search with one variant per raced process configuration, order kept; records for the
+        report: per process configuration every variant's items/s and its ratio to the default
+        with the interval, and the chosen one; notes).
+    """
+    if len(variants) <= 1:
+        return list(search), [], []
+    procs: dict[tuple, list[ParallelConfig]] = {}
+    for c in search:
+        procs.setdefault(c.key(), []).append(c)
+    keep: dict[tuple, ParallelConfig] = {}
+    records, notes = [], []
+    for key, cfgs in procs.items():
+        base = cfgs[0].replace(matmul="default", conv="default", compile=False)
+        racers = [base] + [c for c in cfgs if c.variant() != base.variant()]
+        if len(racers) < 2:
+            continue
+        cost = sum(engine.cost.warmup(c) for c in racers) + VARIANT_RACE_S + VARIANT_MIN_ROUNDS * sum(
+            max(VARIANT_BLOCK_S, engine.cost.call_time(c)) for c in racers) + engine.cost.overhead_s
+        if engine.clock() + cost > end:
+            notes.append(f"no time to race the backends of {base.short()}: all kept for the search")
+            continue
+        try:
+            results, race = groups.race_variants(racers, VARIANT_RACE_S, engine.cost.warmup_s, VARIANT_BLOCK_S)
+        except BatchcraftError as exc:
+            notes.append(f"backend race of {base.short()} failed, default kept: {str(exc).splitlines()[0]}")
+            keep[key] = base
+            continue
+        rows, chosen, best_est = [], 0, 1.0
+        for j, (c, res) in enumerate(zip(racers, results)):
+            engine.cost.learn(c, 0.0, 0.0, res)
+            engine.trials.append({"round": rnd, "role": "variants", "repeat": 0, "duration_s": VARIANT_RACE_S,
+                                  **res.to_dict()})
+            iv = race.ratio(j, 0) if j else None
+            rows.append({"matmul": c.matmul, "conv": c.conv, "throughput_items_per_s": res.throughput_items_per_s,
+                         "latency_p50_ms": res.latency_p50_ms, "ratio_to_default": None if iv is None else iv.to_dict()})
+            if iv is not None and iv.confidence >= ADOPT_CONFIDENCE and iv.low > 1.0 and iv.estimate > best_est:
+                chosen, best_est = j, iv.estimate
+        engine.on_trial()
+        keep[key] = racers[chosen]
+        records.append({"batch_size": base.batch_size, "process": base.short(), "label": cfgs[0].label,
+                        "rounds": race.rounds, "variants": rows,
+                        "chosen": {"matmul": racers[chosen].matmul, "conv": racers[chosen].conv}})
+    out, placed = [], set()
+    for c in search:
+        k = c.key()
+        if k not in keep:
+            out.append(c)  # not raced: every variant stays for the search
+            continue
+        if k in placed:
+            continue
+        placed.add(k)
+        # the chosen variant takes the place of its process configuration's first candidate; a
+        # chosen default that is no candidate (it equals a baseline) is measured as that baseline
+        if any(o.variant() == keep[k].variant() for o in procs[k]):
+            out.append(keep[k].replace(label=c.label))
+    return out, records, notes
 
 
 def alternatives(cfg: ParallelConfig, knobs=DEFAULT_KNOBS, *, traceable: bool = True,

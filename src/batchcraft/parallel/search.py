@@ -34,7 +34,8 @@ from batchcraft.parallel.config import ParallelConfig, usable_cpus
 from batchcraft.parallel.grid import candidates
 from batchcraft.parallel.groups import Groups
 from batchcraft.parallel.halving import PLAYOFF_MARGIN, HalvingSearch
-from batchcraft.parallel.knobs import DEFAULT_KNOBS, KNOB_NAMES, KNOB_SHARE, alternatives, knob_race, model_variants
+from batchcraft.parallel.knobs import (DEFAULT_KNOBS, KNOB_NAMES, KNOB_SHARE, VARIANT_SHARE, alternatives, knob_race,
+                                      model_variants, pick_variants)
 from batchcraft.parallel.objective import Objective
 from batchcraft.parallel.threads import preserved_thread_state
 from batchcraft.parallel.trial import TrialResult
@@ -61,6 +62,8 @@ class TuneResult:
             ``skipped_trials``.
         knobs (dict | None): the knob race (:class:`~batchcraft.parallel.knobs.KnobRaceResult`
             as a dict), None if it did not run.
+        variants (list[dict]): the backend races, per batch size and process configuration
+            (:func:`~batchcraft.parallel.knobs.pick_variants`).
         trials (list[dict]): every measurement, in order, with ``round``, ``role`` and ``repeat``.
         rounds (list[dict]): per round and configuration, the median of its repeats.
         start_s (float): seconds until the instances were ready (analysis included).
@@ -81,6 +84,7 @@ class TuneResult:
     start_s: float = 0.0
     knobs: dict | None = None
     best_round: str = "final"
+    variants: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -96,6 +100,7 @@ class TuneResult:
             "best_round": self.best_round,
             "per_batch": self.per_batch,
             "knobs": self.knobs,
+            "variants": self.variants,
             "trials": self.trials,
             "rounds": self.rounds,
             "notes": self.notes,
@@ -253,7 +258,7 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
                            final_repeats=final_repeats, k_final=k_final, trials=trials, rounds=rounds,
                            on_trial=lambda: bar.update(1), **(engine_options or {}))
     live = {b: tuple([c for c in cs if c.key() not in late_keys] for cs in plans[b]) for b in order}
-    knob_result = None
+    knob_result, variant_records = None, []
     try:
         # One call of one configuration at every batch size: per-call times to share the budget.
         probe = next(iter(live[order[0]][1] or live[order[0]][0]))
@@ -266,6 +271,12 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
             search, baselines = live[b]
             floors = [engine.floor_cost(*live[b2]) for b2 in order[i:]]
             window = budget.batch_window(floors, lambda share: engine.playoff_reserve([*search, *baselines], share))
+            # backends first: each process configuration races its variants inside its instances
+            share = window.deadline - budget.clock()
+            search, vrecords, vnotes = pick_variants(groups, engine, search, variants,
+                                                     budget.clock() + VARIANT_SHARE * max(0.0, share), _next_round(rounds))
+            variant_records += vrecords
+            notes += [f"batch {b}: {n}" for n in vnotes]
             out = engine.run(search, baselines, window.deadline - window.reserve, window.slack - window.reserve)
             if out.best is not None and window.reserve and out.gap(objective) < PLAYOFF_MARGIN:
                 engine.playoff(out, window.deadline, rnd=_next_round(rounds))
@@ -288,8 +299,8 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
         if finals and budget.reserved:
             budget.release()
             best_cfg, best_res, b = max(finals, key=lambda cr: objective.score(cr[1]))
-            if alt_variants is None:
-                alt_variants = list(variants) if best_cfg.label == "grid" else [("default", "default")]
+            if alt_variants is None:  # a model's backends were raced per process configuration already
+                alt_variants = [("default", "default")]
             alts = alternatives(best_cfg, knobs, traceable=traceable, variants=alt_variants)
             base = _best_baseline(outcomes[b], objective)
             if alts:
@@ -316,7 +327,7 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
                       analysis=None if analysis is None else analysis.to_dict(), best=best_cfg,
                       best_result=best_res, per_batch=per_batch, trials=trials, rounds=rounds, notes=notes,
                       start_s=start_s, knobs=None if knob_result is None else knob_result.to_dict(),
-                      best_round=best_round)
+                      best_round=best_round, variants=variant_records)
 
 
 def _best_baseline(out, objective: Objective):

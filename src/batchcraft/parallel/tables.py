@@ -12,7 +12,7 @@ from __future__ import annotations
 from batchcraft.measure import format_table
 from batchcraft.parallel.baselines import BASELINES
 
-__all__ = ["tried_table", "comparison_table", "knob_table", "plot", "interval_text"]
+__all__ = ["tried_table", "comparison_table", "variant_table", "knob_table", "plot", "interval_text"]
 
 _ROLE_ORDER = {"knobs": 0, "playoff": 1, "final": 2, "search": 3}
 
@@ -97,6 +97,25 @@ def comparison_table(result: dict, *, markdown: bool = False) -> str:
     ratio = "tuned/baseline" if result["objective"] == "throughput" else "tuned vs baseline"
     return format_table(["batch", "config", "instances", "inter-op", "intra-op", "knobs", "round", "items/s",
                          "p50_ms", ratio, "interval"], rows, markdown=markdown)
+
+
+def variant_table(result: dict, *, markdown: bool = False) -> str | None:
+    """The backend races: per batch size and process configuration, each matmul / conv variant's
+    items/s (its instances taking turns in short blocks) and its ratio to PyTorch's default with
+    the interval; "chosen" marks what the search went on with. None if no race ran."""
+    races = result.get("variants") or []
+    if not races:
+        return None
+    rows = []
+    for v in races:
+        for r in v["variants"]:
+            chosen = (r["matmul"], r["conv"]) == (v["chosen"]["matmul"], v["chosen"]["conv"])
+            rows.append([v["batch_size"], v["process"].split(" b=")[0], r["matmul"], r["conv"],
+                         r["throughput_items_per_s"], r["latency_p50_ms"],
+                         interval_text(r["ratio_to_default"]) if r["ratio_to_default"] else "1 (reference)",
+                         "chosen" if chosen else ""])
+    return format_table(["batch", "process", "matmul", "conv", "items/s", "p50_ms", "vs default", ""], rows,
+                        markdown=markdown)
 
 
 def knob_table(result: dict, *, markdown: bool = False) -> str | None:

@@ -220,6 +220,36 @@ class WorkerGroup:
                 self._expect(i, "alive", 0)  # raises WorkerError with the exit code
 
     # -- measuring --------------------------------------------------------------------------
+    def race_variants(self, batch_size: int, variants: list[tuple], duration_s: float, *, warmup_s: float = 0.2,
+                      block_s: float = 0.01, min_rounds: int = 5) -> list[list[tuple]]:
+        """Model-level variants taking turns inside every instance at once, in short blocks.
+
+        A fine-grained race: each instance warms every variant up, then all start together and
+        run the variants in turn, blocks of at least ``block_s`` seconds (and one call) each, the
+        first of a round rotating, until ``duration_s`` and ``min_rounds`` rounds are done. Drift
+        and other processes' load hit neighbouring blocks alike, so a few hundred milliseconds
+        resolve differences of a few percent that whole trials, seconds apart, do not.
+
+        Returns:
+            list: per instance, its blocks (round, variant index, calls, seconds).
+        Raises:
+            WorkerError: an instance failed (a variant whose values differ from the default's too).
+        """
+        for v in variants:  # warm-up per variant (weights packed, kernels chosen), one message each
+            self._broadcast(("prepare", batch_size, warmup_s, list(v)))
+            failure = None
+            for i in range(len(self._procs)):
+                try:
+                    self._expect(i, "prepared", 120.0 + 20 * warmup_s + (600.0 if v[2] else 0.0))
+                except WorkerError as exc:
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
+        start_at = time.monotonic() + 0.005 + 0.01 * (len(self._procs) > 1)
+        self._broadcast(("vrace", batch_size, [list(v) for v in variants], start_at, duration_s, block_s, min_rounds))
+        slack_s = 120.0 + 20 * duration_s
+        return [self._expect(i, "vraced", slack_s)[1] for i in range(len(self._procs))]
+
     def measure(self, batch_size: int, duration_s: float = 1.0, *, warmup_s: float = 0.2,
                 variant: tuple = ("default", "default", False)) -> TrialResult:
         """Run all instances concurrently for ``duration_s`` at ``batch_size``; aggregate.
