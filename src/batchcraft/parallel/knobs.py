@@ -232,14 +232,18 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
     contenders += alts
     groups.spawn_all(contenders)
     start_end = budget.clock() + 0.5 * budget.left(budget.hard_end)
-    left = budget.left(budget.hard_end)
-    per_round = sum(engine.cost.wall(c, 0.0, with_warmup=False) for c in contenders)
-    length = max(KNOB_MIN_TRIAL_S, (0.8 * left / rounds - per_round) / len(contenders))
-    length = min(length, max(KNOB_MIN_TRIAL_S, max_trial_s))
+    state = {"length": KNOB_MIN_TRIAL_S}
+
+    def fit_length(racing: list[int], rounds_left: int) -> float:
+        """Trial length so that ``rounds_left`` rounds of ``racing`` fit in 80% of what is left."""
+        left = budget.left(budget.hard_end)
+        per_round = sum(engine.cost.wall(contenders[i], 0.0, with_warmup=False) for i in racing)
+        length = (0.8 * left / max(1, rounds_left) - per_round) / max(1, len(racing))
+        return min(max(KNOB_MIN_TRIAL_S, length), max(KNOB_MIN_TRIAL_S, max_trial_s))
 
     def variant(c):
         def trial():
-            n = max(length, engine.cost.floor(c, KNOB_MIN_CALLS, KNOB_MIN_TRIAL_S))
+            n = max(state["length"], engine.cost.floor(c, KNOB_MIN_CALLS, KNOB_MIN_TRIAL_S))
             t0 = budget.clock()
             if t0 + engine.cost.wall(c, n) > budget.hard_end:
                 return None
@@ -279,7 +283,7 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
             joined.append(i)
         return bool(joined)
 
-    since_all = 0
+    since_all, full_from = 0, 0
     while since_all < rounds and budget.left(budget.hard_end) > 0:
         join_ready()
         if pending and budget.clock() > start_end:
@@ -297,10 +301,16 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
         if len(joined) < 2 and pending:
             time.sleep(0.05)  # nothing to compare with yet
             continue
+        if not pending and since_all == 0:
+            full_from = race.rounds  # from this round on, every contender is in
+        state["length"] = fit_length(sorted(joined) if not pending else list(range(len(contenders))),
+                                     rounds - since_all)
         if not race.run_round(sorted(joined)):
             break
         since_all = 0 if pending else since_all + 1
-    out.rounds, out.trial_s = race.rounds, length
+    if since_all:  # summaries from the rounds in which every contender ran: earlier ones overlap start-ups
+        race = Race.from_samples([col[full_from:] for col in race.samples], labels=race.labels, value=race.value)
+    out.rounds, out.trial_s = race.rounds, state["length"]
     if not race.raw(0) or len(joined) < 2:
         out.notes.append("knob race: nothing was compared with the choice")
         return out

@@ -52,8 +52,8 @@ class TuneResult:
 
     Attributes:
         best (ParallelConfig): the chosen configuration (over all batch sizes, knobs included).
-        best_result (TrialResult): its median in the round that measured it last beside others
-            (the knob race if it ran, else its batch size's final round); ``best_round`` says which.
+        best_result (TrialResult): its median in its batch size's final round, or in the knob race
+            for a knob change adopted there; ``best_round`` says which.
         per_batch (list[dict]): per batch size: ``best`` (config + final-round median),
             ``baselines`` (label -> final-round median), ``ratios`` (label -> choice / baseline
             by the objective), ``intervals`` (label -> the ratio's interval from the deciding
@@ -316,9 +316,9 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
     per_batch.sort(key=lambda pb: batch_sizes.index(pb["batch_size"]))
     best_cfg, best_res, _ = max(finals, key=lambda cr: objective.score(cr[1]))
     best_round = "final"
-    if knob_result is not None and knob_result.rows:
+    if knob_result is not None and knob_result.adopted:  # measured only in the knob race
         best_cfg = knob_result.choice
-        row = next((r for r in knob_result.rows if r["label"] == (knob_result.adopted or "choice")), None)
+        row = next((r for r in knob_result.rows if r["label"] == knob_result.adopted), None)
         if row is not None:
             best_res = TrialResult(**row["result"])
             best_round = "knobs"
