@@ -245,6 +245,22 @@ def render(report: dict) -> str:
                                       [[r["label"], _short(r["config"]), r["result"]["throughput_items_per_s"],
                                         _ivtext(r["ratio"]) if r["ratio"] else "1"] for r in kr["rows"]],
                                       markdown=True))
+    backend_rows = []
+    for mres in report["models"]:
+        for v in mres["tune_result"].get("variants", []):
+            for r in v["variants"]:
+                if r["ratio_to_default"] is None:
+                    continue
+                chosen = (r["matmul"], r["conv"]) == (v["chosen"]["matmul"], v["chosen"]["conv"])
+                backend_rows.append([mres["model"], v["batch_size"], v["process"].split(" b=")[0], r["matmul"],
+                                     r["conv"], _ivtext(r["ratio_to_default"]), v["rounds"], "chosen" if chosen else ""])
+    if backend_rows:
+        lines.append("")
+        lines.append("Backend races of the tuner (per process configuration, its instances running the variants "
+                     "in turns of 10 ms; ratio to PyTorch's default kernels, interval over the rounds):")
+        lines.append("")
+        lines.append(format_table(["model", "batch", "process", "matmul", "conv", "vs default", "rounds", ""],
+                                  backend_rows, markdown=True))
     notes = [f"{m['model']}: {n}" for m in report["models"] for n in m["tune_notes"]]
     if notes:
         lines.append("")
@@ -285,7 +301,16 @@ def main(argv=None) -> int:
     p.add_argument("--executor-models", default="inception_wide,recommender")
     p.add_argument("--executor-repeats", type=int, default=15)
     p.add_argument("--out", default=None, help="JSON path (default results/parallel-<time>.json)")
+    p.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                   help="only print the markdown of earlier runs' JSON files, as one report")
     args = p.parse_args(argv)
+    if args.render:
+        parts = [json.loads(Path(f).read_text()) for f in args.render]
+        merged = {**parts[0], "models": [m for r in parts for m in r["models"]],
+                  "executor": [e for r in parts for e in r["executor"]],
+                  "load_before": [r["load_before"][0] for r in parts], "load_after": [r["load_after"][0] for r in parts]}
+        print(render(merged))
+        return 0
     names = [n for n in args.models.split(",") if n]
     missing = [n for n in names if n not in models.names()]
     if missing:

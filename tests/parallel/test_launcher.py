@@ -302,3 +302,23 @@ def test_backends_race_inside_the_instances_for_real():
     assert [r.config["matmul"] for r in results] == ["default", "onednn", "mkl-packed"]
     iv = race.ratio(1, 0)
     assert iv.units == race.rounds and iv.low <= iv.estimate <= iv.high
+
+
+@pytest.mark.slow
+def test_the_compile_variant_is_built_checked_and_prepare_compiles_under_launch(monkeypatch):
+    from torch import nn
+
+    from batchcraft.parallel import prepare
+    from batchcraft.parallel._worker import Variants
+    from batchcraft.parallel.workload import Workload
+
+    lin = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    v = Variants(Workload("tiny", lin, lambda b: torch.randn(b, 8), lin), pools=1, intra=None)
+    x = torch.randn(4, 8)
+    run = v.get(("default", "default", True), x)  # compiles, then checked against the eager output
+    with torch.inference_mode():
+        torch.testing.assert_close(run(x), lin(x), rtol=1e-5, atol=1e-6)
+    monkeypatch.delenv("BATCHCRAFT_COMPILE", raising=False)
+    assert prepare(lin) is lin
+    monkeypatch.setenv("BATCHCRAFT_COMPILE", "1")
+    assert prepare(lin) is not lin and hasattr(prepare(lin), "_orig_mod")

@@ -2,9 +2,9 @@
 
 Model-level knobs (``matmul`` and ``conv`` backends) switch inside running instances at no
 start-up cost, so each process configuration of the grid races its backend variants *inside* its
-instances before the search (:func:`pick_variants`: the variants take turns in 10-ms blocks, so
-other processes' load and drift hit them alike and a few percent are resolved in a fraction of a
-second); the grid keeps, per process configuration, the fastest variant when its whole interval
+instances before the search (:func:`pick_variants`: the variants take turns in 10-ms blocks for
+a second, so other processes' load and drift hit them alike and a few percent are resolved);
+the grid keeps, per process configuration, the fastest variant when its whole interval
 against PyTorch's default lies above 1, else the default. Process-level knobs (``allocator``, ``omp_wait_policy``)
 and ``compile`` need new processes or a long first call, so they are measured once, on the
 choice, in a **knob race** (:func:`knob_race`): the choice, the best baseline of its batch size and
@@ -41,10 +41,12 @@ KNOB_MIN_TRIAL_S = 0.1
 KNOB_MIN_CALLS = 3
 KNOB_ROUNDS = 5
 ADOPT_CONFIDENCE = 0.9  # a change is adopted only on an interval this sure (5 rounds or more)
-VARIANT_RACE_S = 0.3  # per process configuration and batch size (at least VARIANT_MIN_ROUNDS rounds)
+VARIANT_RACE_S = 1.0  # per process configuration and batch size (at least VARIANT_MIN_ROUNDS rounds):
+# 0.3 s (9 rounds) left a 25% gain of mkl-packed at MLP batch 8 unresolved (interval 0.87-1.45) on
+# a busy machine
 VARIANT_BLOCK_S = 0.01
-VARIANT_MIN_ROUNDS = 7
-VARIANT_SHARE = 0.25  # of a batch size's time, at most, for its variant races
+VARIANT_MIN_ROUNDS = 9
+VARIANT_SHARE = 0.35  # of a batch size's time, at most, for its variant races
 
 
 def model_variants(work, analysis, knobs=DEFAULT_KNOBS, *, min_fraction: float | None = None
