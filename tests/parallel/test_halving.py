@@ -546,9 +546,13 @@ def test_alternatives_join_the_knob_race_when_their_processes_are_ready():
 def test_compile_is_raced_on_the_choice_when_asked_for():
     clock = FakeClock()
     groups = FakeGroups(clock, knob_speed({}), call_s=0.002)
-    res = run_tune(groups, clock, 60.0, batch_sizes=(8,), knobs=("compile",), final_repeats=5)
+    res = run_tune(groups, clock, 200.0, batch_sizes=(8,), knobs=("compile",), final_repeats=5)
     rows = {r["label"]: r for r in res.knobs["rows"]}
     assert rows["compile"]["config"]["compile"] is True and rows["compile"]["config"]["matmul"] == "default"
+    clock = FakeClock()
+    res = run_tune(FakeGroups(clock, knob_speed({}), call_s=0.002), clock, 60.0, batch_sizes=(8,),
+                   knobs=("compile",), final_repeats=5)
+    assert any("no time left to compile" in n for n in res.notes)  # 18 s of knob race < 30 s to compile
     clock = FakeClock()
     res = run_tune(FakeGroups(clock, knob_speed({}), call_s=0.002), clock, 60.0, batch_sizes=(8,),
                    knobs=("allocator",), final_repeats=5)

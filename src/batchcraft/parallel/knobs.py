@@ -40,7 +40,8 @@ KNOB_SHARE = 0.3  # of the budget, set aside for the knob race when the budget a
 KNOB_MIN_TRIAL_S = 0.1
 KNOB_MIN_CALLS = 3
 KNOB_ROUNDS = 5
-ADOPT_CONFIDENCE = 0.9  # a change is adopted only on an interval this sure (5 rounds or more)
+ADOPT_CONFIDENCE = 0.9  # the tuner's intervals, and a change is adopted only on one this sure (5+ rounds)
+COMPILE_WARMUP_S = 30.0  # what a torch.compile variant's first call is assumed to take (5-20 s measured here)
 VARIANT_RACE_S = 1.0  # per process configuration and batch size (at least VARIANT_MIN_ROUNDS rounds):
 # 0.3 s (9 rounds) left a 25% gain of mkl-packed at MLP batch 8 unresolved (interval 0.87-1.45) on
 # a busy machine
@@ -124,7 +125,7 @@ def pick_variants(groups, engine, search: list[ParallelConfig], variants, end: f
             engine.cost.learn(c, 0.0, 0.0, res)
             engine.trials.append({"round": rnd, "role": "variants", "repeat": 0, "duration_s": VARIANT_RACE_S,
                                   **res.to_dict()})
-            iv = race.ratio(j, 0) if j else None
+            iv = race.ratio(j, 0, confidence=ADOPT_CONFIDENCE) if j else None
             rows.append({"matmul": c.matmul, "conv": c.conv, "throughput_items_per_s": res.throughput_items_per_s,
                          "latency_p50_ms": res.latency_p50_ms, "ratio_to_default": None if iv is None else iv.to_dict()})
             if iv is not None and iv.confidence >= ADOPT_CONFIDENCE and iv.low > 1.0 and iv.estimate > best_est:
@@ -268,7 +269,12 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
                 if not groups.is_ready(c):
                     continue
                 t0 = budget.clock()
-                if t0 + engine.cost.wall(c, 0.0) > budget.hard_end:
+                compiling = c.compile and engine.cost.warmup(c) > 0  # not warm yet: its first call compiles
+                if t0 + engine.cost.wall(c, 0.0) + (COMPILE_WARMUP_S if compiling else 0.0) > budget.hard_end:
+                    if compiling:
+                        pending.remove(i)
+                        dropped.add(i)
+                        out.notes.append(f"{c.label}: no time left to compile (about {COMPILE_WARMUP_S:.0f} s)")
                     continue
                 res = engine.measure(c, 1e-3, engine.cost.warmup_s)  # warm up: packs weights, compiles
                 engine.cost.learn(c, 1e-3, budget.clock() - t0, res)
@@ -323,7 +329,7 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
         c = contenders[i]
         if not race.raw(i):
             continue
-        iv = race.ratio(i, 0, pair=objective.ratio) if i else None
+        iv = race.ratio(i, 0, pair=objective.ratio, confidence=ADOPT_CONFIDENCE) if i else None
         med = objective.median(race.raw(i))
         engine.rounds.append({"round": rnd, "role": "knobs", "repeats": len(race.raw(i)), **med.to_dict()})
         out.rows.append({"label": c.label if i else "choice", "config": c.to_dict(), "result": med.to_dict(),
@@ -334,7 +340,7 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
         c = contenders[i]
         if c is baseline or not race.raw(i):
             continue
-        iv = race.ratio(i, 0, pair=objective.ratio)
+        iv = race.ratio(i, 0, pair=objective.ratio, confidence=ADOPT_CONFIDENCE)
         best_conf = max(best_conf, iv.confidence)
         if iv.confidence >= ADOPT_CONFIDENCE and iv.low > 1.0 and iv.estimate > best_est and not math.isnan(iv.estimate):
             best_alt, best_est = c, iv.estimate

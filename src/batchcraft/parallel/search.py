@@ -34,7 +34,8 @@ from batchcraft.parallel.config import ParallelConfig, usable_cpus
 from batchcraft.parallel.grid import candidates
 from batchcraft.parallel.groups import Groups
 from batchcraft.parallel.halving import PLAYOFF_MARGIN, HalvingSearch
-from batchcraft.parallel.knobs import (DEFAULT_KNOBS, KNOB_NAMES, KNOB_SHARE, VARIANT_SHARE, alternatives, knob_race,
+from batchcraft.parallel.knobs import (ADOPT_CONFIDENCE, DEFAULT_KNOBS, KNOB_NAMES, KNOB_SHARE, VARIANT_SHARE,
+                                      alternatives, knob_race,
                                       model_variants, pick_variants)
 from batchcraft.parallel.objective import Objective
 from batchcraft.parallel.threads import preserved_thread_state
@@ -382,4 +383,4 @@ def _interval(race_info, best_key, base_key, objective: Objective) -> dict | Non
     i, j = keys.index(best_key), keys.index(base_key)
     if i == j:
         return None
-    return race.ratio(i, j, pair=objective.ratio).to_dict()
+    return race.ratio(i, j, pair=objective.ratio, confidence=ADOPT_CONFIDENCE).to_dict()
