@@ -36,7 +36,8 @@ __all__ = ["KNOB_NAMES", "DEFAULT_KNOBS", "model_variants", "pick_variants", "al
 
 KNOB_NAMES = ("matmul", "conv", "allocator", "omp_wait_policy", "compile")
 DEFAULT_KNOBS = ("matmul", "conv", "allocator", "omp_wait_policy")  # compile: opt-in (see tune())
-KNOB_SHARE = 0.3  # of the budget, set aside for the knob race when the budget allows one
+KNOB_SHARE = 0.3  # of the budget, set aside for the knob race when the budget allows one...
+KNOB_MAX_S = 25.0  # ...but no more: 5 rounds of a handful of contenders (large budgets go to the search)
 KNOB_MIN_TRIAL_S = 0.1
 KNOB_MIN_CALLS = 3
 KNOB_ROUNDS = 5

@@ -34,9 +34,8 @@ from batchcraft.parallel.config import ParallelConfig, usable_cpus
 from batchcraft.parallel.grid import candidates
 from batchcraft.parallel.groups import Groups
 from batchcraft.parallel.halving import PLAYOFF_MARGIN, HalvingSearch
-from batchcraft.parallel.knobs import (ADOPT_CONFIDENCE, DEFAULT_KNOBS, KNOB_NAMES, KNOB_SHARE, VARIANT_SHARE,
-                                      alternatives, knob_race,
-                                      model_variants, pick_variants)
+from batchcraft.parallel.knobs import (ADOPT_CONFIDENCE, DEFAULT_KNOBS, KNOB_MAX_S, KNOB_NAMES, KNOB_SHARE,
+                                      VARIANT_SHARE, alternatives, knob_race, model_variants, pick_variants)
 from batchcraft.parallel.objective import Objective
 from batchcraft.parallel.threads import preserved_thread_state
 from batchcraft.parallel.trial import TrialResult
@@ -267,7 +266,7 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
             engine.probe(next(c for c in [*live[b][1], *live[b][0]] if c.key() == probe.key()), budget.hard_end)
         if budget.budget_s >= KNOB_MIN_BUDGET_S and any(k in knobs for k in ("allocator", "omp_wait_policy", "compile",
                                                                              "matmul", "conv")):
-            budget.set_aside(KNOB_SHARE * budget.budget_s)
+            budget.set_aside(min(KNOB_MAX_S, KNOB_SHARE * budget.budget_s))
         for i, b in enumerate(order):
             search, baselines = live[b]
             floors = [engine.floor_cost(*live[b2]) for b2 in order[i:]]
