@@ -1,14 +1,28 @@
-"""Parallelism tuner vs an exhaustive sweep and the recommended baselines (issue 5).
+"""Parallelism tuner vs an exhaustive sweep and the recommended baselines (issues 5 and 17).
 
-For every model and batch size: the tuner (``batchcraft.parallel.tune`` with a hard time budget)
-picks a configuration; then an exhaustive sweep measures every configuration (the unpruned grid
-and the four baselines) with longer trials, and the tuner's choice, the sweep's best and every
-baseline are compared on the sweep's measurements. The tuner's own final round (choice and
-baselines side by side) is reported too. Also measures the inter-op executor's gain on the wide
-models in-process. Writes JSON to results/ and prints markdown for docs/benchmarks.md.
+For every model and batch size: the tuner (``batchcraft.parallel.tune`` with a hard time budget,
+backends, allocator and OpenMP wait policy among its knobs) picks a configuration; an exhaustive
+sweep measures every configuration (the unpruned grid in every backend variant, the four
+baselines, and the sweep's best with each allocator / wait policy); then the **verdict** comes
+from a side-by-side race in *fresh processes every round* (``head_to_head(starts=R, rounds=1)``):
+the tuner's choice, the sweep's best, the best baseline, ``pytorch-default`` and the choice's
+process with its other backend (the one the sweep found fastest there), so that each round is
+one independent observation of the paired ratios, process-to-process noise included. Ratios
+come with their order-statistics interval (``batchcraft.measure.race``):
 
-    .venv/bin/python benchmarks/parallel.py --models mlp_fc512,mlp_fc4096   # ~3 min on 2 cores
-    .venv/bin/python benchmarks/parallel.py --models resnet18 --batch-sizes 1,8 --budget-s 12
+* within 5% of the sweep's best: the interval of tuned / sweep best lies at or above 0.95
+  ("ok"), wholly below it ("MISS"), or straddles it ("undecided": this machine's noise does not
+  resolve it at this number of rounds, reported as such);
+* never below the best baseline: "ok" when the interval of tuned / best baseline lies at or above
+  0.95 and is not wholly below 1, "below" when it is wholly below 1, else "undecided";
+* the backend: "faster backend" when the choice's backend is not slower than its other backend
+  (interval of choice / other not wholly below 1).
+
+Writes JSON to results/ and prints markdown for docs/benchmarks.md. Run each model on its own
+under the CPU lock (a few minutes each):
+
+    flock /tmp/batchcraft-cpu.lock .venv/bin/python benchmarks/parallel.py --models mlp_fc512
+    flock /tmp/batchcraft-cpu.lock .venv/bin/python benchmarks/parallel.py --models resnet18 --budget-s 60
 """
 
 from __future__ import annotations
@@ -28,71 +42,133 @@ from batchcraft.parallel import BASELINES, InterOpExecutor, ParallelConfig, head
 from batchcraft.parallel.workload import build_model, make_input
 
 DEFAULT_MODELS = ["mlp_fc512", "mlp_fc4096", "inception_wide", "recommender", "resnet18", "treelstm"]
+TOLERANCE = 0.05
 
 
 def _key(cfg: dict) -> tuple:
     return (cfg["instances"], cfg["inter_op_threads"], cfg["intra_op_threads"], cfg["pin"],
-            tuple(sorted(cfg.get("env", {}).items())))
+            tuple(sorted(cfg.get("env", {}).items())), cfg.get("allocator", "default"),
+            cfg.get("omp_wait_policy", "default"), cfg.get("matmul", "default"), cfg.get("conv", "default"),
+            bool(cfg.get("compile", False)))
+
+
+def _process_key(cfg: dict) -> tuple:
+    return _key(cfg)[:7]
 
 
 def _short(cfg: dict) -> str:
     intra = "def" if cfg["intra_op_threads"] is None else cfg["intra_op_threads"]
-    return f"{cfg['instances']}x{cfg['inter_op_threads']}x{intra}"
+    knobs = [cfg[k] for k in ("matmul", "conv") if cfg.get(k, "default") != "default"]
+    knobs += [cfg[k] for k in ("allocator",) if cfg.get(k, "default") != "default"]
+    if cfg.get("omp_wait_policy", "default") != "default":
+        knobs.append(f"wait {cfg['omp_wait_policy']}")
+    return f"{cfg['instances']}x{cfg['inter_op_threads']}x{intra}" + (f" {'/'.join(knobs)}" if knobs else "")
+
+
+def _cfg(d: dict, b: int, label: str | None = None) -> ParallelConfig:
+    fields = {k: v for k, v in d.items() if k in ParallelConfig.__dataclass_fields__}
+    return ParallelConfig.from_dict({**fields, "batch_size": b, **({"label": label} if label else {})})
+
+
+CONFIDENCE = 0.9  # of the verdict's intervals: with 8 rounds the 2nd and 7th order statistics (93.0%)
+
+
+def _iv(comp, i: int, j: int) -> dict:
+    return comp.ratio(i, j, confidence=CONFIDENCE).to_dict()
+
+
+def _verdicts(row: dict) -> None:
+    s, base = row["vs_sweep_best"], row["vs_best_baseline"]
+
+    def at_least(iv, bound):
+        if iv.get("same"):
+            return "yes"
+        if not iv["units"]:
+            return "undecided"
+        return "yes" if iv["low"] >= bound else ("no" if iv["high"] < bound else "undecided")
+
+    row["verdict_sweep"] = {"yes": "ok", "no": "MISS", "undecided": "undecided"}[at_least(s, 1 - TOLERANCE)]
+    if s.get("same"):
+        row["verdict_sweep"] = "ok (same config)"
+    if base.get("same"):
+        row["verdict_baseline"] = "ok (is the best baseline)"
+    elif base["units"] and base["high"] < 1.0:
+        row["verdict_baseline"] = "below"
+    else:
+        row["verdict_baseline"] = "ok" if at_least(base, 1 - TOLERANCE) == "yes" else "undecided"
+    other = row.get("vs_other_backend")
+    row["verdict_backend"] = "-" if other is None else (
+        "slower backend" if other["units"] and other["high"] < 1.0 else "faster backend")
 
 
 def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: float, image_size: int,
-                confirm_rounds: int = 7) -> dict:
+                confirm_rounds: int = 8, confirm_trial_s: float = 0.5) -> dict:
     t0 = time.monotonic()
     tuned = tune(name, batch_sizes=batch_sizes, budget_s=budget_s, image_size=image_size)
     tune_s = time.monotonic() - t0
     t0 = time.monotonic()
     swept = sweep(name, batch_sizes=batch_sizes, duration_s=sweep_s, image_size=image_size)
     sweep_s_used = time.monotonic() - t0
+    confirm_s = 0.0
     rows = []
     for pb in tuned.per_batch:
         b = pb["batch_size"]
         at_b = [r for r in swept if r.batch_size == b]
-        by_key = {_key(r.config): r for r in at_b}
+        choice_cfg = dict(pb["best"]["config"])
+        if tuned.best.batch_size == b and tuned.best_round == "knobs":  # the knob race's choice at this size
+            choice_cfg = {**tuned.best.to_dict(), "label": tuned.best.label}
         best = max(at_b, key=lambda r: r.throughput_items_per_s)
-        choice_cfg = pb["best"]["config"]
-        choice = by_key[_key(choice_cfg)]
+        bases = [r for r in at_b if r.config["label"] in BASELINES]
+        best_base = max(bases, key=lambda r: r.throughput_items_per_s)
+        default = next(r for r in bases if r.config["label"] == "pytorch-default")
+        # the choice's process with another backend: the fastest such variant the sweep measured
+        same_proc = [r for r in at_b if _process_key(r.config) == _process_key(choice_cfg)
+                     and _key(r.config) != _key(choice_cfg)
+                     and (r.config.get("matmul"), r.config.get("conv")) != (choice_cfg.get("matmul"), choice_cfg.get("conv"))]
+        other = max(same_proc, key=lambda r: r.throughput_items_per_s) if same_proc else None
+        contenders = [("tuned", choice_cfg), ("sweep best", best.config), ("best baseline", best_base.config),
+                      ("pytorch-default", default.config)]
+        if other is not None:
+            contenders.append(("other backend", other.config))
+        distinct, index = [], {}
+        for role, c in contenders:
+            k = _key(c)
+            if k not in index:
+                index[k] = len(distinct)
+                distinct.append(_cfg(c, b, role))  # labels name the role (one config can have several)
+            index[role] = index[k]
+        t1 = time.monotonic()
+        comp = head_to_head(name, distinct, rounds=1, starts=confirm_rounds, duration_s=confirm_trial_s,
+                            image_size=image_size) if len(distinct) > 1 else None
+        confirm_s += time.monotonic() - t1
+        empty = {"estimate": 1.0, "low": 1.0, "high": 1.0, "confidence": 1.0, "units": 0, "same": True}
+
+        def ratio(role):
+            if role not in index:
+                return None
+            if index[role] == index["tuned"]:
+                return dict(empty)
+            return _iv(comp, index["tuned"], index[role])
+
         row = {
             "model": name, "batch_size": b,
-            "tuned": _short(choice_cfg), "tuned_label": choice_cfg["label"],
+            "tuned": _short(choice_cfg), "tuned_label": choice_cfg.get("label", "grid"),
             "sweep_best": _short(best.config), "sweep_best_label": best.config["label"],
-            "tuned_items_per_s": choice.throughput_items_per_s,
-            "sweep_best_items_per_s": best.throughput_items_per_s,
-            "tuned_vs_sweep_best": choice.throughput_items_per_s / best.throughput_items_per_s,
-            # the tuner's own final round: choice / best baseline measured beside it (>= 1 by design)
-            "own_vs_best_baseline": min(pb["ratios"].values()) if pb["ratios"] else None,
-            "own_baselines_measured": len(pb["baselines"]),
-            "final_trial_s": pb["final_trial_s"],
+            "best_baseline": best_base.config["label"],
+            "other_backend": None if other is None else _short(other.config),
+            "sweep_tuned_vs_sweep_best": next((r.throughput_items_per_s for r in at_b
+                                               if _key(r.config) == _key(choice_cfg)), float("nan"))
+            / best.throughput_items_per_s,
+            "own_final_intervals": pb.get("intervals", {}),
+            "vs_sweep_best": ratio("sweep best"), "vs_best_baseline": ratio("best baseline"),
+            "vs_pytorch_default": ratio("pytorch-default"), "vs_other_backend": ratio("other backend"),
+            "confirm": None if comp is None else comp.to_dict(),
         }
-        for label in BASELINES:
-            base = next(r for r in at_b if r.config["label"] == label)
-            row[f"vs_{label}"] = choice.throughput_items_per_s / base.throughput_items_per_s
-            row[f"{label}_items_per_s"] = base.throughput_items_per_s
-        row["vs_best_baseline"] = min(row[f"vs_{label}"] for label in BASELINES)
-        # the sweep's best is the max of many noisy estimates (biased up): re-measure the tuner's
-        # choice, the sweep's best and the best baseline side by side when they differ
-        best_base = max((r for r in at_b if r.config["label"] in BASELINES), key=lambda r: r.throughput_items_per_s)
-        contenders = {_key(choice_cfg): choice_cfg, _key(best.config): best.config,
-                      _key(best_base.config): best_base.config}
-        if len(contenders) > 1 and confirm_rounds > 0:
-            cfgs = [ParallelConfig.from_dict({**c, "batch_size": b}) for c in contenders.values()]
-            h2h = head_to_head(name, cfgs, rounds=confirm_rounds, duration_s=sweep_s / 3, image_size=image_size)
-            thr = {_key(c): r.throughput_items_per_s for c, r in zip(contenders.values(), h2h)}
-            row["confirm"] = {"rounds": confirm_rounds, "items_per_s": [[_short(c), t] for c, t in
-                                                                         zip(contenders.values(), thr.values())]}
-            row["confirmed_vs_sweep_best"] = thr[_key(choice_cfg)] / thr[_key(best.config)]
-            row["confirmed_vs_best_baseline"] = thr[_key(choice_cfg)] / thr[_key(best_base.config)]
-        else:  # the tuner chose the sweep's best, which is also the best baseline or better
-            row["confirmed_vs_sweep_best"] = 1.0 if _key(choice_cfg) == _key(best.config) else None
-            row["confirmed_vs_best_baseline"] = None
+        _verdicts(row)
         rows.append(row)
     return {"model": name, "budget_s": budget_s, "tune_s": tune_s, "tune_start_s": tuned.start_s,
-            "tune_trials": len(tuned.trials), "sweep_s": sweep_s_used, "rows": rows,
-            "analysis": tuned.analysis, "tune_notes": tuned.notes,
+            "tune_trials": len(tuned.trials), "sweep_s": sweep_s_used, "confirm_s": confirm_s, "rows": rows,
+            "analysis": tuned.analysis, "tune_notes": tuned.notes, "knobs": tuned.knobs,
             "tune_result": tuned.to_dict(), "sweep": [r.to_dict() for r in swept]}
 
 
@@ -121,51 +197,73 @@ def bench_executor(name: str, batch_sizes: list[int], image_size: int, repeats: 
     return out
 
 
-def _verdict(r: dict) -> str:
-    """Judged on the side-by-side re-measurement when there is one, else on the sweep."""
-    vs_best = r.get("confirmed_vs_sweep_best") or r["tuned_vs_sweep_best"]
-    vs_base = r.get("confirmed_vs_best_baseline") or r["vs_best_baseline"]
-    ok = ["ok" if vs_best >= 0.95 else "MISS 5%"]
-    if vs_base < 1.0:
-        ok.append(f"below a baseline by {1 - vs_base:.1%}")
-    return "; ".join(ok)
-
-
-def _fmt(v) -> str:
-    return "-" if v is None else f"{v:.3g}"
+def _ivtext(iv) -> str:
+    if iv is None:
+        return "-"
+    if iv.get("same"):
+        return "same config"
+    if not iv["units"]:
+        return "-"
+    return f"{iv['estimate']:.3g} [{iv['low']:.3g}, {iv['high']:.3g}]"
 
 
 def render(report: dict) -> str:
     lines = []
     m = report["machine"]
+    cov = report["models"][0]["rows"][0]["vs_best_baseline"]["confidence"] if report["models"] else 0
     lines.append(f"Machine: {m['cpu']}, {m['usable_cpus']} usable cores, torch {m['torch']}, "
                  f"Python {m['python']}; load average before/after: {report['load_before']} / {report['load_after']}.")
-    lines.append(f"Settings: sweep {report['sweep_s']:.1f} s per configuration and batch size (3 interleaved "
-                 f"repeats of >= 5 calls, median); tuner budget per model (all batch sizes) in the second table. "
-                 f"Where the tuner's choice, the sweep's best and the best baseline differ, they are measured "
-                 f"again side by side ({report.get('confirm_rounds', 0)} rounds, rotating order, median): "
-                 f"the sweep's best is the maximum of many noisy estimates and so biased upwards. The "
-                 f"verdict uses the side-by-side ratios where they exist.")
+    lines.append(f"Side by side: {report['confirm_rounds']} rounds, each in fresh worker processes (one unit of "
+                 f"the interval), rotating order, {report['confirm_trial_s']:g}-s trials; intervals "
+                 f"[low, high] are the order-statistics intervals of the median paired ratio "
+                 f"({cov:.1%} coverage at {report['confirm_rounds']} rounds).")
     lines.append("")
-    headers = ["model", "batch", "tuned (inst x pools x intra)", "sweep best", "tuned/sweep best",
-               *[f"vs {b}" for b in BASELINES], "own final: tuned/best baseline",
-               "side by side: tuned/sweep best", "side by side: tuned/best baseline", "verdict"]
+    headers = ["model", "batch", "tuned", "sweep best", "tuned/sweep best", "tuned/best baseline",
+               "tuned/pytorch-default", "tuned/other backend", "within 5% of sweep", "vs best baseline",
+               "backend"]
     rows = []
     for mres in report["models"]:
         for r in mres["rows"]:
             rows.append([r["model"], r["batch_size"], f"{r['tuned']} ({r['tuned_label']})",
-                         f"{r['sweep_best']} ({r['sweep_best_label']})", r["tuned_vs_sweep_best"],
-                         *[r[f"vs_{b}"] for b in BASELINES],
-                         f"{r['own_vs_best_baseline']:.3g} ({r['own_baselines_measured']}/4)",
-                         _fmt(r.get("confirmed_vs_sweep_best")), _fmt(r.get("confirmed_vs_best_baseline")),
-                         _verdict(r)])
+                         f"{r['sweep_best']} ({r['sweep_best_label']})", _ivtext(r["vs_sweep_best"]),
+                         f"{_ivtext(r['vs_best_baseline'])} ({r['best_baseline']})", _ivtext(r["vs_pytorch_default"]),
+                         f"{_ivtext(r['vs_other_backend'])} ({r['other_backend']})" if r["other_backend"] else "-",
+                         r["verdict_sweep"], r["verdict_baseline"], r["verdict_backend"]])
     lines.append(format_table(headers, rows, markdown=True))
     lines.append("")
     lines.append(format_table(["model", "budget (s)", "tuner time (s)", "of which start-up (s)", "tuner trials",
-                               "sweep time (s)", "tuner/sweep"],
+                               "sweep time (s)", "tuner/sweep", "side-by-side time (s)"],
                               [[m["model"], m["budget_s"], m["tune_s"], m["tune_start_s"], m["tune_trials"],
-                                m["sweep_s"], m["tune_s"] / m["sweep_s"]] for m in report["models"]],
+                                m["sweep_s"], m["tune_s"] / m["sweep_s"], m["confirm_s"]] for m in report["models"]],
                               markdown=True))
+    for mres in report["models"]:
+        kr = mres.get("knobs")
+        if kr and kr.get("rows"):
+            lines.append("")
+            lines.append(f"Knob race of the tuner for {mres['model']} (batch {kr['choice']['batch_size']}, "
+                         f"{kr['rounds']} rounds of {kr['trial_s']:.2g}-s trials in one set of processes; ratio to the "
+                         f"choice; adopted: {kr['adopted'] or 'none'}):")
+            lines.append("")
+            lines.append(format_table(["contender", "config", "items/s", "vs choice"],
+                                      [[r["label"], _short(r["config"]), r["result"]["throughput_items_per_s"],
+                                        _ivtext(r["ratio"]) if r["ratio"] else "1"] for r in kr["rows"]],
+                                      markdown=True))
+    backend_rows = []
+    for mres in report["models"]:
+        for v in mres["tune_result"].get("variants", []):
+            for r in v["variants"]:
+                if r["ratio_to_default"] is None:
+                    continue
+                chosen = (r["matmul"], r["conv"]) == (v["chosen"]["matmul"], v["chosen"]["conv"])
+                backend_rows.append([mres["model"], v["batch_size"], v["process"].split(" b=")[0], r["matmul"],
+                                     r["conv"], _ivtext(r["ratio_to_default"]), v["rounds"], "chosen" if chosen else ""])
+    if backend_rows:
+        lines.append("")
+        lines.append("Backend races of the tuner (per process configuration, its instances running the variants "
+                     "in turns of 10 ms; ratio to PyTorch's default kernels, interval over the rounds):")
+        lines.append("")
+        lines.append(format_table(["model", "batch", "process", "matmul", "conv", "vs default", "rounds", ""],
+                                  backend_rows, markdown=True))
     notes = [f"{m['model']}: {n}" for m in report["models"] for n in m["tune_notes"]]
     if notes:
         lines.append("")
@@ -179,43 +277,55 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _per_model(text: str, cast) -> dict:
+    out = {}
+    for item in text.split(";"):
+        if item.strip():
+            name, value = item.split("=")
+            out[name.strip()] = cast(value)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(DEFAULT_MODELS))
     p.add_argument("--batch-sizes", default="1,8,64")
-    p.add_argument("--budget-s", type=float, default=15.0, help="tuner budget per model (all batch sizes)")
+    p.add_argument("--budget-s", type=float, default=40.0, help="tuner budget per model (all batch sizes)")
     p.add_argument("--model-budgets", default="", metavar="NAME=S;...",
-                   help="tuner budgets for particular models, e.g. 'inception_wide=20'")
-    p.add_argument("--sweep-s", type=float, default=3.0,
+                   help="tuner budgets for particular models, e.g. 'inception_wide=60'")
+    p.add_argument("--sweep-s", type=float, default=2.0,
                    help="sweep time per configuration and batch size (3 repeats, each >= 5 calls)")
     p.add_argument("--image-size", type=int, default=64, help="ResNet-18 input size (no example_input)")
     p.add_argument("--model-batch-sizes", default="", metavar="NAME=B1,B2;...",
                    help="batch sizes for particular models, e.g. 'treelstm=1,8'")
-    p.add_argument("--confirm-rounds", type=int, default=7,
-                   help="side-by-side rounds re-measuring the tuner's choice, the sweep's best and the best "
-                        "baseline when they differ (0: off)")
+    p.add_argument("--confirm-rounds", type=int, default=8,
+                   help="side-by-side rounds, each in fresh processes (8: 93%% intervals, one outlying round "
+                        "on either side left out)")
+    p.add_argument("--confirm-trial-s", type=float, default=0.5)
     p.add_argument("--executor-models", default="inception_wide,recommender")
     p.add_argument("--executor-repeats", type=int, default=15)
     p.add_argument("--out", default=None, help="JSON path (default results/parallel-<time>.json)")
+    p.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                   help="only print the markdown of earlier runs' JSON files, as one report")
     args = p.parse_args(argv)
+    if args.render:
+        parts = [json.loads(Path(f).read_text()) for f in args.render]
+        merged = {**parts[0], "models": [m for r in parts for m in r["models"]],
+                  "executor": [e for r in parts for e in r["executor"]],
+                  "load_before": [r["load_before"][0] for r in parts], "load_after": [r["load_after"][0] for r in parts]}
+        print(render(merged))
+        return 0
     names = [n for n in args.models.split(",") if n]
     missing = [n for n in names if n not in models.names()]
     if missing:
         print(f"skipping models not in the registry: {missing}", file=sys.stderr)
         names = [n for n in names if n in models.names()]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    per_model_batches = {}
-    for item in args.model_batch_sizes.split(";"):
-        if item.strip():
-            name, sizes = item.split("=")
-            per_model_batches[name.strip()] = [int(b) for b in sizes.split(",")]
-    budgets = {}
-    for item in args.model_budgets.split(";"):
-        if item.strip():
-            name, sec = item.split("=")
-            budgets[name.strip()] = float(sec)
+    per_model_batches = _per_model(args.model_batch_sizes, lambda v: [int(b) for b in v.split(",")])
+    budgets = _per_model(args.model_budgets, float)
     report = {"machine": machine_info(), "load_before": os.getloadavg(), "budget_s": args.budget_s,
-              "sweep_s": args.sweep_s, "confirm_rounds": args.confirm_rounds, "batch_sizes": batch_sizes, "image_size": args.image_size,
+              "sweep_s": args.sweep_s, "confirm_rounds": args.confirm_rounds, "confirm_trial_s": args.confirm_trial_s,
+              "batch_sizes": batch_sizes, "image_size": args.image_size,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "models": [], "executor": []}
     out = Path(args.out or f"results/parallel-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -226,7 +336,7 @@ def main(argv=None) -> int:
     for n in names:
         print(f"[{time.monotonic() - t0:6.0f} s] {n}", file=sys.stderr)
         report["models"].append(bench_model(n, per_model_batches.get(n, batch_sizes), budgets.get(n, args.budget_s),
-                                            args.sweep_s, args.image_size, args.confirm_rounds))
+                                            args.sweep_s, args.image_size, args.confirm_rounds, args.confirm_trial_s))
         report["load_after"] = os.getloadavg()
         report["total_s"] = time.monotonic() - t0
         out.write_text(json.dumps(report, indent=1))  # after every model: a cut-short run keeps its results

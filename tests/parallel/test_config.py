@@ -100,3 +100,63 @@ def test_width_guideline_on_two_cores():
     assert (width_guideline(wide, 8, cpus).inter_op_threads, width_guideline(wide, 8, cpus).intra_op_threads) == (2, 1)
     narrow = GraphAnalysis(depth=5, average_width=1.0, max_width=1)
     assert (width_guideline(narrow, 8, cpus).inter_op_threads, width_guideline(narrow, 8, cpus).intra_op_threads) == (1, 2)
+
+
+def test_knobs_are_validated_saved_and_loaded(tmp_path):
+    cfg = ParallelConfig(instances=1, intra_op_threads=2, matmul="onednn", conv="channels-last",
+                         omp_wait_policy="passive")
+    cfg.validate([0, 1])
+    cfg.save(tmp_path / "c.json")
+    assert ParallelConfig.load(tmp_path / "c.json") == cfg
+    assert cfg.knobs() == {"matmul": "onednn", "conv": "channels-last", "omp_wait_policy": "passive"}
+    assert "matmul onednn" in cfg.short()
+    assert cfg.key() == cfg.replace(matmul="default").key() != cfg.replace(omp_wait_policy="active").key()
+    assert cfg.variant() == ("onednn", "channels-last", False)
+    with pytest.raises(ConfigurationError, match="matmul must be one of"):
+        ParallelConfig(matmul="cublas").validate([0, 1])
+    with pytest.raises(ConfigurationError, match="compile=True needs"):
+        ParallelConfig(compile=True, matmul="onednn").validate([0, 1])
+    (tmp_path / "bad.json").write_text(json.dumps({"parallel_config": {"allocator": "hoard"}}))
+    with pytest.raises(ConfigurationError, match="bad.json.*allocator must be one of"):
+        ParallelConfig.load(tmp_path / "bad.json")
+
+
+def test_old_saved_configurations_still_load(tmp_path):
+    # a best.json of the previous format: the configuration and its result under "best"
+    (tmp_path / "old.json").write_text(json.dumps({"best": {"instances": 2, "inter_op_threads": 1,
+                                                            "intra_op_threads": 1, "batch_size": 8, "pin": True,
+                                                            "env": {}, "label": "grid",
+                                                            "throughput_items_per_s": 5.0}}))
+    cfg = ParallelConfig.load(tmp_path / "old.json")
+    assert (cfg.instances, cfg.matmul, cfg.allocator) == (2, "default", "default")
+
+
+def test_thread_env_carries_the_knobs():
+    env = ParallelConfig(intra_op_threads=1, omp_wait_policy="active", matmul="mkl-packed").thread_env()
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and env["KMP_BLOCKTIME"] == "infinite"
+    assert env["BATCHCRAFT_MATMUL"] == "mkl-packed" and env["BATCHCRAFT_COMPILE"] == ""
+
+
+@pytest.mark.parametrize("cfg,cpus,expect", [
+    (ParallelConfig(instances=2, intra_op_threads=None, pin=False), [0, 1], "2 instance(s) x PyTorch's default 2"),
+    (ParallelConfig(instances=2, intra_op_threads=2), [0, 1], "= 4 threads on 2 usable cores"),
+    (ParallelConfig(instances=1, intra_op_threads=None, pin=False), [0, 1], None),
+    (ParallelConfig(instances=2, intra_op_threads=1), [0, 1], None),
+])
+def test_oversubscription_is_explained(cfg, cpus, expect):
+    why = cfg.oversubscription(cpus)
+    assert (why is None) if expect is None else (expect in why)
+
+
+def test_local_rank_reads_torchrun_variables(monkeypatch):
+    from batchcraft.parallel import local_rank, rank_cpus
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert local_rank() is None
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_rank() == (1, 2)
+    assert rank_cpus([0, 1, 2, 3], 1, 2) == [2, 3] and rank_cpus([0, 1], 0, 1) == [0, 1]
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ConfigurationError, match="LOCAL_RANK"):
+        local_rank()

@@ -142,3 +142,124 @@ def test_in_place_updates_keep_eager_order_with_other_readers():
         with InterOpExecutor(model, inter_op_threads=3, intra_op_threads=1) as run:
             for _ in range(20):  # a race would show up on some run
                 torch.testing.assert_close(run(x), ref, rtol=0, atol=0)
+
+
+# -- the caller's thread-local state in the pool threads (issue 15, item 5) ----------------------
+
+_VAR = __import__("contextvars").ContextVar("batchcraft_test_var", default="unset")
+_SEEN_VARS: list[str] = []
+_SEEN_AUTOCAST: list[tuple] = []
+
+
+@torch.fx.wrap
+def record_state(x):
+    _SEEN_VARS.append(_VAR.get())
+    _SEEN_AUTOCAST.append((threading.current_thread().name, torch.is_autocast_enabled("cpu"),
+                           torch.get_autocast_dtype("cpu")))
+    return x
+
+
+@torch.fx.wrap
+def plus_ones(x):
+    return x + torch.ones(x.shape[-1]).to(x.dtype), torch.ones(1).dtype  # a factory call: default dtype
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.c(record_state(self.a(x)) + record_state(self.b(x)))
+
+
+def _caller_state():
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_autocast_region_gives_the_dtype_and_values_of_eager(dtype):
+    torch.manual_seed(0)
+    model, x = Branches(), torch.randn(4, 16)
+    with InterOpExecutor(model, inter_op_threads=2, intra_op_threads=1) as run:
+        before = _caller_state()
+        with torch.autocast("cpu", dtype=dtype):
+            ref = model(x)
+            _SEEN_AUTOCAST.clear()
+            out = run(x)
+            seen = list(_SEEN_AUTOCAST)
+        assert _caller_state() == before  # nothing leaks into the caller's thread
+        plain = run(x)  # after the region: float32 again, in the pool threads too
+    assert ref.dtype == dtype and out.dtype == dtype
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert plain.dtype == torch.float32
+    assert {s[1:] for s in seen} == {(True, dtype)}
+    assert any(name.startswith("batchcraft-interop") for name, *_ in seen)
+
+
+def test_grad_inference_and_no_grad_modes_match_eager_in_every_combination():
+    model, x = Branches(), torch.randn(3, 16)
+    with InterOpExecutor(model, inter_op_threads=3) as run:
+        for ctx in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+            with ctx():
+                ref, out = model(x), run(x)
+            assert (out.requires_grad, out.is_inference()) == (ref.requires_grad, ref.is_inference()), ctx
+            torch.testing.assert_close(out, ref)
+
+
+def test_torch_function_modes_and_context_variables_reach_pool_threads():
+    from torch.overrides import TorchFunctionMode
+
+    class CountLinear(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.lock = 0, threading.Lock()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.linear:
+                with self.lock:
+                    self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    model, x = Branches(), torch.randn(2, 16)
+    with InterOpExecutor(model, inter_op_threads=2) as run:
+        eager_mode, pooled_mode = CountLinear(), CountLinear()
+        with eager_mode:
+            model(x)
+        with pooled_mode:
+            run(x)
+        assert pooled_mode.calls == eager_mode.calls == 3
+        token = _VAR.set("from the caller")
+        try:
+            _SEEN_VARS.clear()
+            run(x)
+        finally:
+            _VAR.reset(token)
+        assert _SEEN_VARS == ["from the caller"] * 2
+        run(x)  # the modes were popped again in the pool threads
+        assert pooled_mode.calls == 3
+
+
+def test_the_default_dtype_is_the_callers():
+    class Factory(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            ya, da = plus_ones(self.a(x))
+            yb, db = plus_ones(self.b(x))
+            return ya + yb, da, db
+
+    saved = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        model = Factory()
+        x = torch.randn(2, 16)
+        with InterOpExecutor(model, inter_op_threads=2) as run:
+            out, ref = run(x), model(x)
+    finally:
+        torch.set_default_dtype(saved)
+    assert out[1:] == ref[1:] == (torch.float64, torch.float64)
+    torch.testing.assert_close(out[0], ref[0])

@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 from batchcraft.errors import ConfigurationError
 from batchcraft.parallel import BASELINES, ParallelConfig
 from batchcraft.parallel.analysis import GraphAnalysis, HeavyOp
+from batchcraft.parallel.budget import Budget
 from batchcraft.parallel.halving import CostModel, HalvingSearch
-from batchcraft.parallel.launcher import TrialResult
-from batchcraft.parallel.search import _tune
+from batchcraft.parallel.objective import Objective
+from batchcraft.parallel.search import run_search
+from batchcraft.parallel.trial import TrialResult
 
 
 class FakeClock:
@@ -56,6 +58,30 @@ class FakeGroups:
     def close(self):
         self.closed = True
 
+    def drop(self, cfg):
+        pass
+
+    def race_variants(self, cfgs, duration_s, warmup_s, block_s):
+        """Backend variants taking turns in blocks, on the fake clock (see WorkerGroup.race_variants)."""
+        from batchcraft.parallel.groups import variant_race_result
+
+        b = cfgs[0].batch_size
+        call = self.call_s * b ** 0.5  # the default variant's call, as in measure(); others scale by speed
+        ref = self.speed(cfgs[0])
+        n = max(1, math.ceil(block_s / call))
+        rounds = max(7, math.ceil(duration_s / (n * call * len(cfgs))))
+        blocks = [[(r, j, n, n * call * ref / self.speed(c) * (1 + self.rng.uniform(-self.noise, self.noise)))
+                   for r in range(rounds) for j, c in enumerate(cfgs)] for _ in range(cfgs[0].instances)]
+        self.clock.t += sum(max(warmup_s, call) for c in cfgs) + rounds * len(cfgs) * n * call + self.overhead_s
+        self.variant_races = getattr(self, "variant_races", 0) + 1
+        return variant_race_result(cfgs, blocks, duration_s)
+
+    def spawn_all(self, configs):  # the knob race's new processes: start-up takes fake time
+        self.clock.t += self.start_s / 3
+
+    def is_ready(self, cfg):
+        return True
+
 
 WIDE = GraphAnalysis(heavy_ops=[HeavyOp("a", "conv", "a", 100, 1), HeavyOp("b", "conv", "b", 100, 1),
                                 HeavyOp("c", "conv", "c", 100, 2)],
@@ -66,9 +92,12 @@ def by_label(table, default=100.0):
     return lambda cfg: table.get(cfg.label, default) * (cfg.instances if cfg.label == "grid" else 1)
 
 
-def run_tune(groups, clock, budget_s, *, cpus=(0, 1), batch_sizes=(1, 8, 64), objective="throughput"):
-    return _tune(groups, clock, clock(), "fake", list(batch_sizes), objective, budget_s, None, WIDE, True,
-                 list(cpus), eta=3, repeats=3, k_final=2, progress=False)
+def run_tune(groups, clock, budget_s, *, cpus=(0, 1), batch_sizes=(1, 8, 64), objective="throughput", limit=None,
+             knobs=(), **kw):
+    # knobs=(): no knob race (tests of it pass knobs explicitly)
+    return run_search(groups, Budget(budget_s, clock), "fake", list(batch_sizes), Objective(objective, limit), WIDE,
+                      True, list(cpus), eta=3, repeats=3, k_final=2, progress=False, knobs=knobs, **kw)
+
 
 def ranked_by_trial_length(long_from_s):
     """Speeds under which trials shorter than ``long_from_s`` rank pytorch-default first and
@@ -336,7 +365,7 @@ def test_reported_numbers_agree_with_the_ratios_after_a_playoff():
             shown = pb["best"]["throughput_items_per_s"] / base["throughput_items_per_s"]
             assert shown == pytest.approx(pb["ratios"][label]), label
     assert pb["decided_by"]["pytorch-default"] == "playoff"
-    from batchcraft.parallel.report import comparison_table
+    from batchcraft.parallel.tables import comparison_table
 
     assert "playoff" in comparison_table(res.to_dict())
 
@@ -355,8 +384,7 @@ def test_ratios_with_a_latency_limit_are_never_below_one():
 
     clock = FakeClock()
     groups = LatencyGroups(clock, lambda c: 100.0, call_s=0.002)
-    res = _tune(groups, clock, clock(), "fake", [8], "latency", 30.0, 10.0, WIDE, True, [0, 1],
-                eta=3, repeats=3, k_final=2, progress=False)
+    res = run_tune(groups, clock, 30.0, batch_sizes=[8], objective="latency", limit=10.0)
     pb = res.per_batch[0]
     assert pb["best"]["config"]["label"] == "intel-recommended"
     assert min(pb["ratios"].values()) >= 1.0, pb["ratios"]
@@ -379,3 +407,153 @@ def test_a_failed_playoff_is_not_played_again():
         rounds = {t["round"] for t in res.trials if t["role"] == "playoff" and t["batch_size"] == pb["batch_size"]}
         assert len(rounds) <= 1
         assert not pb["playoff"]
+
+
+# -- the knob race ------------------------------------------------------------------------------
+
+def knob_speed(factors, team_gain=0.9):
+    """items/s from the configuration itself: 50 per thread, times ``team_gain`` for a team of
+    several intra-op threads in one pool, times a factor per knob value."""
+    def speed(cfg):
+        intra = cfg.intra_op_threads or 2
+        s = 50.0 * cfg.instances * intra * (team_gain if intra > 1 else 1.0) / cfg.inter_op_threads ** 0.5
+        for knob in ("matmul", "conv", "allocator", "omp_wait_policy"):
+            s *= factors.get((knob, getattr(cfg, knob)), 1.0)
+        return s
+    return speed
+
+
+@pytest.fixture
+def with_jemalloc(monkeypatch):
+    import batchcraft.parallel.knobs as knobs
+
+    monkeypatch.setattr(knobs, "available_allocators", lambda: ("default", "jemalloc"))
+
+
+VARIANTS = [("default", "default"), ("onednn", "default")]
+ALL_KNOBS = ("matmul", "conv", "allocator", "omp_wait_policy")
+
+
+def test_the_knob_race_measures_every_one_knob_change_beside_the_choice(with_jemalloc):
+    clock = FakeClock()
+    groups = FakeGroups(clock, knob_speed({("matmul", "onednn"): 1.3}), call_s=0.002)
+    res = run_tune(groups, clock, 60.0, batch_sizes=(8,), knobs=ALL_KNOBS, variants=VARIANTS)
+    assert (res.best.instances, res.best.matmul) == (2, "onednn")  # the backend race chose it
+    rows = {r["label"]: r for r in res.knobs["rows"]}
+    assert set(rows) >= {"choice", "allocator jemalloc"}
+    assert not any("omp_wait_policy" in label for label in rows)  # one thread per pool: nothing waits
+    assert any(r["role"] == "baseline" for r in rows.values())
+    assert res.knobs["adopted"] is None and res.best_round == "final"  # nothing adopted: final-round median
+    assert clock() - 1000.0 <= 60.0 + 0.05
+
+
+def test_backends_are_raced_per_process_configuration_and_the_faster_kept():
+    clock = FakeClock()
+    groups = FakeGroups(clock, knob_speed({("matmul", "onednn"): 1.3}), call_s=0.002, noise=0.05)
+    res = run_tune(groups, clock, 60.0, batch_sizes=(1, 8), variants=VARIANTS)
+    assert groups.variant_races >= 2 and not any("no time to race" in n for n in res.notes)
+    by = {(v["batch_size"], v["process"]): v for v in res.variants}
+    for v in by.values():
+        onednn = next(r for r in v["variants"] if r["matmul"] == "onednn")
+        assert onednn["ratio_to_default"]["low"] > 1.2  # 1.3 +- 5% noise, paired blocks
+        assert v["chosen"] == {"matmul": "onednn", "conv": "default"} and v["rounds"] >= 7
+    grid_finals = [t for t in res.rounds if t["role"] == "final" and t["config"]["label"] == "grid"]
+    assert grid_finals and all(t["config"]["matmul"] == "onednn" for t in grid_finals)  # one variant each
+    assert all(b["config"]["matmul"] == "default" for pb in res.per_batch for b in pb["baselines"].values())
+
+
+def test_a_backend_that_is_not_faster_leaves_the_default():
+    clock = FakeClock()
+    groups = FakeGroups(clock, knob_speed({("matmul", "onednn"): 0.97}), call_s=0.002, noise=0.05)
+    res = run_tune(groups, clock, 30.0, batch_sizes=(8,), variants=VARIANTS)
+    assert res.variants and all(v["chosen"]["matmul"] == "default" for v in res.variants)
+    assert res.best.matmul == "default"
+
+
+def test_a_knob_change_faster_in_every_round_is_adopted(with_jemalloc):
+    clock = FakeClock()
+    # a team of 2 threads in one process wins here, and spinning between regions helps it
+    groups = FakeGroups(clock, knob_speed({("omp_wait_policy", "active"): 1.2}, team_gain=1.1), call_s=0.002,
+                        noise=0.02)
+    res = run_tune(groups, clock, 60.0, batch_sizes=(8,), knobs=ALL_KNOBS, final_repeats=5)
+    assert res.knobs["adopted"] == "omp_wait_policy active"
+    assert res.best.omp_wait_policy == "active" and res.best.intra_op_threads == 2
+    assert res.best_result.throughput_items_per_s == pytest.approx(110.0 * 1.2, rel=0.05)
+
+
+def test_a_change_that_does_not_matter_is_rarely_adopted_whatever_the_noise():
+    adopted = 0
+    for seed in range(40):
+        clock = FakeClock()
+        groups = FakeGroups(clock, knob_speed({}, team_gain=1.1), call_s=0.002, noise=0.1, seed=seed)
+        res = run_tune(groups, clock, 40.0, batch_sizes=(8,), knobs=("omp_wait_policy",), final_repeats=5)
+        assert res.knobs["rounds"] == 5
+        adopted += res.knobs["adopted"] is not None
+    # two equal alternatives, 5 rounds: P(one has every paired ratio > 1) = 1 - (31/32)^2, about 6%
+    assert adopted <= 6
+
+
+def test_three_rounds_are_too_few_to_adopt_anything():
+    clock = FakeClock()
+    groups = FakeGroups(clock, knob_speed({("omp_wait_policy", "active"): 1.2}, team_gain=1.1), call_s=0.002)
+    res = run_tune(groups, clock, 60.0, batch_sizes=(8,), knobs=("omp_wait_policy",), final_repeats=3)
+    assert res.knobs["rounds"] == 3 and res.knobs["adopted"] is None
+    assert any("below the 90% needed" in n for n in res.notes)
+
+
+def test_an_alternative_that_fails_is_left_out_with_a_note(with_jemalloc):
+    from batchcraft.errors import WorkerError
+
+    class Failing(FakeGroups):
+        def measure(self, cfg, duration_s, warmup_s):
+            if cfg.allocator == "jemalloc":
+                raise WorkerError("instance 0 died with exit code -11")
+            return super().measure(cfg, duration_s, warmup_s)
+
+    clock = FakeClock()
+    res = run_tune(Failing(clock, knob_speed({}), call_s=0.002), clock, 60.0, batch_sizes=(8,), knobs=ALL_KNOBS)
+    assert "allocator jemalloc" not in {r["label"] for r in res.knobs["rows"]}
+    assert any("allocator jemalloc left out" in n for n in res.notes)
+
+
+def test_no_knob_race_below_its_budget():
+    clock = FakeClock()
+    res = run_tune(FakeGroups(clock, knob_speed({}), call_s=0.002), clock, 20.0, batch_sizes=(8,), knobs=ALL_KNOBS)
+    assert res.knobs is None and res.best_round == "final"
+
+
+def test_alternatives_join_the_knob_race_when_their_processes_are_ready():
+    class Slow(FakeGroups):
+        delay = {"passive": 1.0, "active": 1e6}  # passive starts in 1 s, active never
+
+        def spawn_all(self, configs):
+            self.ready_at = {c.key(): self.clock.t + self.delay.get(c.omp_wait_policy, 0.0) for c in configs}
+
+        def is_ready(self, cfg):
+            return self.clock.t >= self.ready_at.get(cfg.key(), 0.0)
+
+    clock = FakeClock()
+    res = run_tune(Slow(clock, knob_speed({}, team_gain=1.1), call_s=0.002), clock, 60.0, batch_sizes=(8,),
+                   knobs=("omp_wait_policy",), final_repeats=5)
+    rows = {r["label"]: r for r in res.knobs["rows"]}
+    assert "omp_wait_policy passive" in rows and "omp_wait_policy active" not in rows
+    assert rows["omp_wait_policy passive"]["ratio"]["units"] >= 5  # paired rounds after it joined
+    assert rows["choice"]["result"]["calls"] > 0
+    assert any("not started in time, left out: omp_wait_policy active" in n for n in res.notes)
+    assert clock() - 1000.0 <= 60.0 + 0.05
+
+
+def test_compile_is_raced_on_the_choice_when_asked_for():
+    clock = FakeClock()
+    groups = FakeGroups(clock, knob_speed({}), call_s=0.002)
+    res = run_tune(groups, clock, 200.0, batch_sizes=(8,), knobs=("compile",), final_repeats=5)
+    rows = {r["label"]: r for r in res.knobs["rows"]}
+    assert rows["compile"]["config"]["compile"] is True and rows["compile"]["config"]["matmul"] == "default"
+    clock = FakeClock()
+    res = run_tune(FakeGroups(clock, knob_speed({}), call_s=0.002), clock, 60.0, batch_sizes=(8,),
+                   knobs=("compile",), final_repeats=5)
+    assert any("no time left to compile" in n for n in res.notes)  # 18 s of knob race < 30 s to compile
+    clock = FakeClock()
+    res = run_tune(FakeGroups(clock, knob_speed({}), call_s=0.002), clock, 60.0, batch_sizes=(8,),
+                   knobs=("allocator",), final_repeats=5)
+    assert res.knobs is None or "compile" not in {r["label"] for r in res.knobs["rows"]}  # opt-in only

@@ -5,8 +5,21 @@ import pytest
 from batchcraft.errors import ConfigurationError
 from batchcraft.parallel import BASELINES, ParallelConfig, baseline_configs, tune
 from batchcraft.parallel.analysis import GraphAnalysis, HeavyOp
-from batchcraft.parallel.launcher import TrialResult
-from batchcraft.parallel.search import _candidates, candidate_grid, prior_speed, score
+from batchcraft.parallel.grid import candidate_grid, candidates
+from batchcraft.parallel.objective import Objective
+from batchcraft.parallel.trial import TrialResult
+
+
+def score(result, objective, limit=None):
+    return Objective(objective, limit).score(result)
+
+
+def prior_speed(cfg, analysis, objective):
+    return Objective(objective).prior(cfg, analysis)
+
+
+def _candidates(analysis, traceable, batch_size, cpus, objective="throughput"):
+    return candidates(analysis, traceable, batch_size, cpus, Objective(objective))
 
 
 def _result(thr, p50, p90):

@@ -23,6 +23,7 @@ from torch.fx.node import map_arg
 
 from batchcraft.errors import ConfigurationError
 from batchcraft.parallel.analysis import trace
+from batchcraft.parallel.thread_state import ThreadState
 
 __all__ = ["InterOpExecutor"]
 
@@ -123,7 +124,7 @@ def _split_tasks(gm: torch.fx.GraphModule) -> tuple[list[_Task], _Task]:
 class _Run:
     """State of one call: values, remaining dependency counts, completion."""
 
-    def __init__(self, inputs, tasks, grad_enabled: bool, inference: bool):
+    def __init__(self, inputs, tasks, state: ThreadState):
         self.inputs = list(inputs)
         self.env: dict[torch.fx.Node, object] = {}
         self.remaining = {t.index: t.n_deps for t in tasks}
@@ -131,15 +132,16 @@ class _Run:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.result = None
-        self.grad_enabled = grad_enabled
-        self.inference = inference
+        self.state = state  # the caller's thread-local torch state, applied in every pool thread
 
 
 class InterOpExecutor:
     """Callable that runs a model's independent branches on ``inter_op_threads`` Python threads.
 
     The result equals the eager model's (same operators, same order within each branch); autograd
-    works through it, and the caller's grad mode / inference mode are applied in the pool threads.
+    works through it, and the caller's thread-local state (grad and inference mode, autocast per
+    device type, torch-function modes, context variables: :mod:`batchcraft.parallel.thread_state`)
+    holds in the pool threads.
     Gains need branches whose operators are large enough to hide a thread hand-off (~10-30 us).
     An in-place update (``relu(inplace=True)``, ``x.add_()``, ``x += y``) is ordered against the
     other direct readers of its tensor as in eager; updates through views (aliases) are not
@@ -202,8 +204,7 @@ class InterOpExecutor:
             if item is None:
                 return
             run, task = item
-            with torch.inference_mode(run.inference), torch.set_grad_enabled(run.grad_enabled):
-                self._drive(run, task)
+            run.state.run(self._drive, run, task)
 
     def _drive(self, run: _Run, task: _Task):
         while task is not None:
@@ -270,24 +271,23 @@ class InterOpExecutor:
         n_placeholders = sum(1 for n in self.gm.graph.nodes if n.op == "placeholder")
         if len(inputs) > n_placeholders:
             raise TypeError(f"InterOpExecutor: model takes {n_placeholders} inputs, got {len(inputs)}")
-        run = _Run(inputs, self.tasks, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        run = _Run(inputs, self.tasks, ThreadState.capture())
         # Placeholders are consumed in graph order, so keep their tasks in order on one thread.
         placeholder_roots = [t for t in self._roots if t.nodes[0].op == "placeholder"]
         for t in self._roots:
             if t.nodes[0].op != "placeholder":
                 self._queue.put((run, t))
-        with torch.inference_mode(run.inference), torch.set_grad_enabled(run.grad_enabled):
-            for t in placeholder_roots:
-                for node in t.nodes:  # placeholders are single-node tasks (never chained)
-                    run.env[node] = self._run_node(run, node)
-                ready = []
-                for dep in t.dependents:
-                    with run.lock:
-                        run.remaining[dep.index] -= 1
-                        if run.remaining[dep.index] == 0:
-                            ready.append(dep)
-                for dep in ready:
-                    self._queue.put((run, dep))
+        for t in placeholder_roots:  # in the caller's thread, under its own state
+            for node in t.nodes:  # placeholders are single-node tasks (never chained)
+                run.env[node] = self._run_node(run, node)
+            ready = []
+            for dep in t.dependents:
+                with run.lock:
+                    run.remaining[dep.index] -= 1
+                    if run.remaining[dep.index] == 0:
+                        ready.append(dep)
+            for dep in ready:
+                self._queue.put((run, dep))
         run.done.wait()
         if run.error is not None:
             raise run.error

@@ -23,48 +23,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from batchcraft.measure.race import Race
 from batchcraft.parallel.config import ParallelConfig
-from batchcraft.parallel.launcher import TrialResult
+from batchcraft.parallel.objective import Objective
+from batchcraft.parallel.trial import TrialResult
 
-__all__ = ["score", "CostModel", "BatchOutcome", "HalvingSearch", "PLAYOFF_MARGIN"]
+__all__ = ["CostModel", "BatchOutcome", "HalvingSearch", "PLAYOFF_MARGIN", "SPREAD_LIMIT"]
 
-PRUNE_FACTOR = 4.0  # a search candidate this many times worse than its round's best skips the other repeats
 SPREAD_LIMIT = 1.15  # repeats of one configuration further apart than this: a disturbed final round
 PLAYOFF_MARGIN = 1.15  # final round's best two closer than this: re-measured with longer trials if time is left
 PLAYOFF_MAX_TRIAL_S = 1.0
 PLAYOFF_MIN_CALLS = 5  # a playoff trial of 2 slow calls ranks worse than the final round did
 PLAYOFF_MIN_TRIAL_S = 0.2  # a close call is decided by noise in 0.05-0.1-s trials: see playoff()
 PLAYOFF_SHARE = 0.35  # at most this part of a batch size's time is set aside for its playoff
-
-
-def score(result: TrialResult, objective: str, latency_limit_ms: float | None = None) -> tuple:
-    """Sort key, larger is better.
-
-    throughput: items/s. latency: with a limit, configurations whose p90 latency meets it ranked by
-    throughput, then the others by p90 latency; without a limit, the lowest median latency.
-    """
-    if objective == "throughput":
-        return (result.throughput_items_per_s,)
-    if latency_limit_ms is not None:
-        if result.latency_p90_ms <= latency_limit_ms:
-            return (1, result.throughput_items_per_s)
-        return (0, -result.latency_p90_ms)
-    return (-result.latency_p50_ms,)
-
-
-def _throughput_like(result: TrialResult, objective: str, limit) -> float:
-    """A positive "higher is better" number for pruning: items/s, or 1 / latency."""
-    if objective == "throughput" or (limit is not None and result.latency_p90_ms <= limit):
-        return result.throughput_items_per_s
-    if limit is not None:
-        return 0.0
-    return 1.0 / max(result.latency_p50_ms, 1e-9)
-
-
-def median_result(results: list[TrialResult], objective: str, limit=None) -> TrialResult:
-    """The median of ``results`` by :func:`score` (the upper one of an even count)."""
-    ranked = sorted(results, key=lambda r: score(r, objective, limit))
-    return ranked[len(ranked) // 2]
 
 
 class CostModel:
@@ -84,7 +55,7 @@ class CostModel:
 
     @staticmethod
     def _key(cfg: ParallelConfig) -> tuple:
-        return cfg.key(), cfg.batch_size
+        return (cfg.key(), cfg.variant()), cfg.batch_size
 
     def call_time(self, cfg: ParallelConfig) -> float:
         """Estimated seconds per call of ``cfg`` at its batch size (0 when nothing is known).
@@ -97,7 +68,7 @@ class CostModel:
         k, b = self._key(cfg), cfg.batch_size
         if k in self.call_s:
             return self.call_s[k]
-        smaller = [(b0, c) for (key, b0), c in self.call_s.items() if key == cfg.key() and b0 < b]
+        smaller = [(b0, c) for (key, b0), c in self.call_s.items() if key == k[0] and b0 < b]
         if smaller:
             b0, c0 = max(smaller)
             factors = [c / self.call_s[(key, b0)] for (key, b1), c in self.call_s.items()
@@ -156,12 +127,14 @@ class BatchOutcome:
     playoff: list = field(default_factory=list)
     playoff_trial_s: float = 0.0
     playoff_tried: bool = False
+    final_race: tuple | None = None  # (configs, Race) of the final round: paired ratios, intervals
+    playoff_race: tuple | None = None
 
-    def gap(self, objective: str, limit=None) -> float:
+    def gap(self, objective: Objective) -> float:
         """How far ahead the final round's best is of its runner-up (ratio >= 1; inf if alone)."""
         if len(self.final) < 2:
             return math.inf
-        a, b = (_throughput_like(r, objective, limit) for _, r in self.final[:2])
+        a, b = (objective.value(r) for _, r in self.final[:2])
         return a / b if b > 0 else math.inf
 
 
@@ -171,9 +144,12 @@ class HalvingSearch:
     Args:
         measure (callable): ``measure(config, duration_s, warmup_s) -> TrialResult``.
         clock (callable): seconds, monotonic (``time.monotonic``, or a fake one in tests).
-        objective (str), latency_limit_ms (float | None): see :func:`score`.
+        objective (Objective): what "better" means (scoring, pruning, ratios).
         eta (int): survivors per round = ceil(n / eta); trials grow eta-fold per round. Default: 3.
-        repeats (int): interleaved passes per round, median kept. Default: 3.
+        repeats (int): interleaved passes per search round, median kept. Default: 3.
+        final_repeats (int, optional): passes of the final round and of playoffs (their paired
+            ratios give the report's intervals: 5 passes cover the median ratio with 94%).
+            Default: ``repeats``.
         k_final (int): search candidates that reach the final round. Default: 2.
         min_calls (tuple[int, int]): least calls per trial in search rounds / the final round.
         min_trial_s (float): least seconds per trial. Default: 0.02.
@@ -184,14 +160,15 @@ class HalvingSearch:
         trials (list), rounds (list): every measurement / every round median is appended here.
     """
 
-    def __init__(self, measure: Callable, clock: Callable[[], float], objective: str = "throughput",
-                 latency_limit_ms: float | None = None, *, eta: int = 3, repeats: int = 3, k_final: int = 2,
+    def __init__(self, measure: Callable, clock: Callable[[], float], objective: Objective | None = None,
+                 *, eta: int = 3, repeats: int = 3, final_repeats: int | None = None, k_final: int = 2,
                  min_calls: tuple[int, int] = (1, 2), min_trial_s: float = 0.02, max_trial_s: float = 0.5,
                  warmup_s: float = 0.05, trials: list | None = None, rounds: list | None = None,
                  on_trial: Callable[[], None] | None = None):
         self.measure, self.clock = measure, clock
-        self.objective, self.limit = objective, latency_limit_ms
+        self.objective = objective or Objective()
         self.eta, self.repeats, self.k_final = eta, repeats, k_final
+        self.final_repeats = repeats if final_repeats is None else final_repeats
         self.min_calls, self.min_trial_s, self.max_trial_s = min_calls, min_trial_s, max_trial_s
         self.cost = CostModel(warmup_s)
         self.trials = [] if trials is None else trials
@@ -210,13 +187,14 @@ class HalvingSearch:
         """Predicted seconds for ``levels`` search rounds and a final round of length ``final_s``."""
         c, r = self.cost, self.repeats
         total = sum(c.warmup(cfg) for cfg in {id(x): x for x in [*search, *final]}.values())
+        r_final = self.final_repeats
         for i, n in enumerate(levels):
             length = final_s / self.eta ** (len(levels) - i)
             walls = sorted((c.wall(cfg, max(length, c.floor(cfg, self.min_calls[0], self.min_trial_s)),
                                    with_warmup=False) for cfg in search), reverse=True)
             total += r * sum(walls[:n])  # the slowest n assumed to survive: plan for the worst
-        total += r * sum(c.wall(cfg, max(final_s, c.floor(cfg, self.min_calls[1], self.min_trial_s)),
-                                with_warmup=False) for cfg in final)
+        total += r_final * sum(c.wall(cfg, max(final_s, c.floor(cfg, self.min_calls[1], self.min_trial_s)),
+                                      with_warmup=False) for cfg in final)
         return total
 
     def _fit(self, levels: list[int], search: list, final: list, time_s: float) -> float | None:
@@ -290,7 +268,7 @@ class HalvingSearch:
             return 0.0
         slowest = max(configs, key=self.cost.call_time)
         length = max(PLAYOFF_MIN_TRIAL_S, self.cost.floor(slowest, PLAYOFF_MIN_CALLS, 0.0))
-        need = 2 * self.repeats * self.cost.wall(slowest, length, with_warmup=False)
+        need = 2 * self.final_repeats * self.cost.wall(slowest, length, with_warmup=False)
         return PLAYOFF_SHARE * share_s if need <= PLAYOFF_SHARE * share_s else 0.0
 
     def playoff(self, outcome: BatchOutcome, end: float, rnd: int) -> bool:
@@ -309,7 +287,7 @@ class HalvingSearch:
         length = PLAYOFF_MAX_TRIAL_S
         while length >= shortest:
             walls = [self.cost.wall(c, max(length, self.cost.floor(c, PLAYOFF_MIN_CALLS, 0.0))) for c in pair]
-            if self.repeats * sum(walls) <= left:
+            if self.final_repeats * sum(walls) <= left:
                 break
             length *= 0.8
         else:
@@ -320,63 +298,73 @@ class HalvingSearch:
             return False
         outcome.playoff, outcome.playoff_trial_s = ranked, length
         winner = ranked[0][0]
-        if winner.key() != outcome.best.key():
+        if winner.trial_key() != outcome.best.trial_key():
             outcome.notes.append(f"playoff with {length:.2g}-s trials chose {winner.short()} "
                                  f"[{winner.label}] over the final round's {outcome.best.short()} "
                                  f"[{outcome.best.label}]")
         # best_result stays a final-round median: comparable with the baselines' medians there
-        outcome.best, outcome.best_result = next((c, r) for c, r in outcome.final if c.key() == winner.key())
+        outcome.best, outcome.best_result = next((c, r) for c, r in outcome.final if c.trial_key() == winner.trial_key())
         return True
 
     # -- measuring --------------------------------------------------------------------------
     def _round(self, configs: list, length_s: float, min_calls: int, rnd: int, role: str,
                end: float, outcome: BatchOutcome, extra_end: float = -math.inf
                ) -> list[tuple[ParallelConfig, TrialResult]]:
-        """One round: ``repeats`` interleaved passes; each configuration's median, best first.
+        """One round: interleaved passes (a :class:`~batchcraft.measure.race.Race`); each
+        configuration's median, best first. The race is kept in ``outcome`` for final rounds and
+        playoffs (paired ratios and their intervals).
 
         Trials start only if predicted to end by ``end``; extra passes of a disturbed final round
         only by ``extra_end``.
         """
-        runs: dict[int, list[TrialResult]] = {i: [] for i in range(len(configs))}
-        active = list(range(len(configs)))
-        rep = 0
-        while rep < self.repeats or (role == "final" and rep < 2 * self.repeats and self._disturbed(runs)):
-            # Final round: while some configuration's repeats disagree by more than SPREAD_LIMIT
-            # (another process took the cores during some of them), more interleaved passes, up
-            # to twice the repeats and as long as the deadline allows; the median takes them all.
-            if rep and role == "search" and any(runs[i] for i in active):
-                # already PRUNE_FACTOR x worse than the round's best: cannot win this round
-                best = max(_throughput_like(runs[i][-1], self.objective, self.limit) for i in active if runs[i])
-                active = [i for i in active if not runs[i]
-                          or _throughput_like(runs[i][-1], self.objective, self.limit) * PRUNE_FACTOR >= best]
-            shift = rep % max(1, len(active))  # rotate the order: nobody always runs right after X
-            limit, measured = (end if rep < self.repeats else min(end, extra_end)), 0
-            for i in active[shift:] + active[:shift]:
+        repeats = self.repeats if role == "search" else self.final_repeats
+
+        def variant(i: int):
+            def trial():
                 cfg = configs[i]
                 length = max(length_s, self.cost.floor(cfg, min_calls, self.min_trial_s))
+                planned = race.rounds < repeats
                 t0 = self.clock()
-                if t0 + self.cost.wall(cfg, length) > limit:
-                    outcome.skipped_trials += rep < self.repeats
-                    continue
-                measured += 1
+                if t0 + self.cost.wall(cfg, length) > (end if planned else min(end, extra_end)):
+                    outcome.skipped_trials += planned
+                    return None
                 res = self.measure(cfg, length, max(self.cost.warmup_s, 0.0))
                 self.cost.learn(cfg, length, self.clock() - t0, res)
                 res.config["label"] = cfg.label
-                runs[i].append(res)
-                self.trials.append({"round": rnd, "role": role, "repeat": rep, "duration_s": length, **res.to_dict()})
+                self.trials.append({"round": rnd, "role": role, "repeat": race.rounds, "duration_s": length,
+                                    **res.to_dict()})
                 self.on_trial()
-            rep += 1
-            if rep > self.repeats and not measured:
+                return res
+            return trial
+
+        race = Race([variant(i) for i in range(len(configs))], labels=[c.label for c in configs],
+                    value=self.objective.value)
+        active = list(range(len(configs)))
+        while race.rounds < repeats or (role == "final" and race.rounds < 2 * repeats and self._disturbed(race)):
+            # Final round: while some configuration's repeats disagree by more than SPREAD_LIMIT
+            # (another process took the cores during some of them), more interleaved passes, up
+            # to twice the repeats and as long as the deadline allows; the median takes them all.
+            if race.rounds and role == "search":
+                last = {i: race.samples[i][-1] for i in active if race.samples[i] and race.samples[i][-1] is not None}
+                if last:  # already PRUNE_FACTOR x worse than the round's best: cannot win this round
+                    best = max(last.values(), key=self.objective.value)
+                    active = [i for i in active if i not in last or not self.objective.hopeless(last[i], best)]
+            measured = race.run_round(active)
+            if race.rounds > repeats and not measured:
                 break  # no time left for extra passes
-        medians = [(configs[i], median_result(runs[i], self.objective, self.limit), len(runs[i]))
-                   for i in runs if runs[i]]
+        medians = [(configs[i], self.objective.median(race.raw(i)), len(race.raw(i)))
+                   for i in range(len(configs)) if race.raw(i)]
         self.rounds.extend({"round": rnd, "role": role, "repeats": n, **r.to_dict()} for _, r, n in medians)
-        ranked = sorted(medians, key=lambda m: score(m[1], self.objective, self.limit), reverse=True)
+        ranked = sorted(medians, key=lambda m: self.objective.score(m[1]), reverse=True)
+        if role == "final":
+            outcome.final_race = (list(configs), race)
+        elif role == "playoff":
+            outcome.playoff_race = (list(configs), race)
         return [(c, r) for c, r, _ in ranked]
 
-    def _disturbed(self, runs: dict) -> bool:
-        for results in runs.values():
-            thr = [_throughput_like(r, self.objective, self.limit) for r in results]
+    def _disturbed(self, race: Race) -> bool:
+        for i in range(len(race.variants)):
+            thr = race.values(i)
             if len(thr) >= 2 and min(thr) > 0 and max(thr) / min(thr) > SPREAD_LIMIT:
                 return True
         return False
@@ -408,12 +396,12 @@ class HalvingSearch:
             levels, final_s, fits = self.plan(alive, baselines, deadline - self.clock())
         if not fits:
             alive = alive[:self.k_final]  # ranked by the last search round, else in prior order
-        final_cfgs = alive + [b for b in baselines if all(b.key() != c.key() for c in alive)]
+        final_cfgs = alive + [b for b in baselines if all(b.trial_key() != c.trial_key() for c in alive)]
         out.final_trial_s = final_s
         out.final = self._round(final_cfgs, final_s, self.min_calls[1], rnd, "final", hard_deadline, out,
                                 extra_end=deadline)
-        by_key = {c.key(): r for c, r in out.final}
-        out.baselines = {b.label: by_key[b.key()] for b in baselines if b.key() in by_key}
+        by_key = {c.trial_key(): r for c, r in out.final}
+        out.baselines = {b.label: by_key[b.trial_key()] for b in baselines if b.trial_key() in by_key}
         missing = [b.label for b in baselines if b.label not in out.baselines]
         if missing:
             out.notes.append(f"not measured in the final round (budget): {', '.join(missing)}")

@@ -1,91 +1,49 @@
-"""Time-budgeted measured search over (instances, inter-op pools, intra-op threads, batch size).
+"""Time-budgeted measured search: :func:`tune`.
 
-:func:`tune` keeps a hard wall-clock budget, start-up included: the graph analysis prunes and
-orders the candidates (inter-op pools only where a real share of the FLOPs can overlap; most
-promising first), every process-level configuration is started once, at the same time, and each
-batch size gets an equal share of what is left, searched by :class:`~batchcraft.parallel.halving.
-HalvingSearch`: successive halving over the grid with trials sized from each configuration's
-measured per-call time, then a final round where the best few and **every baseline** are measured
-side by side (interleaved, median of repeats). The choice is the best of that final round unless
-a *playoff* decides: where a final round's best two are within 15%, they are measured again side
-by side with longer trials (a close call is where the noise of short trials decides), and the
-winner is the choice. Each batch size keeps up to 35% of its time for its playoff; time left at
-the end goes to the closest remaining decisions. All
-trials run in worker processes (:class:`~batchcraft.parallel.launcher.WorkerGroup`), so the tuning
-process never changes its own thread settings (inter-op threads can be set once per process).
-:func:`sweep` measures every configuration at every batch size: the reference for benchmarks.
+:func:`tune` keeps a hard wall-clock budget (:class:`~batchcraft.parallel.budget.Budget`),
+start-up included. The graph analysis prunes and orders the candidates (inter-op pools only where
+a real share of the FLOPs can overlap; backends only for layer kinds with a real share of the
+FLOPs; most promising first), every process-level configuration is started once, at the same
+time, and each batch size gets an equal share of what is left, searched by
+:class:`~batchcraft.parallel.halving.HalvingSearch`: successive halving over the grid with trials
+sized from each configuration's measured per-call time, then a final round where the best few and
+**every baseline** are measured side by side (a measurement race: interleaved passes, rotating
+start, median; paired ratios give the report's intervals). Where a final round's best two are
+within 15%, a *playoff* measures them again with longer trials, and its winner is the choice.
+With time set aside, a **knob race** (:mod:`batchcraft.parallel.knobs`) then measures the
+overall choice with one knob changed at a time (allocator, OpenMP wait policy, the other
+backends, optionally ``torch.compile``) beside the best baseline, and adopts a change whose
+whole interval is faster. All trials run in worker processes, so the tuning process never
+changes its own thread settings (inter-op threads can be set once per process).
+
+What "better" means is one :class:`~batchcraft.parallel.objective.Objective`; the model can be a
+registry name, a ``"module:factory"`` path or an object (:mod:`batchcraft.parallel.workload`).
 """
 
 from __future__ import annotations
 
-import math
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 from batchcraft.errors import ConfigurationError
-from batchcraft.parallel.analysis import GraphAnalysis, analyze
-from batchcraft.parallel.baselines import baseline_configs
+from batchcraft.parallel.analysis import analyze
+from batchcraft.parallel.budget import Budget
 from batchcraft.parallel.config import ParallelConfig, usable_cpus
-from batchcraft.parallel.halving import (PLAYOFF_MARGIN, SPREAD_LIMIT, CostModel, HalvingSearch, median_result,
-                                         score)
-from batchcraft.parallel.launcher import TrialResult, WorkerGroup
+from batchcraft.parallel.grid import candidates
+from batchcraft.parallel.groups import Groups
+from batchcraft.parallel.halving import PLAYOFF_MARGIN, HalvingSearch
+from batchcraft.parallel.knobs import (ADOPT_CONFIDENCE, DEFAULT_KNOBS, KNOB_MAX_S, KNOB_NAMES, KNOB_SHARE,
+                                      VARIANT_SHARE, alternatives, knob_race, model_variants, pick_variants)
+from batchcraft.parallel.objective import Objective
 from batchcraft.parallel.threads import preserved_thread_state
-from batchcraft.parallel.workload import build_workload
+from batchcraft.parallel.trial import TrialResult
+from batchcraft.parallel.workload import build_workload, model_spec
 
-__all__ = ["OBJECTIVES", "TuneResult", "candidate_grid", "prior_speed", "score", "tune", "sweep"]
+__all__ = ["TuneResult", "tune", "prepare_model", "check_arguments", "run_search"]
 
-OBJECTIVES = ("throughput", "latency")
-MIN_PARALLEL_FLOPS_FRACTION = 0.1  # below this share of overlappable FLOPs, pools cannot pay (Amdahl)
-START_SHARE = 0.6  # instances not ready within this share of the budget are dropped
-SHUTDOWN_RESERVE_S = 0.3  # kept back from the budget for stopping the instances
-
-
-def _powers_of_two_upto(n: int) -> list[int]:
-    out, k = [], 1
-    while k <= n:
-        out.append(k)
-        k *= 2
-    if n not in out:
-        out.append(n)
-    return out
-
-
-def candidate_grid(analysis: GraphAnalysis | None, batch_size: int, cpus: list[int],
-                   *, traceable: bool = True, prune: bool = True) -> list[ParallelConfig]:
-    """Configurations with instances x pools x intra-op threads <= len(cpus), pinned.
-
-    Instances and intra-op threads are powers of two (and the core count); pools go up to the
-    graph's maximum width (1 if the model is not traceable or has no parallel branches). With
-    ``prune``, pools stay 1 also when less than MIN_PARALLEL_FLOPS_FRACTION of the heavy FLOPs can
-    overlap (:attr:`GraphAnalysis.parallel_flops_fraction`; unknown FLOPs do not prune).
-    """
-    n = len(cpus)
-    max_pools = 1
-    if traceable and analysis is not None:
-        max_pools = max(1, min(analysis.max_width, n))
-        fraction = analysis.parallel_flops_fraction
-        if prune and fraction is not None and fraction < MIN_PARALLEL_FLOPS_FRACTION:
-            max_pools = 1
-    grid = []
-    for instances in _powers_of_two_upto(n):
-        for pools in _powers_of_two_upto(max_pools):
-            for intra in _powers_of_two_upto(n):
-                if instances * pools * intra <= n:
-                    grid.append(ParallelConfig(instances, pools, intra, batch_size, label="grid"))
-    return grid
-
-
-def prior_speed(cfg: ParallelConfig, analysis: GraphAnalysis | None, objective: str) -> float:
-    """Rough relative speed of ``cfg``, used only to order candidates (larger first).
-
-    Amdahl over the graph: a share f of the work (parallel_flops_fraction) overlaps on
-    min(pools, max width) pools, intra-op threads scale as threads^0.8, instances multiply
-    throughput but not latency.
-    """
-    f = (analysis.parallel_flops_fraction or 0.0) if analysis is not None else 0.0
-    width = max(1, analysis.max_width) if analysis is not None else 1
-    per_call = ((1 - f) + f / min(cfg.inter_op_threads, width)) / (cfg.intra_op_threads or 1) ** 0.8
-    return (cfg.instances if objective == "throughput" else 1) / per_call
+KNOB_MIN_BUDGET_S = 30.0  # below this budget no time is set aside for the knob race
 
 
 @dataclass
@@ -93,12 +51,19 @@ class TuneResult:
     """What :func:`tune` found.
 
     Attributes:
-        best (ParallelConfig): the chosen configuration (over all batch sizes).
-        best_result (TrialResult): its final-round median.
-        per_batch (list[dict]): per batch size: ``best`` (config + result), ``baselines``
-            (label -> final-round result), ``ratios`` (label -> best / baseline, throughput or
-            latency as the objective says), ``final`` (every final-round median, best first),
-            ``final_trial_s``, ``skipped_trials``.
+        best (ParallelConfig): the chosen configuration (over all batch sizes, knobs included).
+        best_result (TrialResult): its median in its batch size's final round, or in the knob race
+            for a knob change adopted there; ``best_round`` says which.
+        per_batch (list[dict]): per batch size: ``best`` (config + final-round median),
+            ``baselines`` (label -> final-round median), ``ratios`` (label -> choice / baseline
+            by the objective), ``intervals`` (label -> the ratio's interval from the deciding
+            round's paired passes), ``decided_by`` (label -> "final" or "playoff"), ``final``
+            (every final-round median, best first), ``final_trial_s``, ``playoff``,
+            ``skipped_trials``.
+        knobs (dict | None): the knob race (:class:`~batchcraft.parallel.knobs.KnobRaceResult`
+            as a dict), None if it did not run.
+        variants (list[dict]): the backend races, per batch size and process configuration
+            (:func:`~batchcraft.parallel.knobs.pick_variants`).
         trials (list[dict]): every measurement, in order, with ``round``, ``role`` and ``repeat``.
         rounds (list[dict]): per round and configuration, the median of its repeats.
         start_s (float): seconds until the instances were ready (analysis included).
@@ -117,6 +82,9 @@ class TuneResult:
     rounds: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     start_s: float = 0.0
+    knobs: dict | None = None
+    best_round: str = "final"
+    variants: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -129,352 +97,289 @@ class TuneResult:
             "analysis": self.analysis,
             "best": {**self.best.to_dict(), **{k: v for k, v in self.best_result.to_dict().items()
                                               if k not in ("config", "batch_size")}},
+            "best_round": self.best_round,
             "per_batch": self.per_batch,
+            "knobs": self.knobs,
+            "variants": self.variants,
             "trials": self.trials,
             "rounds": self.rounds,
             "notes": self.notes,
         }
 
 
-class _Groups:
-    """Worker groups by process-level configuration, started together, closed together."""
+def prepare_model(spec, batch_sizes, objective: Objective, cpus, knobs, *, min_fraction: float | None = None):
+    """Build the workload here (analysis, backend variants); check the arguments.
 
-    def __init__(self, model, model_kwargs, image_size, cpus):
-        self.model, self.model_kwargs, self.image_size, self.cpus = model, model_kwargs, image_size, cpus
-        self._groups: dict[tuple, WorkerGroup] = {}
+    ``min_fraction``: least share of the heavy FLOPs a layer kind needs for its backend knob
+    (default: :data:`batchcraft.parallel.backends.KNOB_FLOPS_FRACTION`; 0: any layer of the kind).
 
-    def _new(self, cfg: ParallelConfig) -> WorkerGroup:
-        return WorkerGroup(cfg, self.model, model_kwargs=self.model_kwargs, image_size=self.image_size,
-                           cpus=self.cpus, oversubscribe=cfg.label != "grid")
-
-    def start_all(self, configs, timeout_s: float = math.inf) -> list[ParallelConfig]:
-        """Spawn every configuration's processes at once (start-up overlaps) and wait for them.
-
-        Returns the configurations whose instances were not ready within ``timeout_s`` (their
-        processes are stopped). An instance that fails raises WorkerError.
-        """
-        deadline = time.monotonic() + timeout_s
-        try:
-            for cfg in configs:
-                if cfg.key() not in self._groups:
-                    self._groups[cfg.key()] = self._new(cfg).spawn()
-            late = [cfg for cfg in configs
-                    if not self._groups[cfg.key()].ready(min(3600.0, max(0.0, deadline - time.monotonic())))]
-        except BaseException:
-            self.close()
-            raise
-        for cfg in late:
-            self._groups.pop(cfg.key()).close()
-        return late
-
-    def measure(self, cfg: ParallelConfig, duration_s: float, warmup_s: float = 0.3) -> TrialResult:
-        g = self._groups.get(cfg.key())
-        if g is None:
-            self._groups[cfg.key()] = g = self._new(cfg).start()
-        res = g.measure(cfg.batch_size, duration_s, warmup_s=warmup_s)
-        res.config["label"] = cfg.label
-        return res
-
-    def close(self):
-        for g in self._groups.values():
-            g.close()
-        self._groups.clear()
-
-
-def _candidates(analysis, traceable, batch_size, cpus, objective="throughput", *, prune=True):
-    """(search candidates, most promising first; baselines). Grid points equal to a baseline go."""
-    baselines = baseline_configs(analysis, batch_size, cpus, traceable=traceable)
-    grid = candidate_grid(analysis, batch_size, cpus, traceable=traceable, prune=prune)
-    base_keys = {b.key() for b in baselines}
-    search = [c for c in grid if c.key() not in base_keys]
-    search.sort(key=lambda c: -prior_speed(c, analysis if traceable else None, objective))
-    return search, baselines
-
-
-def _prepare(model, model_kwargs, image_size, batch_sizes, objective, cpus):
-    if objective not in OBJECTIVES:
-        raise ConfigurationError(f"tune: objective must be one of {OBJECTIVES}, got {objective!r}")
-    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
-        raise ConfigurationError(f"tune: batch sizes must be ints >= 1, got {batch_sizes!r}")
-    cpus = usable_cpus() if cpus is None else list(cpus)
-    work = build_workload(model, model_kwargs=model_kwargs, image_size=image_size)
+    Returns:
+        (cpus, analysis, traceable, variants, notes)
+    """
+    cpus = check_arguments(batch_sizes, knobs, cpus)
+    work = build_workload(spec)
     analysis, traceable = None, False
     if work.traceable:
         try:
-            analysis, traceable = analyze(work.model, work.make_batch(1)), True
+            x = work.make_batch(1)
+            analysis, traceable = analyze(work.model, tuple(x) if isinstance(x, list) else x), True
         except ConfigurationError:
             pass
-    return cpus, analysis, traceable
+    variants, notes = model_variants(work, analysis if traceable else None, knobs, min_fraction=min_fraction)
+    return cpus, analysis, traceable, variants, notes
 
 
-def _check_args(budget_s, eta, repeats, objective, latency_limit_ms):
-    if not isinstance(budget_s, (int, float)) or not budget_s > 0:
-        raise ConfigurationError(f"tune: budget_s must be > 0, got {budget_s!r}")
-    if not isinstance(eta, int) or eta < 2:
-        raise ConfigurationError(f"tune: eta must be an int >= 2, got {eta!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ConfigurationError(f"tune: repeats must be an int >= 1, got {repeats!r}")
-    if latency_limit_ms is not None and (objective != "latency" or latency_limit_ms <= 0):
-        raise ConfigurationError(
-            f"tune: latency_limit_ms={latency_limit_ms!r} needs objective='latency' and a value > 0 "
-            f"(objective is {objective!r})", hint="pass --objective latency with --latency-limit-ms")
+def _check_int(name, v, least):
+    if not isinstance(v, int) or isinstance(v, bool) or v < least:
+        raise ConfigurationError(f"tune: {name} must be an int >= {least}, got {v!r}")
 
 
-def tune(model: str, *, batch_sizes=(1, 8, 64), objective: str = "throughput", budget_s: float = 120.0,
-         latency_limit_ms: float | None = None, model_kwargs: dict | None = None,
-         image_size: int | None = None, cpus: list[int] | None = None, eta: int = 3,
-         repeats: int = 3, k_final: int = 2, progress: bool = False) -> TuneResult:
-    """Find the best parallel configuration for registry model ``model`` within ``budget_s``.
+def check_arguments(batch_sizes, knobs, cpus, *, eta: int = 3, repeats: int = 3, final_repeats: int = 5,
+                    max_trial_s: float = 0.5) -> list[int]:
+    """Check the search's arguments (shared by :func:`tune` and ``tune_program``); return the CPUs.
+
+    Raises:
+        ConfigurationError: bad batch sizes, unknown knobs, eta < 2, repeats < 1, max_trial_s <= 0.
+    """
+    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
+        raise ConfigurationError(f"tune: batch sizes must be ints >= 1, got {batch_sizes!r}")
+    unknown = set(knobs) - set(KNOB_NAMES)
+    if unknown:
+        raise ConfigurationError(f"tune: unknown knobs {sorted(unknown)}; known: {', '.join(KNOB_NAMES)}")
+    _check_int("eta", eta, 2)
+    _check_int("repeats", repeats, 1)
+    _check_int("final_repeats", final_repeats, 1)
+    if isinstance(max_trial_s, bool) or not isinstance(max_trial_s, (int, float)) or not max_trial_s > 0:
+        raise ConfigurationError(f"tune: max_trial_s must be > 0, got {max_trial_s!r}")
+    return usable_cpus() if cpus is None else list(cpus)
+
+
+def tune(model, *, example_input=None, input_shape=None, batch_sizes=(1, 8, 64), objective: str = "throughput",
+         budget_s: float = 120.0, latency_limit_ms: float | None = None, model_kwargs: dict | None = None,
+         image_size: int | None = None, cpus: list[int] | None = None, eta: int = 3, repeats: int = 3,
+         final_repeats: int = 5, k_final: int = 2, knobs=DEFAULT_KNOBS, max_trial_s: float = 0.5,
+         progress: bool = False) -> TuneResult:
+    """Find the best parallel configuration for a model within ``budget_s``.
 
     Args:
-        model (str): registry name (:func:`batchcraft.models.names`).
+        model: a registry name (:func:`batchcraft.models.names`), ``"package.module:factory"``
+            (any importable file; the factory returns a model or ``(model, example_input)``), an
+            ``nn.Module``, or a factory callable (see :mod:`batchcraft.parallel.workload`).
+        example_input (Tensor | tuple | dict, optional): one batch; its first dimension is the
+            batch dimension (other batch sizes repeat its rows).
+        input_shape (sequence of int, optional): per-item input shape (random float32 inputs).
         batch_sizes (sequence of int): batch sizes to consider. Default: (1, 8, 64).
-        objective (str): "throughput" (items/s) or "latency" (see :func:`score`).
+        objective (str): "throughput" (items/s) or "latency" (see :class:`Objective`).
         budget_s (float): hard wall-clock budget in seconds, from the call to the return: model
             analysis, instance start-up, every trial and shutdown. It can be passed by at most
             about one model call plus the shutdown of the instances. Default: 120.
         latency_limit_ms (float, optional): p90 latency limit for objective "latency".
-        model_kwargs (dict, optional), image_size (int, optional): see WorkerGroup.
+        model_kwargs (dict, optional), image_size (int, optional): for the model factory / inputs.
         cpus (list[int], optional): CPUs to use. Default: the usable CPUs (affinity mask).
         eta (int): successive-halving factor (>= 2). Default: 3.
-        repeats (int): interleaved passes per round; each configuration keeps its median (>= 1).
-            Default: 3.
+        repeats (int): interleaved passes per search round (>= 1). Default: 3.
+        final_repeats (int): passes of the final rounds, playoffs and knob race (>= 1); 5 passes
+            give ratio intervals of 94%. Default: 5.
         k_final (int): grid candidates that reach the final round beside the baselines. Default: 2.
-        progress (bool): show a tqdm progress bar on stderr. Default: False.
+        knobs (sequence of str): knobs beyond threads to try, of "matmul", "conv", "allocator",
+            "omp_wait_policy", "compile". Default: all but "compile" (compiling takes 5-20 s per
+            process and batch size here; add it with a budget to match).
+        max_trial_s (float): longest trial of a final round (a longer one only for its calls);
+            when every trial can be this long, the search ends before the budget. Default: 0.5.
+        progress (bool): show a progress bar on stderr. Default: False.
     Returns:
         TuneResult: the choice, per batch size the final round (choice and every baseline measured
-        side by side), the playoff if there was one, ratios (from the playoff for the baseline
-        in it, else from the final round), every trial.
+        side by side) with ratio intervals, the playoff if there was one, the knob race, every trial.
     Raises:
-        ConfigurationError: unknown model or objective, bad batch sizes, budget <= 0, or a budget
-            too short for any instance to start.
+        ConfigurationError: unknown model or objective, bad batch sizes, budget <= 0, a model that
+            cannot be imported or pickled, or a budget too short for any instance to start.
         WorkerError: an instance died.
     Source:
         Search space, width analysis and baselines: Wang et al., arXiv 1908.04705. Successive
         halving: Jamieson & Talwalkar, "Non-stochastic Best Arm Identification and
         Hyperparameter Optimization", AISTATS 2016.
     """
-    clock = time.monotonic
-    t_start = clock()
-    _check_args(budget_s, eta, repeats, objective, latency_limit_ms)
-    with preserved_thread_state():
-        cpus, analysis, traceable = _prepare(model, model_kwargs, image_size, batch_sizes, objective, cpus)
-        groups = _Groups(model, model_kwargs, image_size, cpus)
-        try:
-            result = _tune(groups, clock, t_start, model, list(batch_sizes), objective, budget_s,
-                           latency_limit_ms, analysis, traceable, cpus, eta=eta, repeats=repeats,
-                           k_final=k_final, progress=progress)
-        finally:
-            groups.close()
-    result.elapsed_s = clock() - t_start  # the instances' shutdown included
+    budget = Budget(budget_s)
+    goal = Objective(objective, latency_limit_ms)
+    check_arguments(list(batch_sizes), knobs, cpus, eta=eta, repeats=repeats, final_repeats=final_repeats,
+                    max_trial_s=max_trial_s)
+    tmpdir = tempfile.mkdtemp(prefix="batchcraft-tune-")
+    try:
+        with preserved_thread_state():
+            spec = model_spec(model, example_input=example_input, input_shape=input_shape,
+                              model_kwargs=model_kwargs, image_size=image_size, tmpdir=tmpdir)
+            cpus, analysis, traceable, variants, notes = prepare_model(spec, list(batch_sizes), goal, cpus, knobs)
+            groups = Groups(spec, cpus)
+            try:
+                result = run_search(groups, budget, spec.name, list(batch_sizes), goal, analysis, traceable, cpus,
+                                    eta=eta, repeats=repeats, final_repeats=final_repeats, k_final=k_final,
+                                    variants=variants, knobs=tuple(knobs), progress=progress,
+                                    engine_options={"max_trial_s": float(max_trial_s)})
+            finally:
+                groups.close()
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    result.notes[:0] = notes
+    result.elapsed_s = budget.elapsed()  # the instances' shutdown included
     return result
 
 
-def _tune(groups, clock, t_start, model, batch_sizes, objective, budget_s, limit, analysis, traceable,
-          cpus, *, eta, repeats, k_final, progress) -> TuneResult:
-    """The budgeted part of :func:`tune` on any ``groups`` and ``clock`` (tests use fake ones)."""
+def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objective: Objective, analysis,
+               traceable: bool, cpus: list[int], *, eta: int = 3, repeats: int = 3, final_repeats: int | None = None,
+               k_final: int = 2, variants=(("default", "default"),), knobs=DEFAULT_KNOBS,
+               progress: bool = False, engine_options: dict | None = None, alt_variants=None) -> TuneResult:
+    """The budgeted part of :func:`tune` on any ``groups`` and clock (tests use fake ones).
+
+    ``engine_options`` go to :class:`HalvingSearch` (trial lengths); ``alt_variants`` are the
+    backend variants the knob race tries on the choice (default: the searched ``variants`` for a
+    grid choice, none for a baseline).
+    """
     from batchcraft.measure.progress import progress_bar
 
-    hard_end = t_start + budget_s - SHUTDOWN_RESERVE_S
     order = sorted(batch_sizes)  # small first: per-call times at larger sizes are extrapolated
-    plans = {b: _candidates(analysis, traceable, b, cpus, objective) for b in order}
+    plans = {b: candidates(analysis, traceable, b, cpus, objective, variants=variants) for b in order}
     first = plans[order[0]]
-    late = groups.start_all([*first[1], *first[0]], max(0.0, t_start + START_SHARE * budget_s - clock()))
+    late = groups.start_all([*first[1], *first[0]], budget.start_timeout())
     notes = []
     if late:
-        if len(late) == len(first[0]) + len(first[1]):
+        if {c.key() for c in late} == {c.key() for c in [*first[0], *first[1]]}:
             raise ConfigurationError(
-                f"tune: no instance of {model!r} was ready within {START_SHARE * budget_s:.1f} s "
-                f"({START_SHARE:.0%} of the {budget_s:g} s budget); gave up after {clock() - t_start:.1f} s",
-                hint="give a larger --budget (starting the instances alone takes a few seconds)")
-        notes.append(f"not ready within {START_SHARE:.0%} of the budget, left out: "
+                f"tune: no instance of {model!r} was ready within {budget.start_limit_s():.1f} s "
+                f"({budget.start_limit_s() / budget.budget_s:.0%} of the {budget.budget_s:g} s budget); "
+                f"gave up after {budget.elapsed():.1f} s",
+                hint="give a larger --budget (starting the instances alone takes a few seconds, more on a busy machine)")
+        notes.append("not ready within the start-up share of the budget, left out: "
                      + ", ".join(f"{c.short()} [{c.label}]" for c in late))
     late_keys = {c.key() for c in late}
-    start_s = clock() - t_start
+    start_s = budget.elapsed()
     trials, rounds, per_batch, finals, outcomes = [], [], [], [], {}
     bar = progress_bar(desc=f"tune {model}", unit="trial", enabled=progress)
-    engine = HalvingSearch(groups.measure, clock, objective, limit, eta=eta, repeats=repeats, k_final=k_final,
-                           trials=trials, rounds=rounds, on_trial=lambda: bar.update(1))
+    engine = HalvingSearch(groups.measure, budget.clock, objective, eta=eta, repeats=repeats,
+                           final_repeats=final_repeats, k_final=k_final, trials=trials, rounds=rounds,
+                           on_trial=lambda: bar.update(1), **(engine_options or {}))
     live = {b: tuple([c for c in cs if c.key() not in late_keys] for cs in plans[b]) for b in order}
+    knob_result, variant_records = None, []
     try:
         # One call of one configuration at every batch size: per-call times to share the budget.
         probe = next(iter(live[order[0]][1] or live[order[0]][0]))
         for b in order:
-            engine.probe(next(c for c in [*live[b][1], *live[b][0]] if c.key() == probe.key()), hard_end)
+            engine.probe(next(c for c in [*live[b][1], *live[b][0]] if c.key() == probe.key()), budget.hard_end)
+        if budget.budget_s >= KNOB_MIN_BUDGET_S and any(k in knobs for k in ("allocator", "omp_wait_policy", "compile",
+                                                                             "matmul", "conv")):
+            budget.set_aside(min(KNOB_MAX_S, KNOB_SHARE * budget.budget_s))
         for i, b in enumerate(order):
             search, baselines = live[b]
-            # Each batch size gets the time of its shortest plan (trials of min_calls calls) and an
-            # equal part of the rest. If the shortest plans do not all fit, the smaller batch sizes
-            # (cheaper, and measured first) get theirs: a few batch sizes measured properly beat
-            # every batch size measured with too few trials.
             floors = [engine.floor_cost(*live[b2]) for b2 in order[i:]]
-            left = hard_end - clock()
-            share = (floors[0] + (left - sum(floors)) / len(floors) if sum(floors) <= left
-                     else min(floors[0], left))
-            deadline = clock() + share
-            # part of the share is kept for a playoff of the final round's best two (used by the
-            # next batch sizes when the final round is clear)
-            # only when every batch size's shortest plan fits and this one keeps its own
-            reserve = engine.playoff_reserve([*search, *baselines], share)
-            if sum(floors) > left or share - reserve < floors[0]:
-                reserve = 0.0
-            slack = min(hard_end, deadline + 0.25 * max(0.0, share))
-            out = engine.run(search, baselines, deadline - reserve, slack - reserve)
-            if out.best is not None and reserve and out.gap(objective, limit) < PLAYOFF_MARGIN:
-                engine.playoff(out, deadline, rnd=_next_round(rounds))
+            window = budget.batch_window(floors, lambda share: engine.playoff_reserve([*search, *baselines], share))
+            # backends first: each process configuration races its variants inside its instances
+            share = window.deadline - budget.clock()
+            search, vrecords, vnotes = pick_variants(groups, engine, search, variants,
+                                                     budget.clock() + VARIANT_SHARE * max(0.0, share), _next_round(rounds))
+            variant_records += vrecords
+            notes += [f"batch {b}: {n}" for n in vnotes]
+            out = engine.run(search, baselines, window.deadline - window.reserve, window.slack - window.reserve)
+            if out.best is not None and window.reserve and out.gap(objective) < PLAYOFF_MARGIN:
+                engine.playoff(out, window.deadline, rnd=_next_round(rounds))
             notes += [f"batch {b}: {n}" for n in out.notes]
             out.notes = []
             if out.best is not None:
                 outcomes[b] = out
-        # Time left (a large budget, or trials capped at max_trial_s): the closest decisions first
-        for b in sorted(outcomes, key=lambda b: outcomes[b].gap(objective, limit)):
+        # Time left before the knob race (a large budget, or trials capped): the closest decisions first
+        for b in sorted(outcomes, key=lambda b: outcomes[b].gap(objective)):
             if outcomes[b].playoff_tried:
                 continue
-            if outcomes[b].gap(objective, limit) >= PLAYOFF_MARGIN:
+            if outcomes[b].gap(objective) >= PLAYOFF_MARGIN:
                 break
-            if not engine.playoff(outcomes[b], hard_end, rnd=_next_round(rounds)):
+            if not engine.playoff(outcomes[b], budget.search_end, rnd=_next_round(rounds)):
                 continue
             notes += [f"batch {b}: {n}" for n in outcomes[b].notes]
         for b, out in outcomes.items():
-            per_batch.append(_per_batch(b, out, objective, limit))
-            finals.append((out.best, out.best_result))
+            per_batch.append(per_batch_report(b, out, objective))
+            finals.append((out.best, out.best_result, b))
+        if finals and budget.reserved:
+            budget.release()
+            best_cfg, best_res, b = max(finals, key=lambda cr: objective.score(cr[1]))
+            if alt_variants is None:  # a model's backends were raced per process configuration already
+                alt_variants = [("default", "default")]
+            alts = alternatives(best_cfg, knobs, traceable=traceable, variants=alt_variants)
+            base = _best_baseline(outcomes[b], objective)
+            if alts:
+                knob_result = knob_race(groups, engine, budget, objective, best_cfg, base, alts,
+                                        rounds=final_repeats or repeats, rnd=_next_round(rounds),
+                                        max_trial_s=2 * engine.max_trial_s)
+                notes += [f"knobs: {n}" for n in knob_result.notes]
     finally:
         bar.close()
     if not finals:
-        raise ConfigurationError(f"tune: no trial of {model!r} fitted the {budget_s:g} s budget",
+        raise ConfigurationError(f"tune: no trial of {model!r} fitted the {budget.budget_s:g} s budget",
                                  hint="give a larger --budget")
     per_batch.sort(key=lambda pb: batch_sizes.index(pb["batch_size"]))
-    best_cfg, best_res = max(finals, key=lambda cr: score(cr[1], objective, limit))
-    return TuneResult(model=model, objective=objective, latency_limit_ms=limit, budget_s=budget_s,
-                      elapsed_s=clock() - t_start, analysis=None if analysis is None else analysis.to_dict(),
-                      best=best_cfg, best_result=best_res, per_batch=per_batch, trials=trials,
-                      rounds=rounds, notes=notes, start_s=start_s)
+    best_cfg, best_res, _ = max(finals, key=lambda cr: objective.score(cr[1]))
+    best_round = "final"
+    if knob_result is not None and knob_result.adopted:  # measured only in the knob race
+        best_cfg = knob_result.choice
+        row = next((r for r in knob_result.rows if r["label"] == knob_result.adopted), None)
+        if row is not None:
+            best_res = TrialResult(**row["result"])
+            best_round = "knobs"
+    return TuneResult(model=model, objective=objective.kind, latency_limit_ms=objective.limit,
+                      budget_s=budget.budget_s, elapsed_s=budget.elapsed(),
+                      analysis=None if analysis is None else analysis.to_dict(), best=best_cfg,
+                      best_result=best_res, per_batch=per_batch, trials=trials, rounds=rounds, notes=notes,
+                      start_s=start_s, knobs=None if knob_result is None else knob_result.to_dict(),
+                      best_round=best_round, variants=variant_records)
+
+
+def _best_baseline(out, objective: Objective):
+    ranked = sorted(((c, r) for c, r in out.final if c.label != "grid"), key=lambda cr: objective.score(cr[1]),
+                    reverse=True)
+    return ranked[0][0] if ranked else None
 
 
 def _next_round(rounds: list) -> int:
     return 1 + max((r["round"] for r in rounds), default=0)
 
 
-def _per_batch(b: int, out, objective: str, limit=None) -> dict:
+def per_batch_report(b: int, out, objective: Objective) -> dict:
     """Report of one batch size.
 
     ``best`` and ``baselines`` are final-round medians. ``ratios``: choice over baseline from the
     round that decided between them: the playoff for a baseline in it (``decided_by``), else the
-    final round. Both playoff medians are in ``playoff``.
+    final round; ``intervals``: the same ratio's interval from that round's paired passes (within
+    one set of processes: process-to-process noise is not in it). Both playoff medians are in
+    ``playoff``.
     """
-    by_key = {c.key(): r for c, r in out.playoff}
-    ratios, decided_by = {}, {}
+    by_key = {c.trial_key(): r for c, r in out.playoff}
+    ratios, decided_by, intervals = {}, {}, {}
+    best_key = out.best.trial_key()
     for label, res in out.baselines.items():
-        base_key = next(c.key() for c, r in out.final if r is res)
-        if out.playoff and base_key in by_key and base_key != out.best.key():
-            ratios[label] = _ratio(by_key[out.best.key()], by_key[base_key], objective, limit)
+        base_cfg = next(c for c, r in out.final if r is res)
+        base_key = base_cfg.trial_key()
+        if out.playoff and base_key in by_key and base_key != best_key:
+            ratios[label] = objective.ratio(by_key[best_key], by_key[base_key])
             decided_by[label] = "playoff"
+            race_info = out.playoff_race
         else:
-            ratios[label] = _ratio(out.best_result, res, objective, limit)
+            ratios[label] = objective.ratio(out.best_result, res)
             decided_by[label] = "final"
+            race_info = out.final_race
+        intervals[label] = _interval(race_info, best_key, base_key, objective)
     return {"batch_size": b, "best": out.best_result.to_dict(),
             "baselines": {k: v.to_dict() for k, v in out.baselines.items()}, "ratios": ratios,
-            "decided_by": decided_by,
+            "intervals": intervals, "decided_by": decided_by,
             "final": [r.to_dict() for _, r in out.final], "final_trial_s": out.final_trial_s,
             "playoff": [r.to_dict() for _, r in out.playoff], "playoff_trial_s": out.playoff_trial_s,
             "skipped_trials": out.skipped_trials}
 
 
-def _ratio(best: TrialResult, base: TrialResult, objective: str, limit: float | None = None) -> float:
-    """How much better ``best`` is than ``base`` under :func:`score` (>= 1 when it ranks higher).
-
-    throughput: items/s ratio. latency with a p90 limit: the items/s ratio when both meet the
-    limit, else base p90 / best p90. latency without a limit: base p50 / best p50.
-    """
-    if objective == "throughput":
-        return best.throughput_items_per_s / base.throughput_items_per_s
-    if limit is not None:
-        if best.latency_p90_ms <= limit and base.latency_p90_ms <= limit:
-            return best.throughput_items_per_s / base.throughput_items_per_s
-        return base.latency_p90_ms / best.latency_p90_ms
-    return base.latency_p50_ms / best.latency_p50_ms  # > 1: the choice is faster per call
-
-
-def _spread(runs: dict) -> float:
-    thr = [[r.throughput_items_per_s for r in rs] for rs in runs.values() if rs]
-    return max((max(t) / min(t) for t in thr if min(t) > 0), default=1.0)
-
-
-def sweep(model: str, *, batch_sizes=(1, 8, 64), duration_s: float = 3.0, repeats: int = 3,
-          min_calls: int = 5, warmup_s: float = 0.3, model_kwargs: dict | None = None,
-          image_size: int | None = None, cpus: list[int] | None = None) -> list[TrialResult]:
-    """Measure every configuration (the unpruned grid and the baselines) at every batch size.
-
-    The tuner's reference. Per batch size, ``repeats`` interleaved passes over all configurations
-    (up to twice as many while some configuration's repeats are more than SPREAD_LIMIT apart);
-    each trial lasts duration_s / repeats seconds and at least ``min_calls`` calls (per-call time
-    from the configuration's warm-up or previous trial); each configuration keeps its median by
-    throughput. Returns one TrialResult per (configuration, batch size); ``config["label"]``
-    names baselines.
-    """
-    with preserved_thread_state():
-        cpus, analysis, traceable = _prepare(model, model_kwargs, image_size, batch_sizes, "throughput", cpus)
-        groups = _Groups(model, model_kwargs, image_size, cpus)
-        cost = CostModel(warmup_s)
-        out = []
-        try:
-            search, base = _candidates(analysis, traceable, batch_sizes[0], cpus, prune=False)
-            groups.start_all(base + search)
-            for b in batch_sizes:
-                search, base = _candidates(analysis, traceable, b, cpus, prune=False)
-                runs = {id(c): [] for c in base + search}
-                rep = 0
-                while rep < repeats or (rep < 2 * repeats and _spread(runs) > SPREAD_LIMIT):
-                    rep += 1  # a disturbed configuration (repeats far apart): more passes, as in tune
-                    for c in base + search:
-                        if (c.key(), b) not in cost.call_s:  # warm up and learn the per-call time
-                            cost.learn(c, 0.0, 0.0, groups.measure(c, 1e-3, warmup_s))
-                        length = max(duration_s / repeats, cost.floor(c, min_calls, 0.0))
-                        res = groups.measure(c, length, warmup_s)
-                        cost.learn(c, length, 0.0, res)
-                        runs[id(c)].append(res)
-                out += [median_result(runs[id(c)], "throughput") for c in base + search]
-        finally:
-            groups.close()
-    return out
-
-
-def head_to_head(model: str, configs: list[ParallelConfig], *, rounds: int = 7, duration_s: float = 1.0,
-                 min_calls: int = 5, warmup_s: float = 0.3, model_kwargs: dict | None = None,
-                 image_size: int | None = None, cpus: list[int] | None = None) -> list[TrialResult]:
-    """Re-measure a few configurations side by side: ``rounds`` interleaved trials each.
-
-    The best of an exhaustive sweep is the maximum of many noisy estimates, so its measured
-    throughput is biased upwards (the winner's curse); comparing another configuration with it
-    on the sweep's own numbers overstates the gap. This measures the given configurations again,
-    in rounds whose starting configuration rotates, each trial ``duration_s`` seconds and at
-    least ``min_calls`` calls, and returns each configuration's median trial (by throughput),
-    in the order given. Configurations may have different batch sizes.
-
-    Raises:
-        ConfigurationError: no configurations, or ``rounds`` < 1.
-    """
-    if not configs:
-        raise ConfigurationError("head_to_head: no configurations to compare")
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ConfigurationError(f"head_to_head: rounds must be an int >= 1, got {rounds!r}")
-    with preserved_thread_state():
-        cpus = usable_cpus() if cpus is None else list(cpus)
-        groups = _Groups(model, model_kwargs, image_size, cpus)
-        cost = CostModel(warmup_s)
-        runs: list[list[TrialResult]] = [[] for _ in configs]
-        try:
-            groups.start_all(configs)
-            for c in configs:  # warm up and learn each per-call time
-                cost.learn(c, 0.0, 0.0, groups.measure(c, 1e-3, warmup_s))
-            for r in range(rounds):
-                for j in range(len(configs)):
-                    k = (r + j) % len(configs)  # rotate who goes first: no order effect
-                    c = configs[k]
-                    length = max(duration_s, cost.floor(c, min_calls, 0.0))
-                    res = groups.measure(c, length, warmup_s)
-                    cost.learn(c, length, 0.0, res)
-                    runs[k].append(res)
-        finally:
-            groups.close()
-    return [median_result(rs, "throughput") for rs in runs]
+def _interval(race_info, best_key, base_key, objective: Objective) -> dict | None:
+    if race_info is None:
+        return None
+    configs, race = race_info
+    keys = [c.trial_key() for c in configs]
+    if best_key not in keys or base_key not in keys:
+        return None
+    i, j = keys.index(best_key), keys.index(base_key)
+    if i == j:
+        return None
+    return race.ratio(i, j, pair=objective.ratio, confidence=ADOPT_CONFIDENCE).to_dict()

@@ -15,7 +15,7 @@ import torch
 
 from batchcraft.errors import ConfigurationError
 
-__all__ = ["set_inter_op_threads", "preserved_thread_state", "apply_env"]
+__all__ = ["set_inter_op_threads", "preserved_thread_state", "apply_env", "prepare"]
 
 
 def set_inter_op_threads(n: int) -> bool:
@@ -61,15 +61,19 @@ def preserved_thread_state():
 
 
 def apply_env() -> dict:
-    """Apply the thread settings ``batchcraft launch`` put in the environment; return them.
+    """Apply the settings ``batchcraft launch`` put in the environment; return them.
 
-    For programs started by ``batchcraft launch`` that are not plain ``python script.py`` runs
-    (those get the settings before they start). Call it first thing.
+    For programs started by ``batchcraft launch`` that are not plain ``python script.py`` /
+    ``-m`` / ``-c`` runs (those get the settings before they start): intra-op and inter-op
+    threads, and the matmul / conv backends (:func:`batchcraft.parallel.backends.install`).
+    Call it first thing.
 
     Returns:
-        dict: instance, instances, intra_op_threads, inter_op_threads, batch_size (None if unset).
+        dict: instance, instances, intra_op_threads, inter_op_threads, batch_size (None if
+        unset), matmul, conv, compile.
     Raises:
-        ConfigurationError: inter-op threads can no longer be changed in this process.
+        ConfigurationError: inter-op threads can no longer be changed in this process, or an
+            unknown backend.
     """
     def _int(name):
         v = os.environ.get(name, "")
@@ -81,9 +85,28 @@ def apply_env() -> dict:
         "intra_op_threads": _int("BATCHCRAFT_INTRA_OP_THREADS"),
         "inter_op_threads": _int("BATCHCRAFT_INTER_OP_THREADS"),
         "batch_size": _int("BATCHCRAFT_BATCH_SIZE"),
+        "matmul": os.environ.get("BATCHCRAFT_MATMUL") or "default",
+        "conv": os.environ.get("BATCHCRAFT_CONV") or "default",
+        "compile": bool(os.environ.get("BATCHCRAFT_COMPILE")),
     }
     if settings["intra_op_threads"]:
         torch.set_num_threads(settings["intra_op_threads"])
         if settings["inter_op_threads"]:
             set_inter_op_threads(settings["inter_op_threads"])
+    if settings["matmul"] != "default" or settings["conv"] != "default":
+        from batchcraft.parallel.backends import install
+
+        install(matmul=settings["matmul"], conv=settings["conv"])
     return settings
+
+
+def prepare(model):
+    """The model as the configuration ``batchcraft launch`` started this program with wants it.
+
+    ``torch.compile(model)`` when the configuration names ``compile`` (BATCHCRAFT_COMPILE=1), else
+    the model itself; the backends are already installed for the whole process by the launcher.
+    Returns the model unchanged outside ``batchcraft launch``.
+    """
+    if os.environ.get("BATCHCRAFT_COMPILE"):
+        return torch.compile(model)
+    return model

@@ -1,0 +1,354 @@
+"""The knobs beyond threads: which to try, and the knob race that measures them on the choice.
+
+Model-level knobs (``matmul`` and ``conv`` backends) switch inside running instances at no
+start-up cost, so each process configuration of the grid races its backend variants *inside* its
+instances before the search (:func:`pick_variants`: the variants take turns in 10-ms blocks for
+a second, so other processes' load and drift hit them alike and a few percent are resolved);
+the grid keeps, per process configuration, the fastest variant when its whole interval
+against PyTorch's default lies above 1, else the default. Process-level knobs (``allocator``, ``omp_wait_policy``)
+and ``compile`` need new processes or a long first call, so they are measured once, on the
+choice, in a **knob race** (:func:`knob_race`): the choice, the best baseline of its batch size and
+the choice with one knob changed at a time, side by side in interleaved rounds
+(:class:`batchcraft.measure.race.Race`). A change is adopted when it is faster with its whole
+interval above 1 (every round agreeing, with 5 rounds); at most one change (the fastest such):
+the knobs' effects are not assumed to add up. Every alternative's ratio to the choice, with its
+interval, goes into the report whether adopted or not; that the choice without a backend knob is
+slower (e.g. oneDNN's gain) is measured in the same race.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from batchcraft.errors import BatchcraftError
+from batchcraft.measure.race import Race
+from batchcraft.parallel.backends import convert, relevant_knobs
+from batchcraft.parallel.config import ParallelConfig
+from batchcraft.parallel.env_knobs import WAIT_POLICIES, available_allocators
+from batchcraft.parallel.workload import invoke
+
+__all__ = ["KNOB_NAMES", "DEFAULT_KNOBS", "model_variants", "pick_variants", "alternatives", "knob_race",
+           "KnobRaceResult"]
+
+KNOB_NAMES = ("matmul", "conv", "allocator", "omp_wait_policy", "compile")
+DEFAULT_KNOBS = ("matmul", "conv", "allocator", "omp_wait_policy")  # compile: opt-in (see tune())
+KNOB_SHARE = 0.3  # of the budget, set aside for the knob race when the budget allows one...
+KNOB_MAX_S = 25.0  # ...but no more: 5 rounds of a handful of contenders (large budgets go to the search)
+KNOB_MIN_TRIAL_S = 0.1
+KNOB_MIN_CALLS = 3
+KNOB_ROUNDS = 5
+ADOPT_CONFIDENCE = 0.9  # the tuner's intervals, and a change is adopted only on one this sure (5+ rounds)
+COMPILE_WARMUP_S = 30.0  # what a torch.compile variant's first call is assumed to take (5-20 s measured here)
+VARIANT_RACE_S = 1.0  # per process configuration and batch size (at least VARIANT_MIN_ROUNDS rounds):
+# 0.3 s (9 rounds) left a 25% gain of mkl-packed at MLP batch 8 unresolved (interval 0.87-1.45) on
+# a busy machine
+VARIANT_BLOCK_S = 0.01
+VARIANT_MIN_ROUNDS = 9
+VARIANT_SHARE = 0.35  # of a batch size's time, at most, for its variant races
+
+
+def model_variants(work, analysis, knobs=DEFAULT_KNOBS, *, min_fraction: float | None = None
+                   ) -> tuple[list[tuple[str, str]], list[str]]:
+    """((matmul, conv) pairs to search, default first; notes) for a workload.
+
+    A backend is kept only if this torch build has it, the model has enough of the layer kind
+    (:func:`relevant_knobs`) and the converted model's output on a batch of 2 equals the
+    default's to float32 rounding (checked here, in the tuning process).
+    """
+    from batchcraft.parallel._worker import check_close
+
+    if not work.traceable or analysis is None:
+        return [("default", "default")], []
+    rel = relevant_knobs(analysis) if min_fraction is None else relevant_knobs(analysis, min_fraction=min_fraction)
+    matmuls = rel["matmul"] if "matmul" in knobs else ("default",)
+    convs = rel["conv"] if "conv" in knobs else ("default",)
+    pairs, notes = [], []
+    x = work.make_batch(2)
+    with torch.inference_mode():
+        ref = work.call(x)
+        for m in matmuls:
+            for c in convs:
+                if (m, c) == ("default", "default"):
+                    pairs.insert(0, (m, c))
+                    continue
+                try:
+                    check_close(invoke(convert(work.model, matmul=m, conv=c), x), ref, f"matmul {m}, conv {c}")
+                except (AssertionError, RuntimeError) as exc:
+                    notes.append(f"backend variant matmul {m} / conv {c} left out: {str(exc).splitlines()[0]}")
+                    continue
+                pairs.append((m, c))
+    return pairs, notes
+
+
+def pick_variants(groups, engine, search: list[ParallelConfig], variants, end: float, rnd: int = 0
+                  ) -> tuple[list[ParallelConfig], list[dict], list[str]]:
+    """Per process configuration of ``search``, race its backend variants inside its instances.
+
+    Args:
+        search: grid candidates in every variant (most promising first).
+        variants: the (matmul, conv) pairs searched, default first.
+        end: clock time by which the races must be done; one that would pass it is not run
+            (its process configuration keeps every variant for the search).
+    Returns:
+        (search with one variant per raced process configuration, order kept; records for the
+        report: per process configuration every variant's items/s and its ratio to the default
+        with the interval, and the chosen one; notes).
+    """
+    if len(variants) <= 1:
+        return list(search), [], []
+    procs: dict[tuple, list[ParallelConfig]] = {}
+    for c in search:
+        procs.setdefault(c.key(), []).append(c)
+    keep: dict[tuple, ParallelConfig] = {}
+    records, notes = [], []
+    for key, cfgs in procs.items():
+        base = cfgs[0].replace(matmul="default", conv="default", compile=False)
+        racers = [base] + [c for c in cfgs if c.variant() != base.variant()]
+        if len(racers) < 2:
+            continue
+        cost = sum(engine.cost.warmup(c) for c in racers) + VARIANT_RACE_S + VARIANT_MIN_ROUNDS * sum(
+            max(VARIANT_BLOCK_S, engine.cost.call_time(c)) for c in racers) + engine.cost.overhead_s
+        if engine.clock() + cost > end:
+            notes.append(f"no time to race the backends of {base.short()}: all kept for the search")
+            continue
+        try:
+            results, race = groups.race_variants(racers, VARIANT_RACE_S, engine.cost.warmup_s, VARIANT_BLOCK_S)
+        except BatchcraftError as exc:
+            notes.append(f"backend race of {base.short()} failed, default kept: {str(exc).splitlines()[0]}")
+            keep[key] = base
+            continue
+        rows, chosen, best_est = [], 0, 1.0
+        for j, (c, res) in enumerate(zip(racers, results)):
+            engine.cost.learn(c, 0.0, 0.0, res)
+            engine.trials.append({"round": rnd, "role": "variants", "repeat": 0, "duration_s": VARIANT_RACE_S,
+                                  **res.to_dict()})
+            iv = race.ratio(j, 0, confidence=ADOPT_CONFIDENCE) if j else None
+            rows.append({"matmul": c.matmul, "conv": c.conv, "throughput_items_per_s": res.throughput_items_per_s,
+                         "latency_p50_ms": res.latency_p50_ms, "ratio_to_default": None if iv is None else iv.to_dict()})
+            if iv is not None and iv.confidence >= ADOPT_CONFIDENCE and iv.low > 1.0 and iv.estimate > best_est:
+                chosen, best_est = j, iv.estimate
+        engine.on_trial()
+        keep[key] = racers[chosen]
+        records.append({"batch_size": base.batch_size, "process": base.short(), "label": cfgs[0].label,
+                        "rounds": race.rounds, "variants": rows,
+                        "chosen": {"matmul": racers[chosen].matmul, "conv": racers[chosen].conv}})
+    out, placed = [], set()
+    for c in search:
+        k = c.key()
+        if k not in keep:
+            out.append(c)  # not raced: every variant stays for the search
+            continue
+        if k in placed:
+            continue
+        placed.add(k)
+        # the chosen variant takes the place of its process configuration's first candidate; a
+        # chosen default that is no candidate (it equals a baseline) is measured as that baseline
+        if any(o.variant() == keep[k].variant() for o in procs[k]):
+            out.append(keep[k].replace(label=c.label))
+    return out, records, notes
+
+
+def alternatives(cfg: ParallelConfig, knobs=DEFAULT_KNOBS, *, traceable: bool = True,
+                 variants=(("default", "default"),)) -> list[ParallelConfig]:
+    """The choice with one knob changed at a time (labels name the change).
+
+    Backends: every other searched variant of ``cfg``'s process (its gain or loss against the
+    choice, measured side by side); allocators installed here; the two other wait policies where
+    a pool has an OpenMP team (more than one intra-op thread: a single thread never waits for a
+    team); ``torch.compile`` when asked for, the model is traceable and runs in one pool.
+    """
+    out = []
+
+    def add(label, **change):
+        alt = cfg.replace(label=label, **change)
+        if alt.trial_key() != cfg.trial_key() and all(alt.trial_key() != o.trial_key() for o in out):
+            out.append(alt)
+
+    for m, c in variants:
+        if (m, c) != (cfg.matmul, cfg.conv):
+            add(f"matmul {m}, conv {c}", matmul=m, conv=c, compile=False)
+    if "allocator" in knobs:
+        for a in available_allocators():
+            add(f"allocator {a}", allocator=a)
+    if "omp_wait_policy" in knobs and team_threads(cfg) > 1:  # one thread per pool: no team waits
+        for w in WAIT_POLICIES:
+            add(f"omp_wait_policy {w}", omp_wait_policy=w)
+    if "compile" in knobs and traceable and cfg.inter_op_threads == 1:
+        add("compile", compile=not cfg.compile, matmul="default", conv="default")
+    return out
+
+
+def team_threads(cfg: ParallelConfig) -> int:
+    """OpenMP threads in one pool's team (PyTorch's default: every usable core)."""
+    if cfg.intra_op_threads is not None:
+        return cfg.intra_op_threads
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+@dataclass
+class KnobRaceResult:
+    """What the knob race measured.
+
+    Attributes:
+        choice (ParallelConfig): the configuration after the race (an adopted change included).
+        adopted (str | None): label of the adopted change, or None.
+        rows (list[dict]): per contender: label, config, median result, ratio to the choice
+            before the race (``ratio``: estimate, low, high, confidence, units).
+        notes (list[str]): contenders dropped, rounds cut short.
+        rounds (int), trial_s (float): rounds run, trial length.
+    """
+
+    choice: ParallelConfig
+    adopted: str | None = None
+    rows: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    rounds: int = 0
+    trial_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"choice": self.choice.to_dict(), "adopted": self.adopted, "rows": self.rows,
+                "notes": self.notes, "rounds": self.rounds, "trial_s": self.trial_s}
+
+
+def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baseline: ParallelConfig | None,
+              alts: list[ParallelConfig], *, rounds: int = KNOB_ROUNDS, rnd: int = 0,
+              max_trial_s: float = 1.0) -> KnobRaceResult:
+    """Race ``choice``, ``baseline`` and ``alts`` side by side until the budget's hard end.
+
+    Contenders whose processes are already running (the choice, the baseline, backend variants of
+    the choice's process) start racing at once; the processes of process-level alternatives are
+    started at the same time and each joins the race when it is ready (until half of the time
+    is gone; later ones are left out with a note), so their start-up does not idle the cores.
+    ``rounds`` rounds are run after the last one joined, as time allows. A contender whose
+    instances fail or whose values differ is dropped with a note. The trial length is fitted so
+    that ``rounds`` rounds of every contender fit in what is left (at least KNOB_MIN_TRIAL_S and
+    KNOB_MIN_CALLS calls, at most ``max_trial_s``); trials that would pass the hard end are
+    skipped.
+    """
+    out = KnobRaceResult(choice)
+    contenders = [choice] + ([baseline] if baseline is not None and baseline.trial_key() != choice.trial_key() else [])
+    contenders += alts
+    groups.spawn_all(contenders)
+    start_end = budget.clock() + 0.5 * budget.left(budget.hard_end)
+    state = {"length": KNOB_MIN_TRIAL_S}
+
+    def fit_length(racing: list[int], rounds_left: int) -> float:
+        """Trial length so that ``rounds_left`` rounds of ``racing`` fit in 80% of what is left."""
+        left = budget.left(budget.hard_end)
+        per_round = sum(engine.cost.wall(contenders[i], 0.0, with_warmup=False) for i in racing)
+        length = (0.8 * left / max(1, rounds_left) - per_round) / max(1, len(racing))
+        return min(max(KNOB_MIN_TRIAL_S, length), max(KNOB_MIN_TRIAL_S, max_trial_s))
+
+    def variant(c):
+        def trial():
+            n = max(state["length"], engine.cost.floor(c, KNOB_MIN_CALLS, KNOB_MIN_TRIAL_S))
+            t0 = budget.clock()
+            if t0 + engine.cost.wall(c, n) > budget.hard_end:
+                return None
+            res = engine.measure(c, n, engine.cost.warmup_s)
+            engine.cost.learn(c, n, budget.clock() - t0, res)
+            res.config["label"] = c.label
+            engine.trials.append({"round": rnd, "role": "knobs", "repeat": race.rounds, "duration_s": n,
+                                  **res.to_dict()})
+            engine.on_trial()
+            return res
+        return trial
+
+    race = Race([variant(c) for c in contenders], labels=[c.label for c in contenders], value=objective.value)
+    pending, joined, dropped = list(range(len(contenders))), [], set()
+
+    def join_ready():
+        for i in list(pending):
+            c = contenders[i]
+            try:
+                if not groups.is_ready(c):
+                    continue
+                t0 = budget.clock()
+                compiling = c.compile and engine.cost.warmup(c) > 0  # not warm yet: its first call compiles
+                if t0 + engine.cost.wall(c, 0.0) + (COMPILE_WARMUP_S if compiling else 0.0) > budget.hard_end:
+                    if compiling:
+                        pending.remove(i)
+                        dropped.add(i)
+                        out.notes.append(f"{c.label}: no time left to compile (about {COMPILE_WARMUP_S:.0f} s)")
+                    continue
+                res = engine.measure(c, 1e-3, engine.cost.warmup_s)  # warm up: packs weights, compiles
+                engine.cost.learn(c, 1e-3, budget.clock() - t0, res)
+            except BatchcraftError as exc:
+                if i == 0:
+                    raise
+                pending.remove(i)
+                dropped.add(i)
+                out.notes.append(f"{c.label} left out: {str(exc).splitlines()[0]}")
+                if all(o.key() != c.key() for j, o in enumerate(contenders) if j != i and j not in dropped):
+                    groups.drop(c)  # its own processes (a process-level knob): not needed any more
+                continue
+            pending.remove(i)
+            joined.append(i)
+        return bool(joined)
+
+    since_all, full_from = 0, 0
+    while since_all < rounds and budget.left(budget.hard_end) > 0:
+        join_ready()
+        if pending and budget.clock() > start_end:
+            for i in pending:
+                out.notes.append(f"not started in time, left out: {contenders[i].label}")
+                dropped.add(i)
+                if all(o.key() != contenders[i].key() for j, o in enumerate(contenders) if j in joined):
+                    groups.drop(contenders[i])
+            pending.clear()
+        if 0 not in joined:
+            if not pending:
+                break
+            time.sleep(0.05)
+            continue
+        if len(joined) < 2 and pending:
+            time.sleep(0.05)  # nothing to compare with yet
+            continue
+        if not pending and since_all == 0:
+            full_from = race.rounds  # from this round on, every contender is in
+        state["length"] = fit_length(sorted(joined) if not pending else list(range(len(contenders))),
+                                     rounds - since_all)
+        if not race.run_round(sorted(joined)):
+            break
+        since_all = 0 if pending else since_all + 1
+    if since_all:  # summaries from the rounds in which every contender ran: earlier ones overlap start-ups
+        race = Race.from_samples([col[full_from:] for col in race.samples], labels=race.labels, value=race.value)
+    out.rounds, out.trial_s = race.rounds, state["length"]
+    if not race.raw(0) or len(joined) < 2:
+        out.notes.append("knob race: nothing was compared with the choice")
+        return out
+    if since_all < rounds:
+        out.notes.append(f"knob race: {since_all} of {rounds} rounds with every contender fitted the budget")
+    live = sorted(joined)
+    for i in live:
+        c = contenders[i]
+        if not race.raw(i):
+            continue
+        iv = race.ratio(i, 0, pair=objective.ratio, confidence=ADOPT_CONFIDENCE) if i else None
+        med = objective.median(race.raw(i))
+        engine.rounds.append({"round": rnd, "role": "knobs", "repeats": len(race.raw(i)), **med.to_dict()})
+        out.rows.append({"label": c.label if i else "choice", "config": c.to_dict(), "result": med.to_dict(),
+                         "ratio": None if iv is None else iv.to_dict(),
+                         "role": "choice" if i == 0 else ("baseline" if c is baseline else "alternative")})
+    best_alt, best_est, best_conf = None, 1.0, 0.0
+    for i in live[1:]:
+        c = contenders[i]
+        if c is baseline or not race.raw(i):
+            continue
+        iv = race.ratio(i, 0, pair=objective.ratio, confidence=ADOPT_CONFIDENCE)
+        best_conf = max(best_conf, iv.confidence)
+        if iv.confidence >= ADOPT_CONFIDENCE and iv.low > 1.0 and iv.estimate > best_est and not math.isnan(iv.estimate):
+            best_alt, best_est = c, iv.estimate
+    if best_conf < ADOPT_CONFIDENCE:
+        out.notes.append(f"knob race: its intervals reach {best_conf:.0%}, below the {ADOPT_CONFIDENCE:.0%} "
+                         f"needed to adopt a change; nothing adopted")
+    if best_alt is not None:
+        out.adopted = best_alt.label
+        out.choice = best_alt.replace(label=choice.label)
+    return out
