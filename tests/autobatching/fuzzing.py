@@ -84,6 +84,11 @@ MISC = ("einsum", "outer", "dot", "layer_norm", "normalize", "conv1d", "T_prop",
         "where_inst", "nested_block", "same_output_twice", "dropout_eval", "cross_entropy", "shared_buffer",
         "copysign_inst", "memo")
 NEWFACT = ("new_ones", "zeros_like", "full_like", "new_full", "where_const")
+# issue 15: thread state, in-place writes, hooks, buffers; issue 14: ragged blocks
+GRADCTX = ("no_grad", "enable_grad", "set_grad_false")
+INPLACE = ("setitem", "mask_fill", "add_chain", "iadd", "view_write", "clamp_relu_")
+HOOK = ("scale", "clip", "noop")
+TREE = ("childsum", "stack", "branchy", "ragged_block", "ragged_block_mean")
 
 
 def _statement(depth: int):
@@ -100,7 +105,10 @@ def _statement(depth: int):
         st.tuples(st.just("embed"), st.sampled_from(("one", "all", "f_embedding")), st.integers(0, 3)),
         st.tuples(st.just("seq"), st.sampled_from(_allowed("seq", SEQ))),
         st.tuples(st.just("cell"), st.sampled_from(CELL)),
-        st.tuples(st.just("tree"), st.sampled_from(("childsum", "stack", "branchy"))),
+        st.tuples(st.just("tree"), st.sampled_from(TREE)),
+        st.tuples(st.just("inplace"), st.sampled_from(INPLACE), st.integers(0, 4)),
+        st.tuples(st.just("hook"), st.sampled_from(HOOK)),
+        st.tuples(st.just("buffer"), st.sampled_from(("bn_train", "bn_eval"))),
         st.tuples(st.just("phase"),),
         st.tuples(st.just("misc"), st.sampled_from(_allowed("misc", MISC))),
     )
@@ -117,6 +125,8 @@ def _statement(depth: int):
     ), min_size=1, max_size=4).map(tuple)
     return st.one_of(
         simple,
+        st.tuples(st.just("gradctx"), st.sampled_from(GRADCTX), body),
+        st.tuples(st.just("autocast"), body),
         st.tuples(st.just("block"), st.sampled_from(("fn", "fn_pair", "module")), straight),
         st.tuples(st.just("loop"), st.sampled_from(("n", "L", "while_k")), body),
         st.tuples(st.just("branch"), st.sampled_from(BRANCH_COND), body, body),
@@ -126,8 +136,10 @@ def _statement(depth: int):
 def _kinds(stmts, out: set) -> set:
     for s in stmts:
         out.add(s[:2] if s[0] == "misc" else s[:1])
-        if s[0] == "loop":
+        if s[0] == "loop" or s[0] == "gradctx":
             _kinds(s[2], out)
+        elif s[0] == "autocast":
+            _kinds(s[1], out)
         elif s[0] == "branch":
             _kinds(s[2], out)
             _kinds(s[3], out)
@@ -198,6 +210,12 @@ class Params(nn.Module):
         self.table = nn.Parameter(torch.randn(max(d, 4)))
         self.conv_w = nn.Parameter(torch.randn(d, d, 3) * 0.3)
         self.buf = torch.randn(d).requires_grad_()  # not registered: a shared tensor, not a parameter
+        self.bn = nn.BatchNorm1d(d, momentum=0.3)
+        self.bn_eval = nn.BatchNorm1d(d).eval()
+        with torch.no_grad():
+            self.bn_eval.running_mean.uniform_(-0.5, 0.5)
+            self.bn_eval.running_var.uniform_(0.5, 2.0)
+        self.autocast_used = False
         self.blocks: dict = {}
         self.memo: dict = {}  # filled by "memo" statements; cleared before each run
 
@@ -541,8 +559,79 @@ def _tree(name, h, inst, P):
         MARGIN.see(m)
         return torch.tanh(t) if m > 0 else torch.sigmoid(t)
 
-    fn = {"childsum": childsum, "stack": stacked, "branchy": branchy}[name]
+    def ragged(node):  # a static block over the children's states: one ragged group per depth
+        wid, kids = node
+        states = [ragged(c) for c in kids]
+        return _ragged_cell(P, name)(P.emb(torch.tensor(wid)), states)
+
+    fn = {"childsum": childsum, "stack": stacked, "branchy": branchy, "ragged_block": ragged,
+          "ragged_block_mean": ragged}[name]
     return h + fn(inst["tree"])
+
+
+def _ragged_cell(P, name):
+    blk = P.blocks.get(name)
+    if blk is None:
+        lin = P.tree_lin
+
+        def cell(x, kids):
+            if kids:
+                k = torch.stack(kids, dim=-2)                      # (k, D): members of a list
+                if name == "ragged_block":
+                    att = torch.softmax((k * x.unsqueeze(-2)).sum(-1), dim=-1)   # attention over children
+                    x = x + (att.unsqueeze(-1) * torch.tanh(lin(k))).sum(-2) + k.amax(-2)
+                else:
+                    x = x + k.mean(-2) * torch.sigmoid(lin(x))
+            return torch.tanh(lin(x))
+
+        blk = P.blocks[name] = static_block(cell)
+    return blk
+
+
+def _inplace(name, i, h, inst, P):
+    d = h.shape[0]
+    i = i % d
+    if name == "setitem":
+        y = torch.zeros(d)
+        y[i] = h[i] * 2
+        y[(i + 1) % d] = 0.5
+        return h + y
+    if name == "mask_fill":
+        y = h.clone()
+        y[y > 0.2] = 0.2
+        return y
+    if name == "add_chain":
+        y = h * 1.0
+        y.add_(1).mul_(0.5)
+        return y
+    if name == "iadd":
+        y = P.lins[0](h)
+        y += h
+        return y
+    if name == "view_write":
+        y = h.clone()
+        v = y[i:]
+        v.mul_(2)
+        return y + v.sum()
+    if name == "clamp_relu_":
+        y = h - 0.1
+        y.clamp_(min=-0.5)
+        F.relu(y, inplace=True)
+        return y
+    raise AssertionError(name)
+
+
+def _hook(name, h):
+    y = h * 1.0
+    if not y.requires_grad:
+        return y  # eager would raise: a hook on a tensor that does not require grad
+    if name == "scale":
+        y.register_hook(lambda g: g * 0.5)
+    elif name == "clip":
+        y.register_hook(lambda g: g.clamp(-0.1, 0.1))
+    else:
+        y.register_hook(lambda g: None)
+    return y
 
 
 def _cond(name, h, inst, P):
@@ -636,6 +725,35 @@ def run_statement(stmt, h, inst, P):
     if kind == "phase":
         batchcraft.phase()
         return h
+    if kind == "inplace":
+        return _inplace(stmt[1], stmt[2], h, inst, P)
+    if kind == "hook":
+        return _hook(stmt[1], h)
+    if kind == "buffer":
+        if stmt[1] == "bn_train":
+            return P.bn(torch.stack([h, h * 0.5 + 1.0, torch.tanh(h)]))[0]  # (the sum over rows is ~0: a kink)
+        return P.bn_eval(h.unsqueeze(0))[0]
+    if kind == "gradctx":
+        how, body = stmt[1], stmt[2]
+        if how == "set_grad_false":
+            prev = torch.is_grad_enabled()
+            torch.set_grad_enabled(False)
+            try:
+                for s in body:
+                    h = run_statement(s, h, inst, P)
+            finally:
+                torch.set_grad_enabled(prev)
+            return h
+        with (torch.no_grad() if how == "no_grad" else torch.enable_grad()):
+            for s in body:
+                h = run_statement(s, h, inst, P)
+        return h
+    if kind == "autocast":
+        P.autocast_used = True
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for s in stmt[1]:
+                h = run_statement(s, h, inst, P)
+        return h.float()
     if kind == "block":
         blk = _block(stmt[1], stmt[2], P, id(stmt))
         out = blk(h, inst["x"][0])
@@ -695,4 +813,8 @@ def count_statements(stmts) -> int:
             n += count_statements(s[2]) + count_statements(s[3])
         elif s[0] == "block":
             n += len(s[2])
+        elif s[0] == "gradctx":
+            n += count_statements(s[2])
+        elif s[0] == "autocast":
+            n += count_statements(s[1])
     return n

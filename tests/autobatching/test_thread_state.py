@@ -48,6 +48,31 @@ def test_wait_inside_no_grad_keeps_gradients_for_everyone(core):
         torch.testing.assert_close(o, f(x))
 
 
+@pytest.mark.parametrize("fibers", [True, False])
+def test_flush_inside_no_grad_keeps_earlier_rows_history(core, fibers):
+    """A flush (max_pending reached, or a sync) inside a no_grad block runs groups recorded with
+    grad on: their gathers and outputs must keep autograd history (a fuzzer find: the gathers ran
+    under the caller's no_grad, and a later hook on such a row raised)."""
+
+    def f(x):
+        h = torch.tanh(x * 2)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 0.5)
+        with torch.no_grad():
+            v = h.tolist()  # a sync on h under no_grad
+            w = torch.sigmoid(h + 1)
+        return h * 3 + w + len(v)
+
+    xs = [torch.randn(3, requires_grad=(i % 3 == 1)) for i in range(8)]
+    out = autobatch(f, core=core, fibers=fibers, max_pending=5)(xs)
+    ref = [f(x) for x in xs]
+    assert [o.requires_grad for o in out] == [r.requires_grad for r in ref]
+    gb = torch.autograd.grad(sum(o.sum() for o in out), [x for x in xs if x.requires_grad])
+    ge = torch.autograd.grad(sum(r.sum() for r in ref), [x for x in xs if x.requires_grad])
+    for a, b in zip(gb, ge):
+        torch.testing.assert_close(a, b)
+
+
 def test_wait_inside_enable_grad_called_under_no_grad(core):
     lin = nn.Linear(4, 4)
 

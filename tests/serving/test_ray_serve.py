@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 
 import pytest
 import torch
@@ -20,25 +21,34 @@ from batchcraft.serving.ray_serve import deployment  # noqa: E402
 
 @pytest.fixture(scope="module")
 def local_ray():
+    before = set(_live_children())  # e.g. multiprocessing's resource tracker from earlier tests
     ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         yield
     finally:
         serve.shutdown()
         ray.shutdown()
-    assert not _live_children(), "Ray left processes running"
+    # ray.shutdown() signals its processes and returns; they exit within seconds (longer on a busy
+    # machine), so wait for them rather than sample once.
+    deadline = time.monotonic() + 60
+    while set(_live_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = set(_live_children()) - before
+    assert not left, f"Ray left processes running: {sorted(left)}"
 
 
-def _live_children() -> list[str]:
-    """Command names of this process's children that are still running (not zombies)."""
+def _live_children() -> list[tuple]:
+    """(pid, command line) of this process's children that are still running (not zombies)."""
     out = []
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             fields = open(stat).read().rsplit(")", 1)[1].split()
-        except OSError:
+            if int(fields[1]) != os.getpid() or fields[0] == "Z":
+                continue
+            cmd = open(stat.replace("stat", "cmdline"), "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it exited meanwhile
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            out.append(open(stat.replace("stat", "comm")).read().strip())
+        out.append((int(stat.split("/")[2]), cmd.strip()[:200]))
     return out
 
 

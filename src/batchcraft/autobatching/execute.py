@@ -28,7 +28,7 @@ from batchcraft.autobatching.gather import index_tensor, take
 from batchcraft.autobatching.lower import Runner
 from batchcraft.autobatching.program import Program
 from batchcraft.autobatching.signature import LEAF, RAGGED, SIGNATURES, call_with, flatten, rebuild
-from batchcraft.autobatching.threadstate import run_under
+from batchcraft.autobatching.threadstate import PLAIN, run_under
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
@@ -159,49 +159,52 @@ class Executor:
         t0 = _perf()
         runner = self.runner_of(info)
         prog = runner.program
-        plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
+        # gathers too run under the recorded state: a gather under the caller's no_grad (a flush
+        # inside a no_grad block) would cut the autograd history of rows recorded with grad on
+        with run_under(PLAIN):  # leaves stacked here are shared by later groups: keep their history
+            plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
         bufs = rec.buffers
-        ins = [take(bufs, p) for p in plans[:prog.n_in]]
-        if hoisted is not None:
-            sp = hoisted[0]
-            if hoisted[2] is None:  # first group of the signature: the prefix for all of them
-                with run_under(info.state):
+        with run_under(info.state):
+            ins = [take(bufs, p) for p in plans[:prog.n_in]]
+            if hoisted is not None:
+                sp = hoisted[0]
+                if hoisted[2] is None:  # first group of the signature: the prefix for all of them
                     hoisted[2] = _hoist.run_prefix(self, sp, [nd for g in hoisted[1] for nd in g])
-                st.groups_by_rule["hoisted"] = st.groups_by_rule.get("hoisted", 0) + 1
-                st.batched_calls += 1
-            r0 = hoisted[3]
-            ins = ins + [t[r0:r0 + n] for t in hoisted[2]]
-            hoisted[3] = r0 + n
-            runner = self.runner_for(sp.rest)
-        rags, segs, cnts = [], [], []
-        if prog.n_ragged:
-            seen = set()
-            for r, (p, seg, cnt) in enumerate(plans[prog.n_in:]):
-                rags.append(take(bufs, p))
-                c = prog.ragged_classes[r]
-                if c not in seen:
-                    seen.add(c)
-                    dev = rags[-1].device
-                    segs.append(index_tensor(seg, dev))
-                    cnts.append(index_tensor(cnt, dev))
-        t1 = _perf()
-        try:
-            with run_under(info.state):
+                    st.groups_by_rule["hoisted"] = st.groups_by_rule.get("hoisted", 0) + 1
+                    st.batched_calls += 1
+                r0 = hoisted[3]
+                ins = ins + [t[r0:r0 + n] for t in hoisted[2]]
+                hoisted[3] = r0 + n
+                runner = self.runner_for(sp.rest)
+            rags, segs, cnts = [], [], []
+            if prog.n_ragged:
+                seen = set()
+                for r, (p, seg, cnt) in enumerate(plans[prog.n_in:]):
+                    rags.append(take(bufs, p))
+                    c = prog.ragged_classes[r]
+                    if c not in seen:
+                        seen.add(c)
+                        dev = rags[-1].device
+                        segs.append(index_tensor(seg, dev))
+                        cnts.append(index_tensor(cnt, dev))
+            t1 = _perf()
+            try:
                 outs = runner(n, ins, rags, segs, cnts)
-            if len(outs) != info.n_out or any(t.shape[0] != n for t in outs):
-                raise AutobatchError(f"{info.name}: batched outputs of the wrong shape")
-        except BatchcraftError as exc:
-            if isinstance(exc, InstanceError):
-                raise
-            outs = self.per_instance_group(info, nodes, ins, rags, plans, exc)
-        except Exception as exc:
-            outs = self.per_instance_group(info, nodes, ins, rags, plans, exc)
+                if len(outs) != info.n_out or any(t.shape[0] != n for t in outs):
+                    raise AutobatchError(f"{info.name}: batched outputs of the wrong shape")
+            except BatchcraftError as exc:
+                if isinstance(exc, InstanceError):
+                    raise
+                outs = self.per_instance_group(info, nodes, ins, rags, plans, exc)
+            except Exception as exc:
+                outs = self.per_instance_group(info, nodes, ins, rags, plans, exc)
         if runner.fallback_steps:
             st.fallbacks += n * runner.fallback_steps
             for reason in runner.fallbacks.values():
                 st.note_fallback(f"{info.name}: {reason}", n)
         placed = None
-        if self.arenas:
+        if self.arenas and not info.grad and not info.state[1]:
+            # (a group of the same op recorded with grad on must keep its own autograd history)
             a = self.arenas.get((info.func, info.out_dids))
             if a is not None:
                 placed = self._into_arena(a, outs, n)

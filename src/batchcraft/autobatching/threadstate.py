@@ -83,6 +83,9 @@ def op_state() -> tuple:
     return (_grad(), inf, autocast_state() if (_any_autocast is None or _any_autocast()) else None)
 
 
+PLAIN = (True, False, None)  # an op_state: grad on, no inference mode, no autocast
+
+
 class run_under:
     """Context manager: run batched work under a recorded :func:`op_state` (cheap when equal)."""
 
@@ -186,4 +189,4 @@ class FiberState:
         self._in_guard = None
 
 
-__all__ = ["op_state", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
+__all__ = ["PLAIN", "op_state", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
