@@ -6,11 +6,14 @@ as integers; :data:`DESCS` maps it back. The C core copies ``did`` without looki
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 DESCS: list = [None]     # did -> (shape tuple, dtype, device); 0 is unused
 SIZES: list = [None]     # did -> torch.Size, made once
 _IDS: dict = {}
+_LOCK = threading.Lock()  # threads must never draw the same id
 
 
 def desc_id(desc: tuple) -> int:
@@ -19,11 +22,12 @@ def desc_id(desc: tuple) -> int:
     if i is None:
         shape, dtype, device = desc
         desc = (tuple(int(d) for d in shape), dtype, device)
-        i = _IDS.get(desc)
-        if i is None:
-            i = _IDS[desc] = len(DESCS)
-            DESCS.append(desc)
-            SIZES.append(torch.Size(desc[0]))
+        with _LOCK:
+            i = _IDS.get(desc)
+            if i is None:
+                DESCS.append(desc)
+                SIZES.append(torch.Size(desc[0]))
+                i = _IDS[desc] = len(DESCS) - 1
     return i
 
 

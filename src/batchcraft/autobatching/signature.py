@@ -21,6 +21,8 @@ A signature is ``(op, argument structure, leaf descriptors, grad mode, thread st
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from batchcraft.autobatching.descs import DESCS, desc_id
@@ -216,24 +218,33 @@ class SignatureCache:
         self.max_entries = max_entries
         self.generation = 0
         self._listeners: list = []
+        self._lock = threading.RLock()
 
     def get(self, key):
         return self.by_key.get(key)
 
     def add(self, key, make) -> SigInfo:
         """Register a new signature: ``make(sid)`` builds its SigInfo."""
-        if len(self.by_key) >= self.max_entries:
-            self.clear()
-        info = make(len(self.by_sid))
-        self.by_sid.append(info)
-        self.by_key[key] = info
-        return info
+        with self._lock:  # two threads must never draw the same sid
+            info = self.by_key.get(key)
+            if info is not None:
+                return info
+            if len(self.by_key) >= self.max_entries:
+                self.clear()
+            info = make(len(self.by_sid))
+            self.by_sid.append(info)
+            self.by_key[key] = info
+            return info
 
     def on_clear(self, fn) -> None:
         """Call ``fn()`` whenever the cache is cleared (the C core drops its mirror)."""
         self._listeners.append(fn)
 
     def clear(self) -> None:
+        with self._lock:
+            self._clear()
+
+    def _clear(self) -> None:
         self.by_key.clear()
         self.fast.clear()
         self.generation += 1
@@ -242,10 +253,11 @@ class SignatureCache:
 
     def drop_func(self, func) -> None:
         """Forget every signature of ``func`` (a static block whose module changed)."""
-        for k in [k for k, v in self.by_key.items() if v.func is func]:
-            del self.by_key[k]
-        for k in [k for k, v in self.fast.items() if v.func is func]:
-            del self.fast[k]
+        with self._lock:
+            for k in [k for k, v in self.by_key.items() if v.func is func]:
+                del self.by_key[k]
+            for k in [k for k, v in list(self.fast.items()) if v.func is func]:
+                self.fast.pop(k, None)
         for fn in self._listeners:
             fn()
 
