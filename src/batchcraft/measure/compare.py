@@ -33,7 +33,8 @@ def batches(items: Sequence, size: int) -> list:
 
 def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, scheduler: str = "depth",
                   progress: bool = False, warmup: bool = True, grad: bool = False,
-                  reference: Callable[[list], list] | None = None) -> dict:
+                  reference: Callable[[list], list] | None = None,
+                  work: Callable[[object], int] | None = None) -> dict:
     """Run ``fn`` eagerly (one instance at a time) and auto-batched; return figures.
 
     Args:
@@ -43,11 +44,17 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
         reference (callable, optional): ``reference(batch) -> list`` computing a whole batch by
             hand (e.g. level by level); timed right after the other two on every batch and
             checked against the eager results (``reference_ms``, ``reference_max_abs_diff``).
+        work (callable, optional): ``work(instance) -> units`` (tree nodes, tokens) for the
+            recording cost per unit (``record_us_per_unit``). Default: ``len(instance)`` where the
+            instance has a length, else 1.
     Returns:
         dict with ``eager_ms`` and ``batchcraft_ms`` (median ms per batch), ``speedup``,
         ``instances_per_s_eager`` / ``_batchcraft`` (batch size over the median batch time), ``max_abs_diff``, ``batched_calls`` and
-        ``ops_recorded`` (per batch, summed then averaged), ``mean_batch``, ``fallbacks`` and
-        the time split of the auto-batched runs.
+        ``ops_recorded`` (per batch, summed then averaged), ``mean_batch``, ``fallbacks``, the
+        time split of the auto-batched runs, ``record_us_per_op`` / ``record_us_per_unit`` (host µs
+        of recording), and ``first_call_ms`` (the first auto-batched call of the process on the
+        first batch: signatures inferred, blocks traced, kernels chosen) with
+        ``first_call_ratio`` (over that batch's steady time).
     """
     bs = batches(instances, batch_size)
     f = autobatch(fn, scheduler=scheduler)
@@ -60,9 +67,12 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
     eager_t, bc_t, diffs, ref_t, ref_diffs = [], [], [], [], []
     totals = dict(batched_calls=0, ops_recorded=0, fallbacks=0, eager_ops=0, syncs=0,
                   record_s=0.0, schedule_s=0.0, gather_s=0.0, kernel_s=0.0)
+    first_ms = None
     with ctx():
         if warmup and bs:
+            t0 = time.perf_counter()
             f(bs[0])
+            first_ms = (time.perf_counter() - t0) * 1e3
             if reference is not None:
                 reference(bs[0])
         for b in it:
@@ -110,5 +120,15 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
     if reference is not None:
         res["reference_ms"] = statistics.median(ref_t) * 1e3 if ref_t else 0.0
         res["reference_max_abs_diff"] = max(ref_diffs) if ref_diffs else 0.0
+    if work is None:
+        def work(x):
+            return len(x) if hasattr(x, "__len__") else 1
+    units = sum(work(x) for b in bs for x in b) / nb
+    res["work_units"] = units
+    res["record_us_per_unit"] = totals["record_s"] / nb * 1e6 / units if units else 0.0
+    if first_ms is not None:
+        res["first_call_ms"] = first_ms
+        steady = bc_t[0] * 1e3 if bc_t else 0.0
+        res["first_call_ratio"] = first_ms / steady if steady else 0.0
     res["record_us_per_op"] = totals["record_s"] * 1e6 / totals["ops_recorded"] if totals["ops_recorded"] else 0.0
     return res
