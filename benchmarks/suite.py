@@ -171,10 +171,10 @@ def docs_text(payload: dict, headers: list, rows: list) -> str:
     return (f"## Auto-batching: the ACRoBat model suite (issue 3)\n\nCommand: `{cmd}` "
             f"(`--from-json results/suite-*.json` re-renders a saved run)\n\n"
             f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, torch {m['torch']}, {threads}; load average "
-            f"{payload['load_before']} before and {payload['load_after']} after the run: the 2 cores were shared "
-            f"with other engineers' runs, so absolute times are noisy; ratios come from one run, back to back, "
-            f"batch by batch. One intra-op thread because on the oversubscribed machine two threads made "
-            f"OpenMP regions wait for a descheduled thread (single batched calls took 5-10x longer). "
+            f"{payload['load_before']} before and {payload['load_after']} after the run"
+            + (": the cores were shared with other runs, so absolute times are noisy" if max(payload['load_before'][:1] or [0]) > 1.5 else
+               " (nothing else ran)")
+            + f"; ratios come from one run, back to back, batch by batch. "
             f"Inference (no autograd) on the first {payload.get('sentences', a['sentences'])} UD EWT dev sentences of at most "
             f"{a['max_words']} words; median ms per batch over all batches after one warm-up batch; "
             f"speed-up = eager ms / that column's ms, each against the eager loop of its own run; "

@@ -73,6 +73,29 @@ def test_flush_inside_no_grad_keeps_earlier_rows_history(core, fibers):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("fibers", [True, False])
+def test_no_grad_cell_feeding_a_grad_layer_keeps_its_saved_rows(core, fibers):
+    """Rows computed under no_grad and then saved for backward by a grad-mode layer must not be
+    overwritten by later groups of the same flush (a fuzzer find: output arenas did, and backward
+    raised "modified by an inplace operation")."""
+    torch.manual_seed(0)
+    cell, lin = nn.GRUCell(1, 1), nn.Linear(1, 1)
+
+    def f(x):
+        h = torch.tanh(x.sum(0))
+        with torch.no_grad():
+            for t in range(x.shape[0]):
+                h = cell(x[t], h)
+        return lin(h)
+
+    xs = [torch.randn(n, 1) for n in (1, 2, 3)]
+    out = autobatch(f, core=core, fibers=fibers, hoist=False)(xs)
+    gb = torch.autograd.grad(sum(o.sum() for o in out), list(lin.parameters()))
+    ge = torch.autograd.grad(sum(f(x).sum() for x in xs), list(lin.parameters()))
+    for a, b in zip(gb, ge):
+        torch.testing.assert_close(a, b)
+
+
 def test_wait_inside_enable_grad_called_under_no_grad(core):
     lin = nn.Linear(4, 4)
 

@@ -24,6 +24,9 @@ def local_ray():
     before = set(_live_children())  # e.g. multiprocessing's resource tracker from earlier tests
     ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
+        # handles only, no HTTP proxy: on a busy machine the proxy's health check can time out
+        # and Serve kills it before it starts, failing serve.run (seen next to two CPU hogs)
+        serve.start(proxy_location="Disabled")
         yield
     finally:
         serve.shutdown()

@@ -66,17 +66,23 @@ class Executor:
 
         Groups of one operation with the same output descriptors (e.g. TreeLSTM cells of every
         depth) write their outputs into shared buffers, one per output slot, each group into its
-        own rows. Inference only: with autograd on, copies into a shared buffer would chain the
-        whole buffer through backward.
+        own rows. Only when no group of the flush runs with grad on: with autograd on, copies into a
+        shared buffer would chain the whole buffer through backward, and a grad-mode consumer
+        would save rows that later copies overwrite. Each flush allocates its own arenas, so rows
+        of an earlier flush are never written again.
         """
         self.arenas = {}
         if not self.options.arenas:
             return
         count: dict = {}
         by_sid = SIGNATURES.by_sid
+        if any(by_sid[key[2]].grad for key, _ in groups):
+            # a grad-mode consumer in this flush may save an arena row for backward; a later
+            # group's copy into the same buffer would then bump its version (a fuzzer find)
+            return
         for key, nodes in groups:
             info = by_sid[key[2]]
-            if info.grad or not info.out_dids or info.state[1]:
+            if not info.out_dids or info.state[1]:
                 continue
             k = (info.func, info.out_dids)
             c = count.get(k)
