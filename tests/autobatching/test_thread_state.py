@@ -96,6 +96,23 @@ def test_no_grad_cell_feeding_a_grad_layer_keeps_its_saved_rows(core, fibers):
         torch.testing.assert_close(a, b)
 
 
+def test_value_dependent_shape_under_autocast_runs_on_values(core):
+    """Under autocast outputs are inferred on real zero placeholders, which hide value-dependent
+    shapes (x[mask] of zeros is empty for every instance): such ops must run on values (a
+    fuzzer find: the group stacked rows of 0 and 2 elements)."""
+
+    def f(x):
+        h = torch.tanh(x.sum(0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.tanh(h + x[x.sum(-1) > 0].sum(0))
+        return h.float()
+
+    torch.manual_seed(0)
+    xs = [torch.randn(n, 4) for n in (1, 1, 3, 2, 3, 1, 3, 3)]
+    for o, x in zip(autobatch(f, core=core)(xs), xs):
+        torch.testing.assert_close(o, f(x))
+
+
 def test_wait_inside_enable_grad_called_under_no_grad(core):
     lin = nn.Linear(4, 4)
 

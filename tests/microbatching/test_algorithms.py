@@ -83,10 +83,12 @@ def test_geometry_key_distinguishes_hyperparameters():
     assert a.key() != b.key() and len(set(ALGORITHMS)) == len(ALGORITHMS)
 
 
-_DTYPE_TOL = {torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 4e-3}  # normwise, vs float64 truth
+# normwise, vs float64 truth; float16: PyTorch's own default backward_filter reached 4.5e-3 on a
+# 1x1 geometry (fp16 partial sums), so 4e-3 was tighter than the dtype allows
+_DTYPE_TOL = {torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(geometries(), st.integers(0, 2 ** 16), st.sampled_from(sorted(_DTYPE_TOL, key=str)))
 def test_every_algorithm_that_claims_a_dtype_computes_in_it(case, seed, dtype):
     geom, n = case

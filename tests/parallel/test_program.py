@@ -97,4 +97,8 @@ def test_a_failing_or_silent_program_is_an_error_that_shows_its_output(tmp_path)
     with pytest.raises(WorkerError, match="neither reported work"):
         g.measure(ParallelConfig(instances=1, intra_op_threads=1), 0.1, 0.1)
     g.close()
-    assert not _alive(int((tmp_path / "pid").read_text()))
+    pid_file = tmp_path / "pid"
+    # on a busy machine the interpreter may not have reached its first line within the timeout:
+    # then it was stopped before writing its pid, which is fine too
+    if pid_file.exists() and pid_file.read_text():
+        assert not _alive(int(pid_file.read_text()))

@@ -52,7 +52,13 @@ def _real_ok(func, struct) -> bool:
 
 def infer_outputs(func, struct, leaf_specs, state, lazy_type):
     """:func:`_infer` on real placeholders where safe (see the module docstring), else on meta."""
-    if state[2] is not None or _real_ok(func, struct):
+    real_ok = _real_ok(func, struct)
+    if state[2] is not None and not real_ok:
+        # autocast needs real placeholders (it does not act on meta tensors), but zeros hide a
+        # value-dependent shape (x[mask] of zeros is always empty: a fuzzer find): an op that
+        # meta tensors cannot run without values runs on values instead
+        _infer(func, struct, leaf_specs, state, lazy_type, "meta")
+    if state[2] is not None or real_ok:
         rng = torch.get_rng_state()
         try:
             return _infer(func, struct, leaf_specs, state, lazy_type, "real")
