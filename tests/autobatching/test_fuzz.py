@@ -116,10 +116,24 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
 
     MARGIN.tracking, MARGIN.smallest = True, math.inf
     P.memo.clear()
+    eager_error = None
     try:
         ref = [fn(inst) for inst in instances]
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        # the program is invalid in eager too (e.g. torch.mv of a float32 matrix and a bfloat16
+        # vector under autocast, which PyTorch itself refuses): batched, it must fail as well
+        eager_error = exc
     finally:
         MARGIN.tracking = False
+    if eager_error is not None:
+        _restore(P, snap)
+        f = autobatch(fn, scheduler=scheduler, fibers=fibers, max_pending=max_pending, core=core,
+                      ragged=ragged, hoist=hoist, kernels=kernels)
+        P.memo.clear()
+        with pytest.raises(Exception):
+            f(instances)
+        COUNTS["eager_errors"] = COUNTS.get("eager_errors", 0) + 1
+        return f
     if MARGIN.smallest < MIN_BRANCH_MARGIN:
         COUNTS["discarded_close_branches"] += 1
         assume(False)  # a float branch within rounding of its threshold: not a fair comparison
