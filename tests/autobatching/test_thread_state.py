@@ -292,3 +292,17 @@ def test_context_variables_are_the_callers(core):
     for (o, seen), x in zip(out, xs):
         torch.testing.assert_close(o, x * 2.0)
         assert seen == "changed by an instance"
+
+
+@pytest.mark.xfail(strict=True, reason="open bug #30 (docs/reliability.md): a view made under no_grad "
+                   "of a tensor that requires grad reads requires_grad=True in eager (no history), False batched")
+def test_view_made_under_no_grad_reads_requires_grad_as_in_eager(core):
+    def f(x):
+        h = torch.tanh(x * 2)
+        with torch.no_grad():
+            v = h.reshape(1, -1).permute(1, 0).reshape(-1)
+        return v * 3
+
+    xs = [torch.randn(3, requires_grad=(i > 0)) for i in range(3)]
+    out = autobatch(f, core=core)(xs)
+    assert [o.requires_grad for o in out] == [f(x).requires_grad for x in xs]
