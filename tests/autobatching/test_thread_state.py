@@ -294,9 +294,10 @@ def test_context_variables_are_the_callers(core):
         assert seen == "changed by an instance"
 
 
-@pytest.mark.xfail(strict=True, reason="open bug #30 (docs/reliability.md): a view made under no_grad "
-                   "of a tensor that requires grad reads requires_grad=True in eager (no history), False batched")
 def test_view_made_under_no_grad_reads_requires_grad_as_in_eager(core):
+    """Bug #30 (long fuzz): in eager a view made under no_grad of a tensor that requires grad reads
+    requires_grad=True and has no history; batchcraft inferred False."""
+
     def f(x):
         h = torch.tanh(x * 2)
         with torch.no_grad():
@@ -305,4 +306,9 @@ def test_view_made_under_no_grad_reads_requires_grad_as_in_eager(core):
 
     xs = [torch.randn(3, requires_grad=(i > 0)) for i in range(3)]
     out = autobatch(f, core=core)(xs)
-    assert [o.requires_grad for o in out] == [f(x).requires_grad for x in xs]
+    ref = [f(x) for x in xs]
+    assert [o.requires_grad for o in out] == [r.requires_grad for r in ref] == [False, True, True]
+    wrt = [x for x in xs if x.requires_grad]
+    gb = torch.autograd.grad(sum(o.sum() for o in out if o.requires_grad), wrt, allow_unused=True)
+    ge = torch.autograd.grad(sum(r.sum() for r in ref if r.requires_grad), wrt, allow_unused=True)
+    assert gb == ge == (None, None)  # no history through the no_grad view, as in eager

@@ -92,7 +92,7 @@ def _infer(func, struct, leaf_specs, state, lazy_type, kind):
                     device = DESCS[spec[1]][2]
                 if kind == "real" and DESCS[spec[1]][2].type == "meta":
                     raise NeedsValues(TypeError("meta instance"))
-                vals.append(_placeholder(spec[1], spec[2] and grad, kind))
+                vals.append(_placeholder(spec[1], spec[2] and not inference, kind))
             else:
                 t = spec[1]
                 vals.append(t.to("meta") if kind == "meta" and t.device.type != "meta" else t)

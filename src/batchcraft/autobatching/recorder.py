@@ -278,7 +278,7 @@ class RecorderBase:
         out_struct, out_dids, out_rg = infer_outputs(func, struct, base, state, self.lazy_type)
         lazy_pos = [i for i, s in enumerate(specs) if s[0] == "lazy"]
         deps = [0] * len(lazy_pos)
-        if state[0] and not state[1] and out_dids:
+        if not state[1] and out_dids:  # (under no_grad too: views keep requires_grad, as in eager)
             if len(lazy_pos) <= 6:
                 for j, i in enumerate(lazy_pos):
                     one = list(base)
