@@ -112,6 +112,15 @@ def _shift(d, rank):
     return d + 1 if d >= 0 else d
 
 
+def _find_dim(args, kwargs, pos: int, name: str, default):
+    """The dim argument of a call and where it was given: ``(value, "kw" | "pos")``."""
+    if name in kwargs:
+        return kwargs[name], "kw"
+    if len(args) > pos:
+        return args[pos], "pos"
+    return default, "kw"
+
+
 def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):
     """Rule for ops with a dimension argument at ``pos`` / keyword ``name``.
 
@@ -124,12 +133,7 @@ def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):
             return rule_vmap(func, struct, leaves, mask, shapes, n)
         rank = len(shapes[0])
         args, kwargs = _args(struct, leaves)
-        if name in kwargs:
-            d, where = kwargs[name], "kw"
-        elif len(args) > pos:
-            d, where = args[pos], "pos"
-        else:
-            d, where = default, "kw"
+        d, where = _find_dim(args, kwargs, pos, name, default)
         if d is None:
             if full != "tuple":
                 return rule_vmap(func, struct, leaves, mask, shapes, n)
@@ -373,12 +377,7 @@ def _dim_lowering(pos: int, name: str = "dim", default=None, full=None):
         if not lw.batched[0] or (any(lw.batched[1:]) and func not in _BATCHED_OTHER_OK):
             return None
         rank = len(lw.shapes[0])
-        if name in kwargs:
-            d, where = kwargs[name], "kw"
-        elif len(args) > pos:
-            d, where = args[pos], "pos"
-        else:
-            d, where = default, "kw"
+        d, where = _find_dim(args, kwargs, pos, name, default)
         if d is None:
             if full != "tuple":
                 return None
