@@ -216,6 +216,7 @@ class Params(nn.Module):
             self.bn_eval.running_mean.uniform_(-0.5, 0.5)
             self.bn_eval.running_var.uniform_(0.5, 2.0)
         self.autocast_used = False
+        self.autocast_off = False  # float32 reference runs of the harness (test_fuzz._assert_close)
         self.blocks: dict = {}
         self.memo: dict = {}  # filled by "memo" statements; cleared before each run
 
@@ -750,7 +751,7 @@ def run_statement(stmt, h, inst, P):
         return h
     if kind == "autocast":
         P.autocast_used = True
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not P.autocast_off):
             for s in stmt[1]:
                 h = run_statement(s, h, inst, P)
         return h.float()

@@ -57,6 +57,8 @@ COUNTS = {"programs": 0, "instances": 0, "statements": 0, "ops_recorded": 0, "ba
           "syncs": 0, "eager_ops": 0, "fallbacks": 0, "discarded_close_branches": 0,
           "output_tensors_compared": 0, "gradients_compared": 0}
 MIN_BRANCH_MARGIN = 1e-3
+_TOL_BF16 = dict(atol=3e-2, rtol=3e-2)   # values, programs with a bf16 autocast region
+_GTOL_BF16 = dict(atol=5e-2, rtol=5e-2)  # their gradients
 
 
 def _write_counts() -> None:
@@ -145,7 +147,7 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
     P.memo.clear()  # lazy values cached across instances must come from this run
     out = f(instances)
     COUNTS["programs"] += 1
-    tol = dict(atol=3e-2, rtol=3e-2) if P.autocast_used else dict(atol=1e-4, rtol=1e-4)
+    tol = _TOL_BF16 if P.autocast_used else dict(atol=1e-4, rtol=1e-4)
     for k, v in _buffers(P).items():
         torch.testing.assert_close(v, eager_buffers[k], **tol, msg=lambda m, k=k: f"buffer {k}: {m}")
     if COUNTS["programs"] % 50 == 0:
@@ -156,18 +158,6 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
         COUNTS[k] += getattr(f.stats, k)
 
     assert isinstance(out, list) and len(out) == len(ref)
-    for i, (o, r) in enumerate(zip(out, ref)):
-        assert _non_tensors(o) == _non_tensors(r), f"instance {i}: output structure differs"
-        for a, b in zip(flat_tensors(o), flat_tensors(r)):
-            assert type(a) is torch.Tensor, f"instance {i}: output is {type(a).__name__}"
-            assert a.shape == b.shape, f"instance {i}: shape {tuple(a.shape)} vs eager {tuple(b.shape)}"
-            assert a.dtype == b.dtype, f"instance {i}: dtype {a.dtype} vs eager {b.dtype}"
-            if CHECK_REQUIRES_GRAD:
-                assert a.requires_grad == b.requires_grad, f"instance {i}: requires_grad differs from eager"
-            torch.testing.assert_close(a, b, **tol, equal_nan=True, msg=lambda m, i=i: f"instance {i}: {m}")
-            COUNTS["output_tensors_compared"] += 1
-
-    # gradients: w.r.t. shared parameters (incl. module blocks) and instance inputs
     wrt = [p for p in P.parameters()] + [P.buf]
     for blk in P.blocks.values():
         if isinstance(blk, torch.nn.Module):
@@ -184,6 +174,26 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
                     total = total + (t * w).sum()
         return total
 
+    cache: list = []
+
+    def reference():
+        """Eager outputs and gradients with autocast off (float32): None if they differ in structure."""
+        if not cache:
+            cache.append(_float32_reference(fn, P, snap, instances, ref, loss, wrt))
+        return cache[0]
+
+    for i, (o, r) in enumerate(zip(out, ref)):
+        assert _non_tensors(o) == _non_tensors(r), f"instance {i}: output structure differs"
+        for k, (a, b) in enumerate(zip(flat_tensors(o), flat_tensors(r))):
+            assert type(a) is torch.Tensor, f"instance {i}: output is {type(a).__name__}"
+            assert a.shape == b.shape, f"instance {i}: shape {tuple(a.shape)} vs eager {tuple(b.shape)}"
+            assert a.dtype == b.dtype, f"instance {i}: dtype {a.dtype} vs eager {b.dtype}"
+            if CHECK_REQUIRES_GRAD:
+                assert a.requires_grad == b.requires_grad, f"instance {i}: requires_grad differs from eager"
+            _assert_close(a, b, tol, f"instance {i}", lambda i=i, k=k: reference()[0][i][k] if reference() else None)
+            COUNTS["output_tensors_compared"] += 1
+
+    # gradients: w.r.t. shared parameters (incl. module blocks) and instance inputs
     l_e, l_b = loss(ref), loss(out)
     if not l_e.requires_grad:
         return f
@@ -193,11 +203,54 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
     for j, (a, b) in enumerate(zip(gb, ge)):
         a = torch.zeros_like(wrt[j]) if a is None else a
         b = torch.zeros_like(wrt[j]) if b is None else b
-        gtol = dict(atol=5e-2, rtol=5e-2) if P.autocast_used else dict(atol=2e-4, rtol=1e-3)
-        torch.testing.assert_close(a, b, **gtol, equal_nan=True,
-                                   msg=lambda m, j=j: f"gradient of input {j} {tuple(wrt[j].shape)}: {m}")
+        gtol = _GTOL_BF16 if P.autocast_used else dict(atol=2e-4, rtol=1e-3)
+        _assert_close(a, b, gtol, f"gradient of input {j} {tuple(wrt[j].shape)}",
+                      lambda j=j: reference()[1][j] if reference() else None)
         COUNTS["gradients_compared"] += 1
     return f
+
+
+def _assert_close(a, b, tol, what, float32_value):
+    """``a`` (batched) close to ``b`` (eager); under bf16 autocast, else as close to the float32
+    result as eager's bf16 value is (within a factor 2).
+
+    Batching moves bf16 rounding: a shared parameter's gradient is one bf16 reduction over all
+    instances rather than per-instance bf16 gradients summed in float32, so where a sum cancels
+    (bug #31: 0.96 eager, 1.08 batched, 0.79 in float32) neither bf16 value is near the other.
+    ``float32_value()`` returns the float32 eager value (None when that run took other branches).
+    """
+    try:
+        torch.testing.assert_close(a, b, **tol, equal_nan=True, msg=lambda m: f"{what}: {m}")
+    except AssertionError:
+        if float32_value is None or tol is not _TOL_BF16 and tol is not _GTOL_BF16:
+            raise
+        r = float32_value()
+        if r is None or r.shape != a.shape:
+            raise
+        r = r.double()
+        err_a, err_b = (a.double() - r).abs(), (b.double() - r).abs()
+        bound = 2 * err_b + tol["atol"] + tol["rtol"] * r.abs()
+        if not bool(((err_a <= bound) | (a.isnan() & b.isnan())).all()):
+            raise
+        COUNTS["bf16_rounding_excused"] = COUNTS.get("bf16_rounding_excused", 0) + 1
+
+
+def _float32_reference(fn, P, snap, instances, ref, loss, wrt):
+    eager_after = _buffers(P)
+    _restore(P, snap)
+    P.autocast_off, MARGIN.tracking = True, False
+    try:
+        P.memo.clear()
+        out32 = [fn(inst) for inst in instances]
+    finally:
+        P.autocast_off = False
+        _restore(P, eager_after)
+    if [_non_tensors(o) for o in out32] != [_non_tensors(r) for r in ref]:
+        return None
+    l32 = loss(out32)
+    grads = torch.autograd.grad(l32, wrt, allow_unused=True) if l32.requires_grad else [None] * len(wrt)
+    grads = [torch.zeros_like(w) if gr is None else gr for gr, w in zip(grads, wrt)]
+    return [list(flat_tensors(o)) for o in out32], grads
 
 
 options = st.fixed_dictionaries({
@@ -244,3 +297,16 @@ def test_fuzz_profile_counts_are_real():
     assert COUNTS["output_tensors_compared"] == before["output_tensors_compared"] + 8 * len(CORES)
     assert COUNTS["gradients_compared"] > before["gradients_compared"]
     assert f.stats.syncs >= 1 and f.stats.batched_calls < f.stats.ops_recorded
+
+
+def test_bf16_rounding_excuse_needs_the_float32_result_on_its_side():
+    """Bug #31's rule accepts a batched bf16 value only as close to float32 as eager's bf16 one."""
+    f32 = torch.tensor([0.786, 1.0])
+    eager = torch.tensor([0.964, 1.0])
+    _assert_close(torch.tensor([1.078, 1.0]), eager, _GTOL_BF16, "g", lambda: f32)  # #31's numbers
+    with pytest.raises(AssertionError):  # as far off, but eager's bf16 value equals float32
+        _assert_close(torch.tensor([1.078, 1.0]), f32, _GTOL_BF16, "g", lambda: f32)
+    with pytest.raises(AssertionError):  # float32 tolerances never take the excuse
+        _assert_close(torch.tensor([1.078, 1.0]), eager, dict(atol=2e-4, rtol=1e-3), "g", lambda: f32)
+    with pytest.raises(AssertionError):  # the float32 run took other branches
+        _assert_close(torch.tensor([1.078, 1.0]), eager, _GTOL_BF16, "g", lambda: None)

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from batchcraft import RunStats, autobatch
+from batchcraft.errors import UnsupportedOperationError
+from equivalence import CORES
 
 
 def test_one_tensor_where_the_instances_belong_is_a_clear_error():
@@ -30,3 +32,27 @@ def test_bad_options_name_option_and_value():
                       (dict(ragged="yes"), "ragged")):
         with pytest.raises(ValueError, match=match):
             autobatch(lambda x: x, **kw)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_module_built_inside_instance_code_is_a_clear_error(core):
+    def f(x):
+        lin = torch.nn.Linear(4, 4)  # nn.Parameter(lazy value): the module would keep a lazy value
+        return lin(x)
+
+    with pytest.raises(UnsupportedOperationError, match=r"nn\.Parameter made from a per-instance value"):
+        autobatch(f, core=core)([torch.randn(4) for _ in range(2)])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_an_uninitialized_lazy_module_is_a_clear_error_and_works_after_one_eager_forward(core):
+    torch.manual_seed(0)
+    m = torch.nn.LazyLinear(3)
+    xs = [torch.randn(4) for _ in range(3)]
+    f = autobatch(lambda x: m(x), core=core)
+    with pytest.raises(UnsupportedOperationError, match=r"uninitialized parameter.*nn\.Lazy"):
+        f(xs)
+    m(xs[0])  # the fix the hint names
+    out = f(xs)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, m(x))

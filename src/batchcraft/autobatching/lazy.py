@@ -20,7 +20,7 @@ import torch
 
 from batchcraft.autobatching import _native, stack
 from batchcraft.autobatching.descs import DESCS, SIZES
-from batchcraft.errors import AutobatchError
+from batchcraft.errors import AutobatchError, UnsupportedOperationError
 
 _current = stack.current
 
@@ -189,6 +189,20 @@ class LazyTensor(_Base):
     def requires_grad_(self, requires_grad: bool = True):
         self.rec.set_requires_grad(self, bool(requires_grad))
         return self
+
+    @property
+    def _is_param(self) -> bool:  # read by ``isinstance(x, nn.Parameter)``
+        return False
+
+    @_is_param.setter
+    def _is_param(self, value) -> None:
+        # nn.Parameter(per-instance value): a module built inside instance code would keep a
+        # lazy value after the call, and its parameters would get no .grad
+        raise UnsupportedOperationError(
+            "nn.Parameter made from a per-instance value inside batchcraft.autobatch (a module built, "
+            "or a lazy module initialised, inside instance code)",
+            hint="build the module before the autobatch call (for nn.Lazy* modules, run one eager "
+                 "forward first) and call it inside the instance code")
 
     def register_hook(self, hook):
         return self.rec.register_hook(self, hook)

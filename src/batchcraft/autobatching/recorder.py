@@ -42,6 +42,7 @@ _PY_SCALARS = (int, float, bool)
 _SCALAR_KW = frozenset({"dtype", "device"})
 _I64 = 2 ** 63
 _CPU = torch.device("cpu")
+_Uninitialized = torch.nn.parameter.UninitializedTensorMixin
 _NO_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
 _SCALAR_SPECS: dict = {}  # (dtype, device argument) -> (dtype, torch.device, did)
 
@@ -243,6 +244,12 @@ class RecorderBase:
                 specs.append(("lazy", x.did, bool(rg)))
                 dkey.append(x.did * 2 + rg if block else x.did)
             else:
+                if isinstance(x, _Uninitialized):
+                    raise UnsupportedOperationError(
+                        f"{getattr(func, '__name__', func)} on an uninitialized parameter inside batchcraft.autobatch "
+                        f"(an nn.Lazy* module's first forward)",
+                        hint="run one eager forward of the module before the autobatch call, so that its "
+                             "parameters exist")
                 specs.append(("shared", x))
                 with torch._C.DisableTorchFunction():  # reading a tensor's metadata under the mode records it
                     dkey.append(shared_descriptor(x))
