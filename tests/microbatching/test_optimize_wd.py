@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchcraft.microbatching.optimize_wd import optimize_wd, pareto_front
+from batchcraft.microbatching.optimize_wd import _exact, optimize_wd, pareto_front
 from batchcraft.microbatching.types import Config, PassChoice
 
 
@@ -57,9 +57,19 @@ def test_ilp_equals_brute_force(data):
         if sum(c.workspace_bytes for c in combo) <= budget:
             t = sum(c.time_ms for c in combo)
             best = t if best is None else min(best, t)
-    got = optimize_wd(fronts, budget)
-    if best is None:
-        assert got is None
-    else:
-        assert sum(c.workspace_bytes for c in got.values()) <= budget
-        assert sum(c.time_ms for c in got.values()) == pytest.approx(best, rel=1e-6)
+    for got in (optimize_wd(fronts, budget), _exact(fronts, list(fronts), budget)):  # the ILP and its fallback
+        if best is None:
+            assert got is None
+        else:
+            assert sum(c.workspace_bytes for c in got.values()) <= budget
+            assert sum(c.time_ms for c in got.values()) == pytest.approx(best, rel=1e-6)
+
+
+def test_a_choice_one_byte_over_the_budget_is_never_taken():
+    # found by hypothesis: with bytes scaled to MiB the solver's tolerance let a 2-byte choice
+    # through a 1-byte budget, and the over-budget retry then gave up (returned None)
+    fronts = {0: [_choice(1.0, 2), _choice(1.0, 1)]}
+    got = optimize_wd(fronts, 1)
+    assert got is not None and got[0].workspace_bytes == 1
+    big = {0: [_choice(2.0, 10 ** 9), _choice(1.0, 10 ** 9 + 1)], 1: [_choice(1.0, 0)]}
+    assert optimize_wd(big, 10 ** 9)[0].workspace_bytes == 10 ** 9

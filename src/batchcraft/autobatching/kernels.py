@@ -6,7 +6,7 @@ torch also ships: REFERENCES §7 measured 106-112 GFLOP/s for MKL against 200-24
 on the shape and the machine, so for each batched ``F.linear`` the selector measures both kernels
 once per (machine, torch version, intra-op threads, dtype, autograd, bias, K, N, row bucket), keeps
 the faster (oneDNN only with a clear lead), and caches the choice in SQLite beside the
-micro-batching measurements (``$BATCHCRAFT_CACHE_DIR`` or ``~/.cache/batchcraft``).
+micro-batching measurements (:func:`batchcraft.measure.cache_dir`).
 
 :func:`onednn_linear` is differentiable (a custom autograd Function: the forward and the input
 gradient through oneDNN, the weight gradient as a plain matrix product), so training stays
@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from batchcraft.measure.machine import cache_dir, cpu_model
+
 _lp = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 LEAD = 1.10            # oneDNN must be this much faster to be chosen (noise margin)
-SCHEMA = "kernels_v1"
+SCHEMA = "kernels_v2"  # v2: interleaved measurement (v1 choices could come from a busy machine)
 
 
 def onednn_available() -> bool:
@@ -77,19 +79,6 @@ def _bucket(m: int) -> int:
     while b < m:
         b *= 2
     return b
-
-
-def _machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 class _Store:
@@ -142,18 +131,27 @@ class _Store:
 def default_cache_path():
     if os.environ.get("BATCHCRAFT_KERNEL_CACHE", "1") == "0":
         return None
-    base = os.environ.get("BATCHCRAFT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "batchcraft")
-    return os.path.join(base, "kernels.sqlite")
+    return str(cache_dir() / "kernels.sqlite")
 
 
-def _time_us(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def race_us(fns, rounds: int = 7) -> list:
+    """Best time in microseconds of each of ``fns``, measured in interleaved rounds.
+
+    Each function runs once first (oneDNN builds a primitive per shape on its first call), then
+    the functions take turns, the order rotating each round, so that a stretch of load from
+    another process slows every candidate alike; the minimum per function is kept.
+    """
+    for fn in fns:
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
+    best = [float("inf")] * len(fns)
+    perf = time.perf_counter
+    for r in range(rounds):
+        for q in range(len(fns)):
+            j = (q + r) % len(fns)
+            t0 = perf()
+            fns[j]()
+            best[j] = min(best[j], perf() - t0)
+    return [b * 1e6 for b in best]
 
 
 class Selector:
@@ -161,10 +159,11 @@ class Selector:
 
     Args:
         mode (str): ``"auto"`` (measured), ``"default"`` (always ``F.linear``), ``"onednn"``.
-        store: where choices persist (None: memory only); ``timer``: ``fn -> microseconds``.
+        store: where choices persist (None: memory only).
+        timer: ``[fn, ...] -> [microseconds, ...]`` (default :func:`race_us`; tests pass fakes).
     """
 
-    def __init__(self, mode: str = "auto", store=None, timer=_time_us):
+    def __init__(self, mode: str = "auto", store=None, timer=race_us):
         self.mode = mode
         self.name = mode
         self.store = store
@@ -172,7 +171,7 @@ class Selector:
         self.choices: dict = {}
         self.measured: dict = {}
         self.onednn = onednn_available()
-        self.machine = _machine()
+        self.machine = cpu_model()
 
     def key(self, x, w, b) -> tuple:
         m = x.numel() // x.shape[-1] if x.dim() else 1
@@ -216,8 +215,7 @@ class Selector:
             return go
 
         with torch._C.DisableTorchFunction():
-            t_d = self.timer(run(F.linear))
-            t_o = self.timer(run(onednn_linear))
+            t_d, t_o = self.timer([run(F.linear), run(onednn_linear)])
             ws.requires_grad_(False)
         choice = "onednn" if t_o * LEAD < t_d else "default"
         self.measured[k] = (t_d, t_o)

@@ -17,6 +17,22 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cache_dir():
+    """Where measured choices persist: ``$BATCHCRAFT_CACHE_DIR``, else ``$XDG_CACHE_HOME/batchcraft``,
+    else ``~/.cache/batchcraft`` (a :class:`pathlib.Path`; not created here)."""
+    from pathlib import Path
+
+    root = os.environ.get("BATCHCRAFT_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchcraft"
+    return Path(root)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` says."""
+    return _cpu_model()
+
+
 def machine_info() -> dict:
     """Return a JSON-able description: CPU, usable cores, torch version and threads, GPU."""
     import torch

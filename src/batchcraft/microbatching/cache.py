@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchcraft.errors import MeasurementCacheError
+from batchcraft.measure.machine import cache_dir
 
 __all__ = ["SCHEMA_VERSION", "MeasurementKey", "MeasurementRecord", "MeasurementCache", "default_cache_path"]
 
@@ -33,10 +34,7 @@ _KEY_COLUMNS = ("device", "torch_version", "threads", "dtype", "geometry", "pass
 
 def default_cache_path() -> Path:
     """``$BATCHCRAFT_CACHE_DIR`` or ``$XDG_CACHE_HOME/batchcraft`` or ``~/.cache/batchcraft``, + file."""
-    root = os.environ.get("BATCHCRAFT_CACHE_DIR")
-    if root is None:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchcraft"
-    return Path(root) / "microbatch.sqlite"
+    return cache_dir() / "microbatch.sqlite"
 
 
 @dataclass(frozen=True)

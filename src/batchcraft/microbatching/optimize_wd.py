@@ -67,17 +67,16 @@ def optimize_wd(fronts: Mapping[Hashable, Sequence[PassChoice]], budget_bytes: f
     n = len(times)
     one_each = np.zeros((len(keys), n))
     one_each[owner, np.arange(n)] = 1.0
-    # scale bytes to MiB so HiGHS sees well-conditioned coefficients
-    scale = 2.0 ** 20
+    # workspaces are whole bytes: "<= floor(M) + 0.5" is the same set of answers and keeps half a
+    # byte of room for the solver's feasibility tolerance
     constraints = [LinearConstraint(one_each, 1.0, 1.0),
-                   LinearConstraint(np.array(spaces)[None, :] / scale, -np.inf, budget_bytes / scale)]
-    res = milp(np.array(times), constraints=constraints, integrality=np.ones(n), bounds=Bounds(0, 1))
-    if res.x is None:
-        return None
-    x = np.round(res.x).astype(int)
-    if float(np.dot(x, spaces)) > budget_bytes:  # solver tolerance: never accept an over-budget answer
-        over = float(np.dot(x, spaces)) - budget_bytes
-        return optimize_wd(fronts, budget_bytes - over - 1) if budget_bytes - over - 1 >= 0 else None
+                   LinearConstraint(np.array(spaces)[None, :], -np.inf, np.floor(budget_bytes) + 0.5)]
+    res = milp(np.array(times), constraints=constraints, integrality=np.ones(n), bounds=Bounds(0, 1),
+               options={"mip_rel_gap": 0.0})
+    x = None if res.x is None else np.round(res.x).astype(int)
+    if x is None or (x.reshape(1, -1) @ one_each.T != 1).any() or float(np.dot(x, spaces)) > budget_bytes:
+        # numerical trouble (or no answer): the exact search never returns an over-budget answer
+        return _exact(fronts, keys, budget_bytes)
     chosen: dict[Hashable, PassChoice] = {}
     j = 0
     for i, k in enumerate(keys):
@@ -86,3 +85,20 @@ def optimize_wd(fronts: Mapping[Hashable, Sequence[PassChoice]], budget_bytes: f
                 chosen[k] = c
             j += 1
     return chosen
+
+
+def _exact(fronts, keys, budget_bytes):
+    """The same optimum by merging Pareto fronts layer by layer (exact; the ILP's fallback)."""
+    states = [(0, 0.0, ())]  # (workspace, time, choice indices), non-dominated
+    for k in keys:
+        merged = sorted(((w + c.workspace_bytes, t + c.time_ms, idx + (j,))
+                         for w, t, idx in states for j, c in enumerate(fronts[k])
+                         if w + c.workspace_bytes <= budget_bytes), key=lambda s: (s[0], s[1]))
+        states = []
+        for st in merged:  # by increasing workspace: keep only strictly faster points
+            if not states or st[1] < states[-1][1]:
+                states.append(st)
+        if not states:
+            return None
+    best = min(states, key=lambda s: s[1])
+    return {k: fronts[k][j] for k, j in zip(keys, best[2])}

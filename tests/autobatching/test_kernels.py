@@ -1,0 +1,89 @@
+"""Kernel selection for batched linears (autobatching/kernels.py): choice, cache, measurement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchcraft.autobatching import kernels
+from batchcraft.autobatching.kernels import LEAD, Selector, _Store, onednn_available, onednn_linear, race_us
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear in this torch build")
+
+
+class FakeTimer:
+    """Returns fixed times (default kernel, oneDNN) and counts measurements."""
+
+    def __init__(self, t_default, t_onednn):
+        self.times, self.calls = [t_default, t_onednn], 0
+
+    def __call__(self, fns):
+        self.calls += 1
+        return list(self.times)
+
+
+@needs_onednn
+@pytest.mark.parametrize("t_onednn, choice", [(50.0, "onednn"), (100 / LEAD + 1, "default"), (150.0, "default")])
+def test_the_faster_kernel_is_chosen_only_with_a_clear_lead(t_onednn, choice):
+    sel = Selector("auto", None, timer=FakeTimer(100.0, t_onednn))
+    x, w = torch.randn(7, 16), torch.randn(8, 16)
+    assert sel.choose(x, w, None) == choice
+    torch.testing.assert_close(sel.linear(x, w), F.linear(x, w))
+
+
+@needs_onednn
+def test_choices_are_measured_once_per_shape_class_and_persist(tmp_path):
+    path = tmp_path / "kernels.sqlite"
+    t = FakeTimer(100.0, 40.0)
+    sel = Selector("auto", _Store(str(path)), timer=t)
+    w = torch.randn(8, 16)
+    for m in (5, 6, 7, 8):  # one row bucket (<= 8)
+        assert sel.choose(torch.randn(m, 16), w, None) == "onednn"
+    assert t.calls == 1
+    sel.choose(torch.randn(9, 16), w, None)  # the next bucket is measured on its own
+    assert t.calls == 2
+    t2 = FakeTimer(1.0, 1000.0)  # a new process: the stored choice holds, nothing is measured
+    again = Selector("auto", _Store(str(path)), timer=t2)
+    assert again.choose(torch.randn(6, 16), w, None) == "onednn" and t2.calls == 0
+
+
+def test_race_warms_each_function_then_interleaves_with_rotating_order():
+    order = []
+    fns = [lambda: order.append("a"), lambda: order.append("b")]
+    out = race_us(fns, rounds=3)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert len(out) == 2 and all(t >= 0 for t in out)
+
+
+def test_modes_default_and_non_float32_never_measure():
+    t = FakeTimer(100.0, 1.0)
+    x, w = torch.randn(4, 3), torch.randn(2, 3)
+    assert Selector("default", None, timer=t).choose(x, w, None) == "default"
+    assert Selector("auto", None, timer=t).choose(x.double(), w.double(), None) == "default"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert Selector("auto", None, timer=t).choose(x, w, None) == "default"
+    assert t.calls == 0
+
+
+@needs_onednn
+def test_onednn_linear_matches_f_linear_in_values_and_gradients():
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    g = torch.randn(5, 3, 8)
+    out = onednn_linear(x, w, b)
+    ref = F.linear(x, w, b)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    ga = torch.autograd.grad((out * g).sum(), (x, w, b))
+    gb = torch.autograd.grad((ref * g).sum(), (x, w, b))
+    for a, r in zip(ga, gb):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
+
+
+def test_tests_do_not_write_the_users_cache():
+    # tests/conftest.py points BATCHCRAFT_CACHE_DIR at a session directory
+    from pathlib import Path
+
+    assert not kernels.default_cache_path().startswith(str(Path.home() / ".cache"))
