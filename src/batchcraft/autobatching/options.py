@@ -28,6 +28,8 @@ class Options:
             this machine for the shape, cached), ``"default"`` (PyTorch's) or ``"onednn"``.
         arenas (bool): write the outputs of one kind of group into shared buffers (inference).
         compile_blocks (bool): run static blocks' batched programs through ``torch.compile``.
+        fast_attributes (bool): during the call, submodules and parameters of the function's
+            modules are read without ``nn.Module.__getattr__`` (see ``attrs.py``).
     """
 
     scheduler: str = "depth"
@@ -40,6 +42,7 @@ class Options:
     kernels: str = "auto"
     arenas: bool = True
     compile_blocks: bool = False
+    fast_attributes: bool = True
 
     def __post_init__(self):
         for name, allowed in (("scheduler", SCHEDULER_NAMES), ("core", CORE_NAMES), ("kernels", KERNEL_NAMES)):
@@ -50,7 +53,7 @@ class Options:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
-        for name in ("fibers", "ragged", "hoist", "arenas", "compile_blocks"):
+        for name in ("fibers", "ragged", "hoist", "arenas", "compile_blocks", "fast_attributes"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"autobatch: {name} must be a bool, got {v!r}")

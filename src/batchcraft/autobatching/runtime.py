@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import greenlet
 import torch
 
+from batchcraft.autobatching.attrs import FastAttributes
 from batchcraft.autobatching import core as _core
 from batchcraft.autobatching import buffers as _buffers
 from batchcraft.autobatching import functional as _functional
@@ -140,8 +141,12 @@ class Runtime:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         _functional.intercept_function_apply(True)
+        attrs = FastAttributes(self.fn) if self.options.fast_attributes else None
         try:
-            return self._run(instances, t_start)
+            if attrs is None:
+                return self._run(instances, t_start)
+            with attrs:
+                return self._run(instances, t_start)
         finally:
             _functional.intercept_function_apply(False)
             if gc_was_enabled:
