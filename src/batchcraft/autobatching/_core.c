@@ -45,10 +45,13 @@ static int g_int_did = 0, g_bool_did = 0;
 static PyObject *g_float_dids = NULL;      /* dict dtype -> did for torch.tensor(float) */
 static PyObject *g_scalar_dids = NULL;     /* dict dtype -> did of a 0-d CPU tensor of that dtype */
 static PyObject *g_cpu_device = NULL;      /* torch.device("cpu") */
+static PyObject *g_tf_mode_enabled = NULL; /* torch._C._is_torch_function_mode_enabled */
+static PyObject *g_tf_len = NULL;          /* torch._C._len_torch_function_stack */
+static PyObject *g_tf_at = NULL;           /* torch._C._get_function_stack_at */
 static int g_ready = 0;                    /* setup() ran */
 
 static PyObject *s_record, *s_general, *s_requires_grad, *s_sig_entry, *s_materialize_leaves,
-    *s_pending_limit, *s_step_limit, *s_inplace, *s_mode_call, *s_block_slow, *s_check_fp,
+    *s_pending_limit, *s_step_limit, *s_inplace, *s_mode_call, *s_mode, *s_block_slow, *s_check_fp,
     *s_batchcraft_block, *s_fn, *s_register_view;
 
 static PyTypeObject LazyBaseType, RecorderType, ModeType, LazyMethodType, BlockCallType;
@@ -1658,7 +1661,27 @@ static PyTypeObject RecorderType = {
 /* ------------------------------------------------------------------------------------------ */
 /* Mode: the recording torch-function mode                                                    */
 /* ------------------------------------------------------------------------------------------ */
-typedef struct { PyObject_HEAD PyObject *recorder; PyObject *dict; } ModeObject;
+/* depth: the torch-function stack's length right after this mode was pushed (see fast_tensor) */
+typedef struct { PyObject_HEAD PyObject *recorder; PyObject *dict; Py_ssize_t depth; } ModeObject;
+
+/* one keyword of torch.tensor(python scalar, device=cpu | None, dtype=int64 | bool | a float dtype):
+   1 if the C path can make it (a forced dtype goes to *forced), 0 if not, never an error */
+static int scalar_kw_ok(PyObject *k, PyObject *val, int *forced) {
+    if (PyUnicode_CompareWithASCIIString(k, "device") == 0) {
+        if (val == Py_None) return 1;
+        int eq = PyObject_RichCompareBool(val, g_cpu_device, Py_EQ);
+        if (eq < 0) { PyErr_Clear(); return 0; }
+        return eq;
+    }
+    if (PyUnicode_CompareWithASCIIString(k, "dtype") == 0) {
+        if (val == Py_None) return 1;
+        PyObject *d = PyDict_GetItemWithError(g_scalar_dids, val);
+        if (!d) { PyErr_Clear(); return 0; }
+        *forced = (int)PyLong_AsLong(d);
+        return 1;
+    }
+    return 0;
+}
 
 static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *func = nargs > 0 ? args[0] : NULL;
@@ -1686,22 +1709,8 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
             PyTypeObject *t = Py_TYPE(v);
             int ok = t == &PyLong_Type || t == &PyFloat_Type || t == &PyBool_Type, forced = 0;
             if (ok && fkw) {
-                /* torch.tensor(v, device=cpu or None, dtype=int64 | bool | a float dtype) */
                 Py_ssize_t pos = 0; PyObject *k, *val;
-                while (ok && PyDict_Next(fkw, &pos, &k, &val)) {
-                    if (PyUnicode_CompareWithASCIIString(k, "device") == 0) {
-                        if (val != Py_None) {
-                            int eq = PyObject_RichCompareBool(val, g_cpu_device, Py_EQ);
-                            if (eq < 0) { PyErr_Clear(); ok = 0; } else if (!eq) ok = 0;
-                        }
-                    } else if (PyUnicode_CompareWithASCIIString(k, "dtype") == 0) {
-                        if (val != Py_None) {
-                            PyObject *d = PyDict_GetItemWithError(g_scalar_dids, val);
-                            if (!d) { PyErr_Clear(); ok = 0; }
-                            else forced = (int)PyLong_AsLong(d);
-                        }
-                    } else ok = 0;
-                }
+                while (ok && PyDict_Next(fkw, &pos, &k, &val)) ok = scalar_kw_ok(k, val, &forced);
             }
             if (ok) {
                 r = scalar_leaf((RecObject *)rec, v, forced);
@@ -1718,6 +1727,54 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
     return r;
 }
 
+/* 1 when torch-function modes are enabled and the innermost one is recorder `rec`'s mode (what a
+   torch.tensor call would dispatch to), 0 if not, -1 on error. The stack holding exactly as many
+   modes as right after that mode was pushed means it is on top: fibers restore the same stack, and
+   a mode pushed by instance code makes it longer. */
+static int rec_mode_on_top(PyObject *rec) {
+    PyObject *en = PyObject_CallNoArgs(g_tf_mode_enabled);
+    if (!en) return -1;
+    int enabled = en == Py_True;
+    Py_DECREF(en);
+    if (!enabled) return 0;
+    PyObject *mode = PyObject_GetAttr(rec, s_mode);
+    if (!mode) { PyErr_Clear(); return 0; }
+    int is_mode = Py_TYPE(mode) == &ModeType && ((ModeObject *)mode)->recorder == rec;
+    Py_ssize_t depth = is_mode ? ((ModeObject *)mode)->depth : -1;
+    Py_DECREF(mode);
+    if (!is_mode || depth <= 0) return 0;
+    PyObject *n = PyObject_CallNoArgs(g_tf_len);
+    if (!n) return -1;
+    Py_ssize_t len = PyLong_AsSsize_t(n);
+    Py_DECREF(n);
+    if (len < 0 && PyErr_Occurred()) return -1;
+    return len == depth;
+}
+
+/* torch.tensor while a call records (ccore.fast_factories installs it as torch.tensor): a Python
+   scalar becomes a scalar leaf without torch's dispatch to the mode (about 1 µs here); any other
+   call, thread or state goes to torch.tensor, which dispatches as usual */
+static PyObject *py_fast_tensor(PyObject *m, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *rec = current_rec();
+    if (g_ready && rec && nargs == 1 && PyObject_TypeCheck(rec, &RecorderType)) {
+        PyObject *v = args[0];
+        PyTypeObject *t = Py_TYPE(v);
+        int ok = t == &PyLong_Type || t == &PyFloat_Type || t == &PyBool_Type, forced = 0;
+        for (Py_ssize_t i = 0; ok && kwnames && i < PyTuple_GET_SIZE(kwnames); i++)
+            ok = scalar_kw_ok(PyTuple_GET_ITEM(kwnames, i), args[nargs + i], &forced);
+        if (ok) {
+            int top = rec_mode_on_top(rec);
+            if (top < 0) return NULL;
+            if (top) {
+                PyObject *r = scalar_leaf((RecObject *)rec, v, forced);
+                if (r || PyErr_Occurred()) return r;
+            }
+        }
+    }
+    return PyObject_Vectorcall(g_torch_tensor, args, nargsf, kwnames);
+}
+
 static int require_setup(void) {
     if (!g_ready) { PyErr_SetString(PyExc_RuntimeError, "batchcraft C core used before setup() (import ccore)"); return -1; }
     return 0;
@@ -1728,6 +1785,11 @@ static PyObject *mode_enter(ModeObject *self, PyObject *noargs) {
     PyObject *r = PyObject_CallOneArg(g_tf_push, (PyObject *)self);
     if (!r) return NULL;
     Py_DECREF(r);
+    PyObject *n = PyObject_CallNoArgs(g_tf_len);
+    if (!n) return NULL;
+    self->depth = PyLong_AsSsize_t(n);
+    Py_DECREF(n);
+    if (self->depth < 0 && PyErr_Occurred()) return NULL;
     Py_INCREF(self);
     return (PyObject *)self;
 }
@@ -1859,6 +1921,7 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     GET(g_tf_push, "tf_push"); GET(g_tf_pop, "tf_pop"); GET(g_get_default_dtype, "get_default_dtype");
     GET(g_rebuild, "rebuild"); GET(g_escape, "escape"); GET(g_StaticBlock, "StaticBlock"); GET(g_float_dids, "float_dids");
     GET(g_scalar_dids, "scalar_dids"); GET(g_cpu_device, "cpu_device");
+    GET(g_tf_mode_enabled, "tf_mode_enabled"); GET(g_tf_len, "tf_len"); GET(g_tf_at, "tf_at");
     PyObject *o = PyDict_GetItemString(d, "int_did");
     g_int_did = o ? (int)PyLong_AsLong(o) : 0;
     o = PyDict_GetItemString(d, "bool_did");
@@ -1907,6 +1970,8 @@ static PyMethodDef module_methods[] = {
     {"setup_lazy", py_setup_lazy, METH_VARARGS, "setup_lazy(LazyTensor, methods, inplace)"},
     {"clear_signatures", py_clear_signatures, METH_NOARGS, "Forget every fast signature entry."},
     {"table_size", py_table_size, METH_NOARGS, "Entries in the fast signature table."},
+    {"fast_tensor", (PyCFunction)(void (*)(void))py_fast_tensor, METH_FASTCALL | METH_KEYWORDS,
+     "torch.tensor while a call records: scalar leaves made without torch's mode dispatch."},
     {NULL}
 };
 
@@ -1921,7 +1986,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
     INTERN(s_pending_limit, "pending_limit"); INTERN(s_step_limit, "step_limit"); INTERN(s_inplace, "inplace");
-    INTERN(s_mode_call, "mode_call"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
+    INTERN(s_mode_call, "mode_call"); INTERN(s_mode, "mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
     INTERN(s_batchcraft_block, "_batchcraft_block"); INTERN(s_fn, "fn"); INTERN(s_register_view, "register_view");
     PyObject *m = PyModule_Create(&coremodule);
     if (!m) return NULL;

@@ -11,6 +11,8 @@ in C. The Python core remains the reference the fuzzer compares this one against
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from batchcraft.autobatching import _native
@@ -45,11 +47,47 @@ def _setup() -> None:
         # eager would (narrow integer dtypes can overflow: they take the Python path, which raises)
         scalar_dids={dt: desc_id(((), dt, torch.device("cpu")))
                      for dt in (torch.int64, torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64)},
-        bool_did=desc_id(((), torch.bool, torch.device("cpu")))))
+        bool_did=desc_id(((), torch.bool, torch.device("cpu"))),
+        tf_mode_enabled=torch._C._is_torch_function_mode_enabled, tf_len=torch._C._len_torch_function_stack,
+        tf_at=torch._C._get_function_stack_at))
     SIGNATURES.on_clear(_c.clear_signatures)
 
 
 _setup()
+
+_ORIGINAL_TENSOR = torch.tensor
+_patch_lock = threading.Lock()
+_patch_depth = 0
+
+
+class FastFactories:
+    """While calls record, ``torch.tensor`` is the C core's ``fast_tensor``.
+
+    torch dispatches a factory call to the innermost torch-function mode through Python-level
+    machinery that costs about 1 µs per ``torch.tensor(word_id)`` here (two per TreeLSTM node).
+    ``fast_tensor`` makes the same scalar leaf directly when this thread's recorder is active and
+    its mode is the innermost enabled one, and otherwise calls the real ``torch.tensor`` (other
+    threads, other modes, ``DisableTorchFunction``, any non-scalar call). Nested and concurrent
+    calls share one installation, removed when the last one ends.
+    """
+
+    __slots__ = ()
+
+    def __enter__(self):
+        global _patch_depth
+        with _patch_lock:
+            if _patch_depth == 0 and torch.tensor is _ORIGINAL_TENSOR:
+                torch.tensor = _c.fast_tensor
+            _patch_depth += 1
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        global _patch_depth
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0 and torch.tensor is _c.fast_tensor:
+                torch.tensor = _ORIGINAL_TENSOR
+        return False
 
 
 class CRecorder(_c.Recorder, RecorderBase):
@@ -62,6 +100,7 @@ class CRecorder(_c.Recorder, RecorderBase):
         self.ragged_on = 1 if options.ragged else 0
         self.leaf_cache: dict = {}
         self.mode = _c.Mode(self)
+        self.fast_calls = FastFactories()
 
     # -- signatures into the C table ---------------------------------------------------------------
     def _sig_entry(self, info):

@@ -157,13 +157,20 @@ class Runtime:
         rec = self.rec
         stack.push(rec)
         mode = rec.mode
+        fast = getattr(rec, "fast_calls", None)  # the C core's torch.tensor while recording
         mode.__enter__()
         try:
             self.main_state = FiberState.capture()
-            if self.options.fibers:
-                outputs = self._run_fibers(instances)
-            else:
-                outputs = self._run_sequential(instances)
+            if fast is not None:
+                fast.__enter__()
+            try:
+                if self.options.fibers:
+                    outputs = self._run_fibers(instances)
+                else:
+                    outputs = self._run_sequential(instances)
+            finally:
+                if fast is not None:
+                    fast.__exit__(None, None, None)
         finally:
             try:
                 if self.main_state is not None:
