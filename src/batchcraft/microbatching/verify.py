@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from batchcraft.errors import ConfigurationError
+from batchcraft.measure.race import Race
 
 __all__ = ["VARIANTS", "Verification", "verify_plan", "wall_clock_ms", "disagreement", "DISAGREEMENT_TOLERANCE"]
 
@@ -213,7 +214,14 @@ def verify_plan(model: nn.Module, example_input: torch.Tensor, install: Callable
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     grads = [(p, p.grad) for p in model.parameters()]
     run = _runner(model, example_input, training)
-    times: dict[str, list[float]] = {v: [] for v in timed}
+    def timed_call(v):
+        def go():
+            install(v)
+            return float(timer(v, run))
+        return go
+
+    # interleaved rounds with a rotating start (the shared race of batchcraft.measure.race)
+    race = Race([timed_call(v) for v in timed], labels=timed, higher_is_better=False)
     try:
         with torch.random.fork_rng(devices=[]):  # dropout's draws do not move the caller's random state
             if not training:
@@ -225,10 +233,7 @@ def verify_plan(model: nn.Module, example_input: torch.Tensor, install: Callable
             for r in range(rounds):
                 if progress:
                     print(f"\rmicrobatch: verifying end to end, round {r + 1}/{rounds}", end="", file=sys.stderr)
-                for i in range(len(timed)):
-                    v = timed[(r + i) % len(timed)]  # rotate who goes first
-                    install(v)
-                    times[v].append(float(timer(v, run)))
+                race.run_round()
             if progress:
                 print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     finally:  # buffers (BatchNorm statistics), .grad and train/eval flags as the caller left them
@@ -239,6 +244,7 @@ def verify_plan(model: nn.Module, example_input: torch.Tensor, install: Callable
             p.grad = g
         for m, flag in modes.items():
             m.training = flag
+    times = {v: race.values(i) for i, v in enumerate(timed)}
     med = {v: statistics.median(ts) for v, ts in times.items()}
     iqr = {v: _iqr(ts) for v, ts in times.items()}
     kept, margins = _choose(timed, med, iqr, max(1, int(repeats)), tolerance)
