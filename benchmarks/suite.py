@@ -172,7 +172,7 @@ def docs_text(payload: dict, headers: list, rows: list) -> str:
             f"(`--from-json results/suite-*.json` re-renders a saved run)\n\n"
             f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, torch {m['torch']}, {threads}; load average "
             f"{payload['load_before']} before and {payload['load_after']} after the run"
-            + (": the cores were shared with other runs, so absolute times are noisy" if max(payload['load_before'][:1] or [0]) > 1.5 else
+            + (": the cores were shared with other runs, so absolute times are noisy" if _first_load(payload['load_before']) > 1.5 else
                " (nothing else ran)")
             + f"; ratios come from one run, back to back, batch by batch. "
             f"Inference (no autograd) on the first {payload.get('sentences', a['sentences'])} UD EWT dev sentences of at most "
@@ -182,6 +182,14 @@ def docs_text(payload: dict, headers: list, rows: list) -> str:
             f"max abs diff = largest difference from eager. Hand-batched: TreeLSTM level by level, BiRNN "
             f"as one packed nn.LSTM, same parameters. Whole run: {payload['elapsed_s']:.0f} s.\n\n"
             f"{format_table(headers, rows, markdown=True)}\n\n{NOTES}")
+
+
+def _first_load(text) -> float:
+    """The 1-minute load average of a :func:`_load` string (0.0 when unknown)."""
+    try:
+        return float(str(text).split()[0])
+    except (ValueError, IndexError):
+        return 0.0
 
 
 def _load() -> str:
