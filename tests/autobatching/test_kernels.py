@@ -27,7 +27,7 @@ class FakeTimer:
 @pytest.mark.parametrize("t_onednn, choice", [(50.0, "onednn"), (100 / LEAD + 1, "default"), (150.0, "default")])
 def test_the_faster_kernel_is_chosen_only_with_a_clear_lead(t_onednn, choice):
     sel = Selector("auto", None, timer=FakeTimer(100.0, t_onednn))
-    x, w = torch.randn(7, 16), torch.randn(8, 16)
+    x, w = torch.randn(70, 256), torch.randn(512, 256)
     assert sel.choose(x, w, None) == choice
     torch.testing.assert_close(sel.linear(x, w), F.linear(x, w))
 
@@ -37,15 +37,23 @@ def test_choices_are_measured_once_per_shape_class_and_persist(tmp_path):
     path = tmp_path / "kernels.sqlite"
     t = FakeTimer(100.0, 40.0)
     sel = Selector("auto", _Store(str(path)), timer=t)
-    w = torch.randn(8, 16)
-    for m in (5, 6, 7, 8):  # one row bucket (<= 8)
-        assert sel.choose(torch.randn(m, 16), w, None) == "onednn"
+    w = torch.randn(256, 128)
+    for m in (65, 90, 128):  # one row bucket (<= 128)
+        assert sel.choose(torch.randn(m, 128), w, None) == "onednn"
     assert t.calls == 1
-    sel.choose(torch.randn(9, 16), w, None)  # the next bucket is measured on its own
+    sel.choose(torch.randn(129, 128), w, None)  # the next bucket is measured on its own
     assert t.calls == 2
     t2 = FakeTimer(1.0, 1000.0)  # a new process: the stored choice holds, nothing is measured
     again = Selector("auto", _Store(str(path)), timer=t2)
-    assert again.choose(torch.randn(6, 16), w, None) == "onednn" and t2.calls == 0
+    assert again.choose(torch.randn(100, 128), w, None) == "onednn" and t2.calls == 0
+
+
+@needs_onednn
+def test_small_shape_classes_keep_the_default_without_measuring():
+    t = FakeTimer(100.0, 1.0)
+    sel = Selector("auto", None, timer=t)
+    assert sel.choose(torch.randn(8, 16), torch.randn(8, 16), None) == "default"  # 2*8*16*8 FLOP
+    assert t.calls == 0
 
 
 def test_race_warms_each_function_then_interleaves_with_rotating_order():

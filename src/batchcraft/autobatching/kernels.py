@@ -29,6 +29,9 @@ from batchcraft.measure.machine import cache_dir, cpu_model
 
 _lp = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 LEAD = 1.10            # oneDNN must be this much faster to be chosen (noise margin)
+# shape classes below this many FLOPs per call keep the default kernel unmeasured: their time is
+# fixed per-call overhead (tens of µs), and measuring each costs a first call 16 timed calls
+MIN_MEASURED_FLOP = 4e6
 SCHEMA = "kernels_v2"  # v2: interleaved measurement (v1 choices could come from a busy machine)
 
 
@@ -187,7 +190,8 @@ class Selector:
         k = self.key(x, w, b)
         c = self.choices.get(k)
         if c is None:
-            c = self.choices[k] = self._decide(k, x, w, b)
+            small = 2.0 * k[5] * k[3] * k[4] < MIN_MEASURED_FLOP
+            c = self.choices[k] = "default" if small else self._decide(k, x, w, b)
         return c
 
     def _decide(self, k, x, w, b) -> str:
