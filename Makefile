@@ -10,6 +10,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	@echo "batchcraft: installing into $(VENV) (pinned CPU PyTorch, test and benchmark extras; about 1.5 min, once)"
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 

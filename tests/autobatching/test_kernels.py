@@ -95,3 +95,18 @@ def test_tests_do_not_write_the_users_cache():
     from pathlib import Path
 
     assert not kernels.default_cache_path().startswith(str(Path.home() / ".cache"))
+
+
+@needs_onednn
+def test_stats_count_the_kernel_measurements_of_a_call(monkeypatch):
+    from batchcraft import autobatch
+
+    sel = Selector("auto", None, timer=FakeTimer(100.0, 150.0))
+    monkeypatch.setitem(kernels._SELECTORS, "auto", sel)
+    lin = torch.nn.Linear(256, 512)
+    f = autobatch(lambda x: lin(x))
+    with torch.no_grad():
+        f([torch.randn(256) for _ in range(40)])
+        assert f.stats.kernels_measured == 1 and "kernel shape classes measured" in f.stats.summary()
+        f([torch.randn(256) for _ in range(40)])  # the same shape class: chosen, not measured
+        assert f.stats.kernels_measured == 0

@@ -10,7 +10,7 @@ from batchcraft import autobatch, static_block
 from batchcraft.errors import InstanceError, UnsupportedOperationError
 from batchcraft.models.treelstm import TreeLSTM
 
-from equivalence import assert_matches_eager, make_tree, random_tree
+from equivalence import CORES, assert_matches_eager, make_tree, random_tree
 
 
 @pytest.fixture
@@ -190,3 +190,32 @@ def test_rejects_bad_options():
         autobatch(lambda x: x, max_steps=0)
     with pytest.raises(TypeError):
         autobatch(42)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_iterating_a_per_instance_tensor_is_one_unbind_and_rows_stay_views(core):
+    # found by a new-user trial: `for x in seq` made one getitem per row, and sequences of
+    # different lengths could not share them (a group per (length, row)); torch iterates by unbind
+    blk = static_block(torch.nn.Linear(4, 4))
+
+    def rnn(seq):
+        h = torch.zeros(4)
+        for x in seq:
+            h = torch.tanh(blk(x) + h)
+        return h
+
+    def bump(x):
+        y = x * 1
+        for row in y:
+            row.add_(1)  # through the view: y changes, as in eager
+        return y
+
+    seqs = [torch.randn(n, 4) for n in (3, 5, 2, 5)]
+    f = autobatch(rnn, core=core)
+    with torch.no_grad():
+        out = f(seqs)
+        for o, s in zip(out, seqs):
+            torch.testing.assert_close(o, rnn(s))
+    assert "getitem" not in f.stats.groups_by_rule
+    for o, x in zip(autobatch(bump, core=core)(seqs), seqs):
+        torch.testing.assert_close(o, bump(x))

@@ -173,6 +173,7 @@ class Selector:
         self.timer = timer
         self.choices: dict = {}
         self.measured: dict = {}
+        self.n_measured = 0  # shape classes timed by this selector (not read from the store)
         self.onednn = onednn_available()
         self.machine = cpu_model()
 
@@ -223,6 +224,7 @@ class Selector:
             ws.requires_grad_(False)
         choice = "onednn" if t_o * LEAD < t_d else "default"
         self.measured[k] = (t_d, t_o)
+        self.n_measured += 1
         if self.store is not None:
             self.store.put(skey, choice, t_d, t_o)
         return choice

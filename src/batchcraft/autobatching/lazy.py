@@ -274,7 +274,9 @@ class LazyTensor(_Base):
         shape = DESCS[self.did][0]
         if not shape:
             raise TypeError("iteration over a 0-d tensor")
-        return iter([self[i] for i in range(shape[0])])
+        # as torch.Tensor.__iter__: one unbind (one recorded op, views of self) instead of a
+        # getitem per row, which instances of different lengths could not share
+        return iter(self.unbind(0))
 
     # -- in-place updates: functionalised by the recorder ------------------------------------
     def __setitem__(self, key, value):

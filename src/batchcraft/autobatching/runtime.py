@@ -142,6 +142,7 @@ class Runtime:
         gc.disable()
         _functional.intercept_function_apply(True)
         attrs = FastAttributes(self.fn) if self.options.fast_attributes else None
+        measured = getattr(self.executor.kernels, "n_measured", 0)
         try:
             if attrs is None:
                 return self._run(instances, t_start)
@@ -149,6 +150,7 @@ class Runtime:
                 return self._run(instances, t_start)
         finally:
             _functional.intercept_function_apply(False)
+            st.kernels_measured = getattr(self.executor.kernels, "n_measured", 0) - measured
             if gc_was_enabled:
                 gc.enable()
 

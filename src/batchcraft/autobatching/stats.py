@@ -23,6 +23,9 @@ class RunStats:
         groups_by_rule (dict[str, int]): batched calls per kind (block, ragged_block, rule names).
         record_s, schedule_s, gather_s, kernel_s (float): seconds spent recording instance code,
             ordering groups, gathering per-instance arguments, and in batched programs.
+        kernels_measured (int): matrix-multiply shape classes whose kernel was measured during
+            this call (``kernels="auto"``: once per machine, then cached; the time is in
+            ``kernel_s``, so a first call on a new machine is slower).
     """
 
     instances: int = 0
@@ -40,6 +43,7 @@ class RunStats:
     schedule_s: float = 0.0
     gather_s: float = 0.0
     kernel_s: float = 0.0
+    kernels_measured: int = 0
 
     def note_fallback(self, reason: str, count: int = 1) -> None:
         self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + count
@@ -67,6 +71,9 @@ class RunStats:
                 f"{self.eager_ops} eager ops, {self.syncs} syncs; time: record {self.record_s * 1e3:.1f} ms, "
                 f"schedule {self.schedule_s * 1e3:.1f} ms, gather {self.gather_s * 1e3:.1f} ms, "
                 f"kernels {self.kernel_s * 1e3:.1f} ms")
+        if self.kernels_measured:
+            text += (f"; {self.kernels_measured} kernel shape classes measured in this call "
+                     f"(once per machine, cached)")
         if self.fallback_reasons:
             text += "; fallbacks: " + "; ".join(f"{k} (x{v})" for k, v in sorted(self.fallback_reasons.items()))
         return text

@@ -89,10 +89,11 @@ def run(args) -> int:
         ["eager (one instance at a time)", res["eager_ms"], res["instances_per_s_eager"], 1.0, "-", "-"],
         [f"batchcraft.autobatch ({args.scheduler})", res["batchcraft_ms"],
          res["instances_per_s_batchcraft"], res["speedup"],
-         f"{res['batched_calls']:.0f} / {res['ops_recorded']:.0f}", f"{res['max_abs_diff']:.1e}"],
+         f"{res['batched_calls']:.1f} / {res['ops_recorded']:.0f}", f"{res['max_abs_diff']:.1e}"],
     ]
-    print(format_table(["", "ms/batch", "instances/s", "speed-up", "batched calls / ops", "max |diff|"],
-                       rows))
+    print(format_table(["", "ms/batch", "instances/s", "speed-up vs eager", "batched calls / ops per batch",
+                        "max |out - eager|"], rows))
+    print("(ms/batch: median over the batches after a warm-up one; batched calls / ops: means per batch)")
     if args.profile:
         print(f"auto-batched time split per batch: record {res['record_ms']:.1f} ms, schedule "
               f"{res['schedule_ms']:.1f} ms, gather {res['gather_ms']:.1f} ms, batched calls "
@@ -102,5 +103,5 @@ def run(args) -> int:
         print(f"recording: {res['record_us_per_unit']:.1f} host µs per tree node / token "
               f"({res['work_units']:.0f} per batch); first call {res.get('first_call_ms', 0):.0f} ms = "
               f"{res.get('first_call_ratio', 0):.1f}x the same batch's steady call (signatures inferred, "
-              f"blocks traced, kernels chosen; once per process)")
+              f"blocks traced; kernel choices are measured once per machine and cached)")
     return 0
