@@ -1,4 +1,5 @@
-"""``torch.tensor`` while the C core records (ccore.FastFactories): same results as the mode path."""
+"""``torch.tensor`` while the C core records with ``fast_factories=True`` (ccore.FastFactories):
+the same results as the mode path. Opt-in because the replacement is process-wide."""
 
 from __future__ import annotations
 
@@ -24,13 +25,15 @@ def test_installed_only_while_a_call_records_and_removed_after_errors():
             raise ValueError("boom")
         return x * torch.tensor(2.0)
 
-    autobatch(f, core="c")([torch.ones(2)])
+    autobatch(f, core="c", fast_factories=True)([torch.ones(2)])
     assert seen == [True] and torch.tensor is ORIGINAL
     with pytest.raises(Exception, match="boom"):
-        autobatch(f, core="c")([torch.full((2,), 20.0)])
+        autobatch(f, core="c", fast_factories=True)([torch.full((2,), 20.0)])
     assert torch.tensor is ORIGINAL
-    autobatch(f, core="python")([torch.ones(2)])
+    autobatch(f, core="python", fast_factories=True)([torch.ones(2)])
     assert seen[-1] is False  # the Python core does not install it
+    autobatch(f, core="c")([torch.ones(2)])
+    assert seen[-1] is False  # opt-in: not installed by default
 
 
 @pytest.mark.parametrize("kw", [{}, {"dtype": torch.float64}, {"device": "cpu"}, {"dtype": torch.bool},
@@ -45,7 +48,7 @@ def test_scalar_factories_equal_eager(v, kw):
         return t, t.dtype, t.requires_grad
 
     xs = [torch.ones(1) for _ in range(3)]
-    for out in autobatch(f, core="c")(xs):
+    for out in autobatch(f, core="c", fast_factories=True)(xs):
         ref = f(xs[0])
         assert out[1] == ref[1] and out[2] == ref[2]
         torch.testing.assert_close(out[0], ref[0])
@@ -77,7 +80,7 @@ def test_other_threads_and_other_modes_get_torch_tensor_as_usual():
 
     t = threading.Thread(target=other)
     t.start()
-    out = autobatch(f, core="c")([torch.zeros(1)])
+    out = autobatch(f, core="c", fast_factories=True)([torch.zeros(1)])
     t.join()
     assert type(from_thread[0]) is torch.Tensor and from_thread[0].item() == 7
     assert "tensor" in seen_by_mode
@@ -95,7 +98,7 @@ def test_concurrent_calls_share_one_installation():
         try:
             barrier.wait(10)
             for _ in range(20):
-                results.append(autobatch(f, core="c")([torch.ones(2)])[0])
+                results.append(autobatch(f, core="c", fast_factories=True)([torch.ones(2)])[0])
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 

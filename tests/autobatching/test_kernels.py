@@ -110,3 +110,24 @@ def test_stats_count_the_kernel_measurements_of_a_call(monkeypatch):
         assert f.stats.kernels_measured == 1 and "kernel shape classes measured" in f.stats.summary()
         f([torch.randn(256) for _ in range(40)])  # the same shape class: chosen, not measured
         assert f.stats.kernels_measured == 0
+
+
+@needs_onednn
+def test_measuring_does_not_move_the_random_state_or_reach_user_modes():
+    from torch.overrides import TorchFunctionMode
+
+    class Spy(TorchFunctionMode):
+        names: list = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Spy.names.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    sel = Selector("auto", None)  # the real timer
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    x, w = torch.ones(70, 256), torch.ones(512, 256)
+    with Spy():
+        sel.choose(x, w, None)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert sel.n_measured == 1 and Spy.names == []

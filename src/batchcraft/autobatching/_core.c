@@ -1727,6 +1727,75 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
     return r;
 }
 
+/* nn.Module.__getattr__ in C, the same lookups in the same order as torch's Python version
+   (instance __dict__ -> _parameters, _buffers, _modules; else its AttributeError message): while a
+   call records, attrs.FastModuleGetattr installs it as nn.Module.__getattr__ */
+static PyObject *s_key_params = NULL, *s_key_buffers = NULL, *s_key_modules = NULL;
+
+static PyObject *py_module_getattr(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "module_getattr(self, name)"); return NULL; }
+    PyObject *self = args[0], *name = args[1];
+    if (!s_key_params) {
+        s_key_params = PyUnicode_InternFromString("_parameters");
+        s_key_buffers = PyUnicode_InternFromString("_buffers");
+        s_key_modules = PyUnicode_InternFromString("_modules");
+        if (!s_key_params || !s_key_buffers || !s_key_modules) return NULL;
+    }
+    PyObject **dp = _PyObject_GetDictPtr(self);
+    PyObject *d = dp ? *dp : NULL;
+    if (d) {
+        PyObject *keys[3] = {s_key_params, s_key_buffers, s_key_modules};
+        Py_INCREF(d);
+        for (int i = 0; i < 3; i++) {
+            PyObject *t = PyDict_GetItemWithError(d, keys[i]);
+            if (!t) { if (PyErr_Occurred()) { Py_DECREF(d); return NULL; } continue; }
+            Py_INCREF(t);
+            int c = PySequence_Contains(t, name);
+            if (c < 0) { Py_DECREF(t); Py_DECREF(d); return NULL; }
+            if (c) { PyObject *r = PyObject_GetItem(t, name); Py_DECREF(t); Py_DECREF(d); return r; }
+            Py_DECREF(t);
+        }
+        Py_DECREF(d);
+    }
+    PyObject *tn = PyType_GetName(Py_TYPE(self));
+    if (!tn) return NULL;
+    PyErr_Format(PyExc_AttributeError, "'%U' object has no attribute '%S'", tn, name);
+    Py_DECREF(tn);
+    return NULL;
+}
+
+/* ModuleGetattr: a method descriptor around py_module_getattr (a plain builtin set on a class is
+   not bound to the instance) */
+typedef struct { PyObject_HEAD vectorcallfunc vectorcall; } ModuleGetattrObject;
+
+static PyObject *modgetattr_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (kwnames && PyTuple_GET_SIZE(kwnames)) { PyErr_SetString(PyExc_TypeError, "__getattr__ takes no keywords"); return NULL; }
+    return py_module_getattr(NULL, args, PyVectorcall_NARGS(nargsf));
+}
+
+static PyObject *modgetattr_get(PyObject *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None) { Py_INCREF(self); return self; }
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *modgetattr_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    ModuleGetattrObject *self = (ModuleGetattrObject *)type->tp_alloc(type, 0);
+    if (self) self->vectorcall = (vectorcallfunc)modgetattr_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyTypeObject ModuleGetattrType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._core.ModuleGetattr",
+    .tp_basicsize = sizeof(ModuleGetattrObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(ModuleGetattrObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = modgetattr_get,
+    .tp_new = modgetattr_new,
+    .tp_doc = "nn.Module.__getattr__ in C: the same lookups (_parameters, _buffers, _modules) and error.",
+};
+
 /* 1 when torch-function modes are enabled and the innermost one is recorder `rec`'s mode (what a
    torch.tensor call would dispatch to), 0 if not, -1 on error. The stack holding exactly as many
    modes as right after that mode was pushed means it is on top: fibers restore the same stack, and
@@ -1970,6 +2039,8 @@ static PyMethodDef module_methods[] = {
     {"setup_lazy", py_setup_lazy, METH_VARARGS, "setup_lazy(LazyTensor, methods, inplace)"},
     {"clear_signatures", py_clear_signatures, METH_NOARGS, "Forget every fast signature entry."},
     {"table_size", py_table_size, METH_NOARGS, "Entries in the fast signature table."},
+    {"module_getattr", (PyCFunction)(void (*)(void))py_module_getattr, METH_FASTCALL,
+     "nn.Module.__getattr__ in C (the same lookups and error)."},
     {"fast_tensor", (PyCFunction)(void (*)(void))py_fast_tensor, METH_FASTCALL | METH_KEYWORDS,
      "torch.tensor while a call records: scalar leaves made without torch's mode dispatch."},
     {NULL}
@@ -1981,7 +2052,7 @@ static struct PyModuleDef coremodule = {PyModuleDef_HEAD_INIT, "_core",
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyThread_tss_create(&g_tss) != 0) return NULL;
     if (PyType_Ready(&LazyBaseType) < 0 || PyType_Ready(&LazyMethodType) < 0 || PyType_Ready(&RecorderType) < 0
-        || PyType_Ready(&ModeType) < 0 || PyType_Ready(&BlockCallType) < 0) return NULL;
+        || PyType_Ready(&ModeType) < 0 || PyType_Ready(&BlockCallType) < 0 || PyType_Ready(&ModuleGetattrType) < 0) return NULL;
 #define INTERN(var, s) do { var = PyUnicode_InternFromString(s); if (!var) return NULL; } while (0)
     INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
@@ -1995,5 +2066,6 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_INCREF(&RecorderType); PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType);
     Py_INCREF(&ModeType); PyModule_AddObject(m, "Mode", (PyObject *)&ModeType);
     Py_INCREF(&BlockCallType); PyModule_AddObject(m, "BlockCall", (PyObject *)&BlockCallType);
+    Py_INCREF(&ModuleGetattrType); PyModule_AddObject(m, "ModuleGetattr", (PyObject *)&ModuleGetattrType);
     return m;
 }

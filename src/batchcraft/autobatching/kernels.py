@@ -39,9 +39,10 @@ def onednn_available() -> bool:
     if _lp is None or not torch.backends.mkldnn.is_available():
         return False
     try:
-        x = torch.ones(2, 3)
-        w = torch.ones(4, 3)
-        return bool(torch.allclose(_lp(x, w, None, "none", [], ""), F.linear(x, w)))
+        with torch._C.DisableTorchFunction():  # the user's or the recording's modes must not see this
+            x = torch.ones(2, 3)
+            w = torch.ones(4, 3)
+            return bool(torch.allclose(_lp(x, w, None, "none", [], ""), F.linear(x, w)))
     except Exception:  # the op exists but has no kernel in this build
         return False
 
@@ -183,6 +184,10 @@ class Selector:
         return (x.dtype, grad, b is not None, x.shape[-1], w.shape[0], _bucket(m), torch.get_num_threads())
 
     def choose(self, x, w, b) -> str:
+        with torch._C.DisableTorchFunction():  # the selector's own metadata reads are not the user's
+            return self._choose(x, w, b)
+
+    def _choose(self, x, w, b) -> str:
         if (self.mode == "default" or not self.onednn or x.device.type != "cpu" or x.dtype != torch.float32
                 or x.dim() == 0 or torch.is_autocast_enabled("cpu") or w.dim() != 2):
             return "default"
@@ -202,9 +207,10 @@ class Selector:
             self.measured[k] = (row[1], row[2])
             return row[0]
         m = k[5]
-        xs = torch.randn(m, k[3])
-        ws = w.detach()
-        bs = None if b is None else b.detach()
+        with torch._C.DisableTorchFunction():  # measurement calls are not the user's
+            xs = torch.full((m, k[3]), 0.5)  # not randn: measuring must not move the caller's random state
+            ws = w.detach()
+            bs = None if b is None else b.detach()
         grad = k[1]
 
         def run(fn):

@@ -28,8 +28,11 @@ class Options:
             this machine for the shape, cached), ``"default"`` (PyTorch's) or ``"onednn"``.
         arenas (bool): write the outputs of one kind of group into shared buffers (inference).
         compile_blocks (bool): run static blocks' batched programs through ``torch.compile``.
-        fast_attributes (bool): during the call, submodules and parameters of the function's
-            modules are read without ``nn.Module.__getattr__`` (see ``attrs.py``).
+        fast_attributes (bool): C core: ``nn.Module.__getattr__`` runs in C during the call
+            (same lookups and errors; see ``attrs.py``).
+        fast_factories (bool): C core: ``torch.tensor`` is replaced process-wide during the call
+            by a C function that makes scalar leaves without torch's mode dispatch (opt-in: other
+            threads and torch-function modes see a different ``torch.tensor`` object meanwhile).
     """
 
     scheduler: str = "depth"
@@ -43,6 +46,7 @@ class Options:
     arenas: bool = True
     compile_blocks: bool = False
     fast_attributes: bool = True
+    fast_factories: bool = False
 
     def __post_init__(self):
         for name, allowed in (("scheduler", SCHEDULER_NAMES), ("core", CORE_NAMES), ("kernels", KERNEL_NAMES)):
@@ -53,7 +57,7 @@ class Options:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
-        for name in ("fibers", "ragged", "hoist", "arenas", "compile_blocks", "fast_attributes"):
+        for name in ("fibers", "ragged", "hoist", "arenas", "compile_blocks", "fast_attributes", "fast_factories"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"autobatch: {name} must be a bool, got {v!r}")

@@ -27,7 +27,8 @@ from typing import Any, Callable, Sequence
 import greenlet
 import torch
 
-from batchcraft.autobatching.attrs import FastAttributes
+from batchcraft.autobatching.attrs import FastModuleGetattr
+from batchcraft.autobatching.modstate import resolve_module_state
 from batchcraft.autobatching import core as _core
 from batchcraft.autobatching import buffers as _buffers
 from batchcraft.autobatching import functional as _functional
@@ -138,28 +139,31 @@ class Runtime:
         t_start = _perf()
         # Recording allocates many small objects; cyclic GC passes over them cost more than the
         # recording itself, and the graph has no cycles to collect. Re-enabled on exit.
+        attrs = FastModuleGetattr() if self.options.fast_attributes and self.rec.core == "c" else None
+        measured = getattr(self.executor.kernels, "n_measured", 0)
         gc_was_enabled = gc.isenabled()
         gc.disable()
-        _functional.intercept_function_apply(True)
-        attrs = FastAttributes(self.fn) if self.options.fast_attributes else None
-        measured = getattr(self.executor.kernels, "n_measured", 0)
-        try:
+        try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
+            _functional.intercept_function_apply(True)
             if attrs is None:
                 return self._run(instances, t_start)
             with attrs:
                 return self._run(instances, t_start)
         finally:
-            _functional.intercept_function_apply(False)
-            st.kernels_measured = getattr(self.executor.kernels, "n_measured", 0) - measured
-            if gc_was_enabled:
-                gc.enable()
+            try:
+                _functional.intercept_function_apply(False)
+                st.kernels_measured = getattr(self.executor.kernels, "n_measured", 0) - measured
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
 
     def _run(self, instances, t_start):
         st = self.stats
         rec = self.rec
         stack.push(rec)
         mode = rec.mode
-        fast = getattr(rec, "fast_calls", None)  # the C core's torch.tensor while recording
+        # opt-in: the C core's torch.tensor while recording (process-wide; see ccore.FastFactories)
+        fast = getattr(rec, "fast_calls", None) if self.options.fast_factories else None
         mode.__enter__()
         try:
             self.main_state = FiberState.capture()
@@ -188,6 +192,7 @@ class Runtime:
             results = [self._resolve(o, i) for i, o in enumerate(outputs)]
             self._write_back()
             _buffers.apply_deferred(rec)
+            resolve_module_state(self.fn, rec, LazyTensor, st.syncs > 0)
         return results
 
     def _write_back(self) -> None:

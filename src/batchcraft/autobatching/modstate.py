@@ -1,0 +1,75 @@
+"""Per-instance values that instance code left on modules: made concrete when the call ends.
+
+Instance code may store a value on a module: ``self.last_h = h`` (keeping the last hidden state),
+``self.ema = 0.9 * self.ema + 0.1 * h`` under ``no_grad`` (a buffer re-assigned each step). Inside
+the call these are lazy values; left there, the module would be unusable afterwards (its
+``state_dict()`` and every later use would meet a value of a finished call). When the call ends,
+:func:`resolve_module_state` replaces every lazy value of the call found in the attributes,
+buffers and parameters of the modules the function reaches (itself, a bound method's object, a
+``functools.partial``'s arguments, closure cells, and their submodules) by its value.
+
+Which value: the last assignment batchcraft executed. Instances run in fibers in instance order
+and each runs until it waits for a value, so without value waits the assignments happen in eager's
+order and the final values are eager's. With value waits, instances interleave: then the last
+assignment may come from another instance than in eager, and the call warns (``RuntimeWarning``).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+from torch import nn
+
+
+def _roots(fn) -> list:
+    """Modules ``fn`` reaches directly: itself, a bound method's object, a partial's arguments,
+    the cells of its closure."""
+    out, seen, todo = [], set(), [fn]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, nn.Module):
+            out.append(x)
+            continue
+        if isinstance(x, functools.partial):
+            todo += [x.func, *x.args, *x.keywords.values()]
+            continue
+        owner = getattr(x, "__self__", None)
+        if owner is not None:
+            todo.append(owner)
+        func = getattr(x, "__func__", x)
+        for cell in getattr(func, "__closure__", None) or ():
+            try:
+                todo.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+    return out
+
+
+def resolve_module_state(fn, rec, lazy_type, interleaved: bool) -> list[str]:
+    """Replace the lazy values of recorder ``rec`` on ``fn``'s modules by ``rec.resolve(value)``;
+    return what was replaced (``"Type.name"``). ``interleaved``: the call had value waits."""
+    replaced, seen = [], set()
+    for root in _roots(fn):
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            d = m.__dict__
+            for table in (d, d.get("_buffers") or {}, d.get("_parameters") or {}):
+                for name, v in list(table.items()):
+                    if type(v) is lazy_type and v.rec is rec:
+                        table[name] = rec.resolve(v)
+                        replaced.append(f"{type(m).__name__}.{name}")
+    if replaced and interleaved:
+        warnings.warn(f"batchcraft.autobatch: instance code stored per-instance values on modules "
+                      f"({', '.join(sorted(set(replaced)))}) in a call whose instances waited for values: "
+                      f"the value kept is the last assignment in batchcraft's fiber order, which can differ "
+                      f"from eager's instance order", RuntimeWarning, stacklevel=4)
+    return replaced
+
+
+__all__ = ["resolve_module_state"]

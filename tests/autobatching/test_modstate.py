@@ -1,0 +1,60 @@
+"""Per-instance values left on modules by instance code (autobatching/modstate.py).
+
+Found by a helper's hostile tests: ``self.ema = 0.9 * self.ema + 0.1 * h`` and ``self.last = h``
+left lazy values on the module, which then failed in ``state_dict()`` and every later call.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from batchcraft import autobatch
+from equivalence import CORES
+
+
+class EMA(nn.Module):
+    def __init__(self, wait=False):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("ema", torch.zeros(3))
+        self.wait = wait
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.wait and h.sum() > 100:  # a value wait (never true): instances interleave here
+            h = h * 2
+        with torch.no_grad():
+            self.ema = 0.9 * self.ema + 0.1 * h
+        self.last = h
+        return h
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_values_stored_on_modules_are_eagers_and_concrete_after_the_call(core):
+    xs = [torch.randn(3) for _ in range(4)]
+    torch.manual_seed(0)
+    eager = EMA()
+    for x in xs:
+        eager(x)
+    torch.manual_seed(0)
+    m = EMA()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no value waits: no warning
+        autobatch(m, core=core)(xs)
+    assert type(m.ema) is torch.Tensor and type(m._buffers["ema"]) is torch.Tensor
+    torch.testing.assert_close(m.ema, eager.ema)
+    torch.testing.assert_close(m.last, eager.last)
+    assert m.state_dict()["ema"].shape == (3,)
+    autobatch(m, core=core)(xs)  # the module still works in a later call
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_values_stored_in_a_call_with_value_waits_warn(core):
+    m = EMA(wait=True)
+    with pytest.warns(RuntimeWarning, match=r"EMA\.ema.*fiber order"):
+        autobatch(m, core=core)([torch.randn(3) for _ in range(3)])
+    assert type(m.ema) is torch.Tensor
