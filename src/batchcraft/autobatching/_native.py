@@ -7,6 +7,7 @@ core, which is also the reference the fuzzer compares the C core against.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 core = None
@@ -20,6 +21,10 @@ else:
         reason = ""
     except ImportError as exc:  # no compiler at install time: pure-Python core
         core = None
-        reason = f"not built ({exc})"
+        if importlib.util.find_spec("batchcraft.autobatching._core") is None:
+            # (Python's own message for a missing submodule speaks of a circular import)
+            reason = "not built (no compiled _core in the package: the install had no C compiler)"
+        else:
+            reason = f"built but not loadable ({exc})"
 
 available = core is not None
