@@ -1,4 +1,4 @@
-"""``torch.tensor`` while the C core records with ``fast_factories=True`` (ccore.FastFactories):
+"""``torch.tensor`` while the C core records with ``fast_factories=True`` (ccore.FAST_FACTORIES):
 the same results as the mode path. Opt-in because the replacement is process-wide."""
 
 from __future__ import annotations

@@ -1729,7 +1729,7 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
 
 /* nn.Module.__getattr__ in C, the same lookups in the same order as torch's Python version
    (instance __dict__ -> _parameters, _buffers, _modules; else its AttributeError message): while a
-   call records, attrs.FastModuleGetattr installs it as nn.Module.__getattr__ */
+   call records, attrs.FAST_MODULE_GETATTR installs it as nn.Module.__getattr__ */
 static PyObject *s_key_params = NULL, *s_key_buffers = NULL, *s_key_modules = NULL;
 
 static PyObject *py_module_getattr(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
@@ -1773,7 +1773,9 @@ static PyObject *modgetattr_vectorcall(PyObject *self, PyObject *const *args, si
     return py_module_getattr(NULL, args, PyVectorcall_NARGS(nargsf));
 }
 
-static PyObject *modgetattr_get(PyObject *self, PyObject *obj, PyObject *type) {
+/* tp_descr_get of the C callables set on classes (ModuleGetattr, BlockCall): bound to the instance
+   like a Python function */
+static PyObject *bind_to_instance(PyObject *self, PyObject *obj, PyObject *type) {
     if (obj == NULL || obj == Py_None) { Py_INCREF(self); return self; }
     return PyMethod_New(self, obj);
 }
@@ -1791,7 +1793,7 @@ static PyTypeObject ModuleGetattrType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(ModuleGetattrObject, vectorcall),
     .tp_call = PyVectorcall_Call,
-    .tp_descr_get = modgetattr_get,
+    .tp_descr_get = bind_to_instance,
     .tp_new = modgetattr_new,
     .tp_doc = "nn.Module.__getattr__ in C: the same lookups (_parameters, _buffers, _modules) and error.",
 };
@@ -1820,7 +1822,7 @@ static int rec_mode_on_top(PyObject *rec) {
     return len == depth;
 }
 
-/* torch.tensor while a call records (ccore.fast_factories installs it as torch.tensor): a Python
+/* torch.tensor while a call records (ccore.FAST_FACTORIES installs it as torch.tensor): a Python
    scalar becomes a scalar leaf without torch's dispatch to the mode (about 1 µs here); any other
    call, thread or state goes to torch.tensor, which dispatches as usual */
 static PyObject *py_fast_tensor(PyObject *m, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -1955,11 +1957,6 @@ static PyObject *blockcall_vectorcall(BlockCallObject *bc, PyObject *const *args
     return r;
 }
 
-static PyObject *blockcall_get(PyObject *self, PyObject *obj, PyObject *type) {
-    if (obj == NULL || obj == Py_None) { Py_INCREF(self); return self; }
-    return PyMethod_New(self, obj);
-}
-
 static PyObject *blockcall_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     BlockCallObject *self = (BlockCallObject *)type->tp_alloc(type, 0);
     if (self) self->vectorcall = (vectorcallfunc)blockcall_vectorcall;
@@ -1973,7 +1970,7 @@ static PyTypeObject BlockCallType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(BlockCallObject, vectorcall),
     .tp_call = PyVectorcall_Call,
-    .tp_descr_get = blockcall_get,
+    .tp_descr_get = bind_to_instance,
     .tp_new = blockcall_new,
 };
 

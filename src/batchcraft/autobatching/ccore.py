@@ -11,13 +11,12 @@ in C. The Python core remains the reference the fuzzer compares this one against
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from batchcraft.autobatching import _native
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.gather import stack_leaves
+from batchcraft.autobatching.patches import SharedPatch
 from batchcraft.autobatching.recorder import RecorderBase, scalar_spec
 from batchcraft.autobatching.signature import SIGNATURES, rebuild
 from batchcraft.errors import AutobatchError
@@ -55,39 +54,13 @@ def _setup() -> None:
 
 _setup()
 
-_ORIGINAL_TENSOR = torch.tensor
-_patch_lock = threading.Lock()
-_patch_depth = 0
-
-
-class FastFactories:
-    """While calls record, ``torch.tensor`` is the C core's ``fast_tensor``.
-
-    torch dispatches a factory call to the innermost torch-function mode through Python-level
-    machinery that costs about 1 µs per ``torch.tensor(word_id)`` here (two per TreeLSTM node).
-    ``fast_tensor`` makes the same scalar leaf directly when this thread's recorder is active and
-    its mode is the innermost enabled one, and otherwise calls the real ``torch.tensor`` (other
-    threads, other modes, ``DisableTorchFunction``, any non-scalar call). Nested and concurrent
-    calls share one installation, removed when the last one ends.
-    """
-
-    __slots__ = ()
-
-    def __enter__(self):
-        global _patch_depth
-        with _patch_lock:
-            if _patch_depth == 0 and torch.tensor is _ORIGINAL_TENSOR:
-                torch.tensor = _c.fast_tensor
-            _patch_depth += 1
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        global _patch_depth
-        with _patch_lock:
-            _patch_depth -= 1
-            if _patch_depth == 0 and torch.tensor is _c.fast_tensor:
-                torch.tensor = _ORIGINAL_TENSOR
-        return False
+#: While calls record with ``fast_factories=True``, ``torch.tensor`` is the C core's
+#: ``fast_tensor``. torch dispatches a factory call to the innermost torch-function mode through
+#: Python-level machinery (about 1 µs per ``torch.tensor(word_id)`` here); ``fast_tensor`` makes the
+#: same scalar leaf directly when this thread's recorder is active and its mode is the innermost
+#: enabled one, and otherwise calls the real ``torch.tensor`` (other threads, other modes,
+#: ``DisableTorchFunction``, any non-scalar call).
+FAST_FACTORIES = SharedPatch(torch, "tensor", _c.fast_tensor)
 
 
 class CRecorder(_c.Recorder, RecorderBase):
@@ -100,7 +73,7 @@ class CRecorder(_c.Recorder, RecorderBase):
         self.ragged_on = 1 if options.ragged else 0
         self.leaf_cache: dict = {}
         self.mode = _c.Mode(self)
-        self.fast_calls = FastFactories()
+        self.fast_calls = FAST_FACTORIES
 
     # -- signatures into the C table ---------------------------------------------------------------
     def _sig_entry(self, info):

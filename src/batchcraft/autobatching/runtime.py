@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextvars
 import gc
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import greenlet
 import torch
 
-from batchcraft.autobatching.attrs import FastModuleGetattr
+from batchcraft.autobatching.attrs import FAST_MODULE_GETATTR
 from batchcraft.autobatching.modstate import resolve_module_state
 from batchcraft.autobatching import core as _core
 from batchcraft.autobatching import buffers as _buffers
@@ -139,14 +140,12 @@ class Runtime:
         t_start = _perf()
         # Recording allocates many small objects; cyclic GC passes over them cost more than the
         # recording itself, and the graph has no cycles to collect. Re-enabled on exit.
-        attrs = FastModuleGetattr() if self.options.fast_attributes and self.rec.core == "c" else None
+        attrs = FAST_MODULE_GETATTR if self.options.fast_attributes and self.rec.core == "c" else nullcontext()
         measured = getattr(self.executor.kernels, "n_measured", 0)
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
             _functional.intercept_function_apply(True)
-            if attrs is None:
-                return self._run(instances, t_start)
             with attrs:
                 return self._run(instances, t_start)
         finally:
@@ -162,21 +161,16 @@ class Runtime:
         rec = self.rec
         stack.push(rec)
         mode = rec.mode
-        # opt-in: the C core's torch.tensor while recording (process-wide; see ccore.FastFactories)
+        # opt-in: the C core's torch.tensor while recording (process-wide; see ccore.FAST_FACTORIES)
         fast = getattr(rec, "fast_calls", None) if self.options.fast_factories else None
         mode.__enter__()
         try:
             self.main_state = FiberState.capture()
-            if fast is not None:
-                fast.__enter__()
-            try:
+            with fast or nullcontext():
                 if self.options.fibers:
                     outputs = self._run_fibers(instances)
                 else:
                     outputs = self._run_sequential(instances)
-            finally:
-                if fast is not None:
-                    fast.__exit__(None, None, None)
         finally:
             try:
                 if self.main_state is not None:
