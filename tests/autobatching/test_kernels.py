@@ -29,7 +29,8 @@ def test_the_faster_kernel_is_chosen_only_with_a_clear_lead(t_onednn, choice):
     sel = Selector("auto", None, timer=FakeTimer(100.0, t_onednn))
     x, w = torch.randn(70, 256), torch.randn(512, 256)
     assert sel.choose(x, w, None) == choice
-    torch.testing.assert_close(sel.linear(x, w), F.linear(x, w))
+    # oneDNN sums the 256 products in another order than MKL: float32 rounding, not exactness
+    torch.testing.assert_close(sel.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
 @needs_onednn
