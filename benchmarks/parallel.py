@@ -115,8 +115,8 @@ def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: flo
         b = pb["batch_size"]
         at_b = [r for r in swept if r.batch_size == b]
         choice_cfg = dict(pb["best"]["config"])
-        if tuned.best.batch_size == b and tuned.best_round == "knobs":  # the knob race's choice at this size
-            choice_cfg = {**tuned.best.to_dict(), "label": tuned.best.label}
+        if (pb.get("knobs") or {}).get("adopted"):  # the knob race's choice at this size
+            choice_cfg = dict(pb["knobs"]["choice"])
         best = max(at_b, key=lambda r: r.throughput_items_per_s)
         bases = [r for r in at_b if r.config["label"] in BASELINES]
         best_base = max(bases, key=lambda r: r.throughput_items_per_s)
@@ -240,12 +240,15 @@ def render(report: dict) -> str:
         kr = mres.get("knobs")
         if kr and kr.get("rows"):
             lines.append("")
-            lines.append(f"Knob race of the tuner for {mres['model']} (batch {kr['choice']['batch_size']}, "
-                         f"{kr['rounds']} rounds of {kr['trial_s']:.2g}-s trials in one set of processes; ratio to the "
-                         f"choice; adopted: {kr['adopted'] or 'none'}):")
+            by = kr.get("by_batch") or {str(kr["choice"]["batch_size"]): {"adopted": kr["adopted"]}}
+            adopted = ", ".join(f"batch {b}: {v['adopted'] or 'none'}" for b, v in by.items())
+            lines.append(f"Knob race of the tuner for {mres['model']} ({kr['rounds']} rounds of "
+                         f"{kr['trial_s']:.2g}-s trials in one set of processes; ratio to the choice of the same "
+                         f"batch size; adopted: {adopted}):")
             lines.append("")
-            lines.append(format_table(["contender", "config", "items/s", "vs choice"],
-                                      [[r["label"], _short(r["config"]), r["result"]["throughput_items_per_s"],
+            lines.append(format_table(["batch", "contender", "config", "items/s", "vs choice"],
+                                      [[r["config"]["batch_size"], r["label"], _short(r["config"]),
+                                        r["result"]["throughput_items_per_s"],
                                         _ivtext(r["ratio"]) if r["ratio"] else "1"] for r in kr["rows"]],
                                       markdown=True))
     backend_rows = []

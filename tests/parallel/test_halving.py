@@ -513,7 +513,52 @@ def test_an_alternative_that_fails_is_left_out_with_a_note(with_jemalloc):
     clock = FakeClock()
     res = run_tune(Failing(clock, knob_speed({}), call_s=0.002), clock, 60.0, batch_sizes=(8,), knobs=ALL_KNOBS)
     assert "allocator jemalloc" not in {r["label"] for r in res.knobs["rows"]}
-    assert any("allocator jemalloc left out" in n for n in res.notes)
+    assert any("allocator jemalloc (batch 8) left out" in n for n in res.notes)
+
+
+def test_the_knob_race_covers_each_batch_size_and_adopts_per_batch_size(with_jemalloc):
+    # the allocator pays only with large activations (batch 64), as with Inception here
+    base = knob_speed({})
+
+    def speed(cfg):
+        return base(cfg) * (1.5 if cfg.allocator == "jemalloc" and cfg.batch_size == 64 else 1.0)
+
+    clock = FakeClock()
+    res = run_tune(FakeGroups(clock, speed, call_s=0.002, noise=0.02), clock, 90.0, batch_sizes=(1, 8, 64),
+                   knobs=ALL_KNOBS, final_repeats=5)
+    by = {pb["batch_size"]: pb for pb in res.per_batch}
+    assert set(res.knobs["by_batch"]) == {"1", "8", "64"}
+    assert by[64]["knobs"]["adopted"] == "allocator jemalloc"
+    assert by[64]["knobs"]["choice"]["allocator"] == "jemalloc" and by[64]["knobs"]["ratio"]["low"] > 1.0
+    assert by[8]["knobs"]["adopted"] is None and by[1]["knobs"]["adopted"] is None
+    # equal speeds elsewhere: the adopted change makes batch 64 the overall choice, from the knob race
+    assert (res.best.batch_size, res.best.allocator, res.best_round) == (64, "jemalloc", "knobs")
+    from batchcraft.parallel.tables import comparison_table
+
+    assert "tuned + allocator jemalloc" in comparison_table(res.to_dict())
+    # each contender is compared with its own batch size's choice
+    for r in res.knobs["rows"]:
+        if r["ratio"]:
+            expect = 1.5 if r["config"]["batch_size"] == 64 and r["config"]["allocator"] == "jemalloc" else 1.0
+            if r["role"] == "alternative" and r["config"]["matmul"] == "default":
+                assert r["ratio"]["estimate"] == pytest.approx(expect, rel=0.08)
+    assert clock() - 1000.0 <= 90.0 + 0.05
+
+
+def test_a_batch_size_whose_knob_rounds_do_not_fit_is_left_out_with_a_note(with_jemalloc):
+    from batchcraft.parallel.knobs import KnobEntry, fit_entries
+
+    cost = CostModel(1.0)
+    cheap, dear = ParallelConfig(batch_size=1), ParallelConfig(batch_size=64)
+    cost.call_s[cost._key(cheap)] = 0.01
+    cost.call_s[cost._key(dear)] = 2.0  # 3 calls a trial: 6 s, 2 contenders, 5 rounds: 60+ s
+    engine = type("E", (), {"cost": cost})()
+    lead = KnobEntry(ParallelConfig(batch_size=8), None, [ParallelConfig(batch_size=8, allocator="jemalloc")])
+    entries = [lead, KnobEntry(dear, None, [dear.replace(allocator="jemalloc")]),
+               KnobEntry(cheap, None, [cheap.replace(allocator="jemalloc")])]
+    kept, notes = fit_entries(entries, engine, 20.0)
+    assert [e.choice.batch_size for e in kept] == [8, 1]  # the lead always, order kept
+    assert len(notes) == 1 and notes[0].startswith("batch 64 left out of the knob race")
 
 
 def test_no_knob_race_below_its_budget():
@@ -539,7 +584,7 @@ def test_alternatives_join_the_knob_race_when_their_processes_are_ready():
     assert "omp_wait_policy passive" in rows and "omp_wait_policy active" not in rows
     assert rows["omp_wait_policy passive"]["ratio"]["units"] >= 5  # paired rounds after it joined
     assert rows["choice"]["result"]["calls"] > 0
-    assert any("not started in time, left out: omp_wait_policy active" in n for n in res.notes)
+    assert any("not started in time, left out: omp_wait_policy active (batch 8)" in n for n in res.notes)
     assert clock() - 1000.0 <= 60.0 + 0.05
 
 

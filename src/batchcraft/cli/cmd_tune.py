@@ -169,8 +169,8 @@ def run(args) -> int:
         print(vt)
     kt = knob_table(out)
     if kt:
-        print(f"\nknob race at batch {result.best.batch_size} (the choice with one knob changed, side by side; "
-              f"ratio to the choice):")
+        print("\nknob race (each batch size's choice with one knob changed, side by side in one set of rounds; "
+              "ratio to that batch size's choice):")
         print(kt)
     where = {"final": "its final round", "knobs": "the knob race"}[result.best_round]
     print(f"\nbest: {b.short()} [{b.label}] {result.best_result.throughput_items_per_s:.1f} items/s, "

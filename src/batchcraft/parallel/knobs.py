@@ -32,12 +32,14 @@ from batchcraft.parallel.env_knobs import WAIT_POLICIES, available_allocators
 from batchcraft.parallel.workload import invoke
 
 __all__ = ["KNOB_NAMES", "DEFAULT_KNOBS", "model_variants", "pick_variants", "alternatives", "knob_race",
-           "KnobRaceResult"]
+           "KnobRaceResult", "KnobEntry", "fit_entries"]
 
 KNOB_NAMES = ("matmul", "conv", "allocator", "omp_wait_policy", "compile")
 DEFAULT_KNOBS = ("matmul", "conv", "allocator", "omp_wait_policy")  # compile: opt-in (see tune())
 KNOB_SHARE = 0.3  # of the budget, set aside for the knob race when the budget allows one...
-KNOB_MAX_S = 25.0  # ...but no more: 5 rounds of a handful of contenders (large budgets go to the search)
+KNOB_MAX_S = 15.0  # ...but no more, per batch size raced: 5 rounds of a handful of contenders (large
+# budgets go to the search)
+KNOB_FIT = 0.7  # of the knob race's time, at most, for the shortest rounds of the batch sizes raced
 KNOB_MIN_TRIAL_S = 0.1
 KNOB_MIN_CALLS = 3
 KNOB_ROUNDS = 5
@@ -196,54 +198,115 @@ class KnobRaceResult:
     """What the knob race measured.
 
     Attributes:
-        choice (ParallelConfig): the configuration after the race (an adopted change included).
-        adopted (str | None): label of the adopted change, or None.
-        rows (list[dict]): per contender: label, config, median result, ratio to the choice
-            before the race (``ratio``: estimate, low, high, confidence, units).
-        notes (list[str]): contenders dropped, rounds cut short.
+        choice (ParallelConfig): the lead batch size's configuration after the race (an adopted
+            change included).
+        adopted (str | None): label of the change adopted at the lead batch size, or None.
+        by_batch (dict): batch size -> {"adopted": label or None, "choice": config dict after the
+            race, "result": its median (the adopted contender's, else the choice's) or None,
+            "ratio": the adopted change over the choice (interval dict) or None}; one entry per
+            batch size raced.
+        rows (list[dict]): per contender: label, config, median result, ratio to its batch size's
+            choice before the race (``ratio``: estimate, low, high, confidence, units), role.
+        notes (list[str]): contenders and batch sizes left out, rounds cut short.
         rounds (int), trial_s (float): rounds run, trial length.
     """
 
     choice: ParallelConfig
     adopted: str | None = None
+    by_batch: dict = field(default_factory=dict)
     rows: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     rounds: int = 0
     trial_s: float = 0.0
 
     def to_dict(self) -> dict:
-        return {"choice": self.choice.to_dict(), "adopted": self.adopted, "rows": self.rows,
+        return {"choice": self.choice.to_dict(), "adopted": self.adopted,
+                "by_batch": {str(b): v for b, v in self.by_batch.items()}, "rows": self.rows,
                 "notes": self.notes, "rounds": self.rounds, "trial_s": self.trial_s}
 
 
-def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baseline: ParallelConfig | None,
-              alts: list[ParallelConfig], *, rounds: int = KNOB_ROUNDS, rnd: int = 0,
-              max_trial_s: float = 1.0) -> KnobRaceResult:
-    """Race ``choice``, ``baseline`` and ``alts`` side by side until the budget's hard end.
+@dataclass
+class KnobEntry:
+    """One batch size's contenders in the knob race: its choice, its best baseline (or None) and
+    the choice with one knob changed at a time (:func:`alternatives`)."""
 
-    Contenders whose processes are already running (the choice, the baseline, backend variants of
-    the choice's process) start racing at once; the processes of process-level alternatives are
-    started at the same time and each joins the race when it is ready (until half of the time
-    is gone; later ones are left out with a note), so their start-up does not idle the cores.
-    ``rounds`` rounds are run after the last one joined, as time allows. A contender whose
-    instances fail or whose values differ is dropped with a note. The trial length is fitted so
-    that ``rounds`` rounds of every contender fit in what is left (at least KNOB_MIN_TRIAL_S and
-    KNOB_MIN_CALLS calls, at most ``max_trial_s``); trials that would pass the hard end are
-    skipped.
+    choice: ParallelConfig
+    baseline: ParallelConfig | None
+    alts: list
+
+    def contenders(self) -> list[ParallelConfig]:
+        base = [] if self.baseline is None or self.baseline.trial_key() == self.choice.trial_key() else [self.baseline]
+        return [self.choice, *base, *self.alts]
+
+
+def fit_entries(entries: list[KnobEntry], engine, time_s: float, rounds: int = KNOB_ROUNDS
+                ) -> tuple[list[KnobEntry], list[str]]:
+    """The entries whose shortest rounds fit in ``time_s``: the first (the lead batch size) always,
+    then the others, cheapest first, while ``rounds`` rounds of shortest trials (KNOB_MIN_CALLS
+    calls, KNOB_MIN_TRIAL_S) of everything kept take at most KNOB_FIT of ``time_s`` (the rest
+    is for start-ups and longer trials). Order kept; a note per batch size left out."""
+    def cost(e):
+        return rounds * sum(engine.cost.wall(c, engine.cost.floor(c, KNOB_MIN_CALLS, KNOB_MIN_TRIAL_S),
+                                             with_warmup=False) for c in e.contenders())
+
+    if not entries:
+        return [], []
+    keep, notes, used = {0}, [], cost(entries[0])
+    for i in sorted(range(1, len(entries)), key=lambda i: cost(entries[i])):
+        c = cost(entries[i])
+        if used + c <= KNOB_FIT * time_s:
+            keep.add(i)
+            used += c
+        else:
+            notes.append(f"batch {entries[i].choice.batch_size} left out of the knob race: {rounds} rounds of its "
+                         f"{len(entries[i].contenders())} contenders need about {c:.1f} s, "
+                         f"{max(0.0, KNOB_FIT * time_s - used):.1f} s were left")
+    return [e for i, e in enumerate(entries) if i in keep], notes
+
+
+def knob_race(groups, engine, budget, objective, entries: list[KnobEntry], *, rounds: int = KNOB_ROUNDS,
+              rnd: int = 0, max_trial_s: float = 1.0) -> KnobRaceResult:
+    """Race every entry's contenders side by side, in one set of rounds, until the budget's hard end.
+
+    The first entry is the lead (the overall choice's batch size). Processes do not depend on the
+    batch size, so a process-level alternative's instances serve every batch size raced: started
+    once, at the start. Contenders whose processes are already running start racing at once; the
+    others join when ready (until half of the time is gone; later ones are left out with a note),
+    so start-ups do not idle the cores. ``rounds`` rounds are run after the last one joined, as
+    time allows. A contender whose instances fail or whose values differ is dropped with a note.
+    The trial length is fitted so that ``rounds`` rounds of every contender fit in what is left
+    (at least KNOB_MIN_TRIAL_S and KNOB_MIN_CALLS calls, at most ``max_trial_s``); trials that
+    would pass the hard end are skipped. Each contender's ratio is taken to its own batch size's
+    choice, and a change is adopted per batch size.
     """
-    out = KnobRaceResult(choice)
-    contenders = [choice] + ([baseline] if baseline is not None and baseline.trial_key() != choice.trial_key() else [])
-    contenders += alts
+    out = KnobRaceResult(entries[0].choice)
+    contenders, owner = [], []
+    for e, entry in enumerate(entries):
+        for c in entry.contenders():
+            contenders.append(c)
+            owner.append(e)
+    heads = [owner.index(e) for e in range(len(entries))]  # each entry's choice
     groups.spawn_all(contenders)
     start_end = budget.clock() + 0.5 * budget.left(budget.hard_end)
     state = {"length": KNOB_MIN_TRIAL_S}
 
     def fit_length(racing: list[int], rounds_left: int) -> float:
-        """Trial length so that ``rounds_left`` rounds of ``racing`` fit in 80% of what is left."""
-        left = budget.left(budget.hard_end)
-        per_round = sum(engine.cost.wall(contenders[i], 0.0, with_warmup=False) for i in racing)
-        length = (0.8 * left / max(1, rounds_left) - per_round) / max(1, len(racing))
-        return min(max(KNOB_MIN_TRIAL_S, length), max(KNOB_MIN_TRIAL_S, max_trial_s))
+        """Longest trial length (KNOB_MIN_TRIAL_S..max_trial_s) with which ``rounds_left`` rounds
+        of ``racing`` fit in 80% of what is left; a contender's trial is never below its floor."""
+        target = 0.8 * budget.left(budget.hard_end) / max(1, rounds_left)
+        floors = [engine.cost.floor(contenders[i], KNOB_MIN_CALLS, KNOB_MIN_TRIAL_S) for i in racing]
+
+        def per_round(length):
+            return sum(engine.cost.wall(contenders[i], max(length, f), with_warmup=False)
+                       for i, f in zip(racing, floors))
+
+        lo, hi = KNOB_MIN_TRIAL_S, max(KNOB_MIN_TRIAL_S, max_trial_s)
+        if per_round(hi) <= target:
+            return hi
+        for _ in range(40):  # per_round grows with the length: bisect
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if per_round(mid) <= target else (lo, mid)
+        return lo
 
     def variant(c):
         def trial():
@@ -262,6 +325,9 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
 
     race = Race([variant(c) for c in contenders], labels=[c.label for c in contenders], value=objective.value)
     pending, joined, dropped = list(range(len(contenders))), [], set()
+
+    def still_needed(c, i):
+        return any(o.key() == c.key() for j, o in enumerate(contenders) if j != i and j not in dropped)
 
     def join_ready():
         for i in list(pending):
@@ -284,8 +350,8 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
                     raise
                 pending.remove(i)
                 dropped.add(i)
-                out.notes.append(f"{c.label} left out: {str(exc).splitlines()[0]}")
-                if all(o.key() != c.key() for j, o in enumerate(contenders) if j != i and j not in dropped):
+                out.notes.append(f"{c.label} (batch {c.batch_size}) left out: {str(exc).splitlines()[0]}")
+                if not still_needed(c, i):
                     groups.drop(c)  # its own processes (a process-level knob): not needed any more
                 continue
             pending.remove(i)
@@ -297,9 +363,10 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
         join_ready()
         if pending and budget.clock() > start_end:
             for i in pending:
-                out.notes.append(f"not started in time, left out: {contenders[i].label}")
+                out.notes.append(f"not started in time, left out: {contenders[i].label} (batch {contenders[i].batch_size})")
                 dropped.add(i)
-                if all(o.key() != contenders[i].key() for j, o in enumerate(contenders) if j in joined):
+            for i in pending:
+                if not any(o.key() == contenders[i].key() for j, o in enumerate(contenders) if j in joined):
                     groups.drop(contenders[i])
             pending.clear()
         if 0 not in joined:
@@ -327,28 +394,38 @@ def knob_race(groups, engine, budget, objective, choice: ParallelConfig, baselin
         out.notes.append(f"knob race: {since_all} of {rounds} rounds with every contender fitted the budget")
     live = sorted(joined)
     for i in live:
-        c = contenders[i]
-        if not race.raw(i):
+        c, head = contenders[i], heads[owner[i]]
+        if not race.raw(i) or not race.raw(head):
             continue
-        iv = race.ratio(i, 0, pair=objective.ratio, confidence=ADOPT_CONFIDENCE) if i else None
+        baseline = entries[owner[i]].baseline
+        iv = race.ratio(i, head, pair=objective.ratio, confidence=ADOPT_CONFIDENCE) if i != head else None
         med = objective.median(race.raw(i))
         engine.rounds.append({"round": rnd, "role": "knobs", "repeats": len(race.raw(i)), **med.to_dict()})
-        out.rows.append({"label": c.label if i else "choice", "config": c.to_dict(), "result": med.to_dict(),
+        out.rows.append({"label": c.label if i != head else "choice", "config": c.to_dict(), "result": med.to_dict(),
                          "ratio": None if iv is None else iv.to_dict(),
-                         "role": "choice" if i == 0 else ("baseline" if c is baseline else "alternative")})
-    best_alt, best_est, best_conf = None, 1.0, 0.0
-    for i in live[1:]:
-        c = contenders[i]
-        if c is baseline or not race.raw(i):
+                         "role": "choice" if i == head else ("baseline" if c is baseline else "alternative")})
+    best_conf = 0.0
+    for e, entry in enumerate(entries):
+        head = heads[e]
+        if head not in live or not race.raw(head):
             continue
-        iv = race.ratio(i, 0, pair=objective.ratio, confidence=ADOPT_CONFIDENCE)
-        best_conf = max(best_conf, iv.confidence)
-        if iv.confidence >= ADOPT_CONFIDENCE and iv.low > 1.0 and iv.estimate > best_est and not math.isnan(iv.estimate):
-            best_alt, best_est = c, iv.estimate
+        best_alt, best_est, best_iv = None, 1.0, None
+        for i in live:
+            c = contenders[i]
+            if owner[i] != e or i == head or c is entry.baseline or not race.raw(i):
+                continue
+            iv = race.ratio(i, head, pair=objective.ratio, confidence=ADOPT_CONFIDENCE)
+            best_conf = max(best_conf, iv.confidence)
+            if iv.confidence >= ADOPT_CONFIDENCE and iv.low > 1.0 and iv.estimate > best_est and not math.isnan(iv.estimate):
+                best_alt, best_est, best_iv = i, iv.estimate, iv
+        won = head if best_alt is None else best_alt
+        chosen = entry.choice if best_alt is None else contenders[best_alt].replace(label=entry.choice.label)
+        out.by_batch[entry.choice.batch_size] = {
+            "adopted": None if best_alt is None else contenders[best_alt].label, "choice": chosen.to_dict(),
+            "result": objective.median(race.raw(won)).to_dict(), "ratio": None if best_iv is None else best_iv.to_dict()}
+        if e == 0 and best_alt is not None:
+            out.adopted, out.choice = contenders[best_alt].label, chosen
     if best_conf < ADOPT_CONFIDENCE:
         out.notes.append(f"knob race: its intervals reach {best_conf:.0%}, below the {ADOPT_CONFIDENCE:.0%} "
                          f"needed to adopt a change; nothing adopted")
-    if best_alt is not None:
-        out.adopted = best_alt.label
-        out.choice = best_alt.replace(label=choice.label)
     return out

@@ -10,10 +10,11 @@ sized from each configuration's measured per-call time, then a final round where
 **every baseline** are measured side by side (a measurement race: interleaved passes, rotating
 start, median; paired ratios give the report's intervals). Where a final round's best two are
 within 15%, a *playoff* measures them again with longer trials, and its winner is the choice.
-With time set aside, a **knob race** (:mod:`batchcraft.parallel.knobs`) then measures the
-overall choice with one knob changed at a time (allocator, OpenMP wait policy, the other
-backends, optionally ``torch.compile``) beside the best baseline, and adopts a change whose
-whole interval is faster. All trials run in worker processes, so the tuning process never
+With time set aside, a **knob race** (:mod:`batchcraft.parallel.knobs`) then measures each
+batch size's choice with one knob changed at a time (allocator, OpenMP wait policy, optionally
+``torch.compile``; at the overall choice's batch size also the other backends, beside the best
+baseline), all in one set of interleaved rounds, and adopts per batch size a change whose whole
+interval is faster. All trials run in worker processes, so the tuning process never
 changes its own thread settings (inter-op threads can be set once per process).
 
 What "better" means is one :class:`~batchcraft.parallel.objective.Objective`; the model can be a
@@ -35,7 +36,8 @@ from batchcraft.parallel.grid import candidates
 from batchcraft.parallel.groups import Groups
 from batchcraft.parallel.halving import PLAYOFF_MARGIN, HalvingSearch
 from batchcraft.parallel.knobs import (ADOPT_CONFIDENCE, DEFAULT_KNOBS, KNOB_MAX_S, KNOB_NAMES, KNOB_SHARE,
-                                      VARIANT_SHARE, alternatives, knob_race, model_variants, pick_variants)
+                                      VARIANT_SHARE, KnobEntry, alternatives, fit_entries, knob_race, model_variants,
+                                      pick_variants)
 from batchcraft.parallel.objective import Objective
 from batchcraft.parallel.threads import preserved_thread_state
 from batchcraft.parallel.trial import TrialResult
@@ -59,7 +61,8 @@ class TuneResult:
             by the objective), ``intervals`` (label -> the ratio's interval from the deciding
             round's paired passes), ``decided_by`` (label -> "final" or "playoff"), ``final``
             (every final-round median, best first), ``final_trial_s``, ``playoff``,
-            ``skipped_trials``.
+            ``skipped_trials``, ``knobs`` (the knob race at this batch size: ``adopted``,
+            ``choice`` (config after it), ``result``, ``ratio``; None if it was not raced).
         knobs (dict | None): the knob race (:class:`~batchcraft.parallel.knobs.KnobRaceResult`
             as a dict), None if it did not run.
         variants (list[dict]): the backend races, per batch size and process configuration
@@ -266,7 +269,7 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
             engine.probe(next(c for c in [*live[b][1], *live[b][0]] if c.key() == probe.key()), budget.hard_end)
         if budget.budget_s >= KNOB_MIN_BUDGET_S and any(k in knobs for k in ("allocator", "omp_wait_policy", "compile",
                                                                              "matmul", "conv")):
-            budget.set_aside(min(KNOB_MAX_S, KNOB_SHARE * budget.budget_s))
+            budget.set_aside(min(KNOB_MAX_S * len(order), KNOB_SHARE * budget.budget_s))
         for i, b in enumerate(order):
             search, baselines = live[b]
             floors = [engine.floor_cost(*live[b2]) for b2 in order[i:]]
@@ -298,15 +301,9 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
             finals.append((out.best, out.best_result, b))
         if finals and budget.reserved:
             budget.release()
-            best_cfg, best_res, b = max(finals, key=lambda cr: objective.score(cr[1]))
-            if alt_variants is None:  # a model's backends were raced per process configuration already
-                alt_variants = [("default", "default")]
-            alts = alternatives(best_cfg, knobs, traceable=traceable, variants=alt_variants)
-            base = _best_baseline(outcomes[b], objective)
-            if alts:
-                knob_result = knob_race(groups, engine, budget, objective, best_cfg, base, alts,
-                                        rounds=final_repeats or repeats, rnd=_next_round(rounds),
-                                        max_trial_s=2 * engine.max_trial_s)
+            knob_result = _race_knobs(groups, engine, budget, objective, outcomes, finals, knobs, traceable,
+                                      alt_variants, rounds=final_repeats or repeats, rnd=_next_round(rounds))
+            if knob_result is not None:
                 notes += [f"knobs: {n}" for n in knob_result.notes]
     finally:
         bar.close()
@@ -314,20 +311,50 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
         raise ConfigurationError(f"tune: no trial of {model!r} fitted the {budget.budget_s:g} s budget",
                                  hint="give a larger --budget")
     per_batch.sort(key=lambda pb: batch_sizes.index(pb["batch_size"]))
-    best_cfg, best_res, _ = max(finals, key=lambda cr: objective.score(cr[1]))
-    best_round = "final"
-    if knob_result is not None and knob_result.adopted:  # measured only in the knob race
-        best_cfg = knob_result.choice
-        row = next((r for r in knob_result.rows if r["label"] == knob_result.adopted), None)
-        if row is not None:
-            best_res = TrialResult(**row["result"])
-            best_round = "knobs"
+    best_round = {b: "final" for _, _, b in finals}
+    if knob_result is not None:  # a change adopted at a batch size: measured only in the knob race
+        for pb in per_batch:
+            kb = knob_result.by_batch.get(pb["batch_size"])
+            pb["knobs"] = kb
+            if kb is not None and kb["adopted"]:
+                b = pb["batch_size"]
+                finals = [(ParallelConfig.from_dict(kb["choice"]), TrialResult(**kb["result"]), b2)
+                          if b2 == b else (c, r, b2) for c, r, b2 in finals]
+                best_round[b] = "knobs"
+    best_cfg, best_res, b = max(finals, key=lambda cr: objective.score(cr[1]))
     return TuneResult(model=model, objective=objective.kind, latency_limit_ms=objective.limit,
                       budget_s=budget.budget_s, elapsed_s=budget.elapsed(),
                       analysis=None if analysis is None else analysis.to_dict(), best=best_cfg,
                       best_result=best_res, per_batch=per_batch, trials=trials, rounds=rounds, notes=notes,
                       start_s=start_s, knobs=None if knob_result is None else knob_result.to_dict(),
-                      best_round=best_round, variants=variant_records)
+                      best_round=best_round[b], variants=variant_records)
+
+
+def _race_knobs(groups, engine, budget: Budget, objective: Objective, outcomes: dict, finals: list, knobs,
+                traceable: bool, alt_variants, *, rounds: int, rnd: int):
+    """The knob race on every batch size's choice that fits the time set aside, the overall
+    choice's batch size first (None when nothing is to be raced).
+
+    Process-level knobs matter most where the search cannot see them: the allocator's gain grows
+    with the activations' size, so it is raced at each batch size, not carried over from one.
+    The lead batch size also races the other backend variants of its choice (the backend's gain,
+    measured side by side) and its best baseline; the others race the process-level changes only.
+    """
+    lead_cfg, _, lead_b = max(finals, key=lambda cr: objective.score(cr[1]))
+    if alt_variants is None:  # a model's backends were raced per process configuration already
+        alt_variants = [("default", "default")]
+    entries = []
+    for cfg, _, b in sorted(finals, key=lambda cr: cr[2] != lead_b):
+        alts = alternatives(cfg, knobs, traceable=traceable, variants=alt_variants if b == lead_b else ())
+        if alts:
+            entries.append(KnobEntry(cfg, _best_baseline(outcomes[b], objective) if b == lead_b else None, alts))
+    if not entries:
+        return None
+    entries, fit_notes = fit_entries(entries, engine, budget.left(budget.hard_end), rounds)
+    result = knob_race(groups, engine, budget, objective, entries, rounds=rounds, rnd=rnd,
+                       max_trial_s=2 * engine.max_trial_s)
+    result.notes = fit_notes + result.notes
+    return result
 
 
 def _best_baseline(out, objective: Objective):

@@ -71,7 +71,8 @@ def tried_table(result: dict, *, markdown: bool = False) -> str:
 def comparison_table(result: dict, *, markdown: bool = False) -> str:
     """Per batch size: the tuned choice against each baseline, measured in the same final round.
 
-    Items/s are final-round medians; a ratio marked "(playoff)" comes from the playoff's longer
+    Items/s are final-round medians (a "tuned + knob" row: the knob race's median of the change
+    adopted at that batch size, with its interval against the tuned row); a ratio marked "(playoff)" comes from the playoff's longer
     trials (its two rows follow), which decided between the choice and that baseline. The
     interval column gives the deciding round's paired-ratio interval (within one set of worker
     processes).
@@ -81,6 +82,11 @@ def comparison_table(result: dict, *, markdown: bool = False) -> str:
         best = pb["best"]
         rows.append([pb["batch_size"], "tuned", *_cfg_cells(best["config"])[1:], "final",
                      best["throughput_items_per_s"], best["latency_p50_ms"], 1.0, "-"])
+        kb = pb.get("knobs")
+        if kb and kb.get("adopted"):  # a knob change adopted after the final round
+            rows.append([pb["batch_size"], f"tuned + {kb['adopted']}", *_cfg_cells(kb["choice"])[1:], "knobs",
+                         kb["result"]["throughput_items_per_s"], kb["result"]["latency_p50_ms"], "-",
+                         f"{interval_text(kb['ratio'])} (vs tuned)" if kb.get("ratio") else "-"])
         decided = pb.get("decided_by", {})
         intervals = pb.get("intervals", {})
         for label in [lbl for lbl in BASELINES if lbl in pb["baselines"]]:
