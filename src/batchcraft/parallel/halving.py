@@ -79,6 +79,10 @@ class CostModel:
             return max(same)
         return max((c * b / b1 for (_, b1), c in self.call_s.items() if b1 < b), default=0.0)
 
+    def measured(self, cfg: ParallelConfig) -> bool:
+        """Whether ``cfg``'s per-call time at its batch size was measured (not estimated)."""
+        return self._key(cfg) in self.call_s
+
     def warmup(self, cfg: ParallelConfig) -> float:
         """Warm-up the next trial of ``cfg`` needs: 0 once warm, else max(warmup_s, one call)."""
         return 0.0 if self._key(cfg) in self.warm else max(self.warmup_s, self.call_time(cfg))

@@ -244,10 +244,15 @@ def fit_entries(entries: list[KnobEntry], engine, time_s: float, rounds: int = K
     """The entries whose shortest rounds fit in ``time_s``: the first (the lead batch size) always,
     then the others, cheapest first, while ``rounds`` rounds of shortest trials (KNOB_MIN_CALLS
     calls, KNOB_MIN_TRIAL_S) of everything kept take at most KNOB_FIT of ``time_s`` (the rest
-    is for start-ups and longer trials). Order kept; a note per batch size left out."""
+    is for start-ups and longer trials); an alternative not measured yet is costed as its
+    choice. Order kept; a note per batch size left out."""
     def cost(e):
+        # an alternative not measured yet runs about as fast as its choice (one process-level knob
+        # changed): the cost model's fallback, the slowest configuration at that size, would be
+        # far too dear
+        like = [c if engine.cost.measured(c) else e.choice for c in e.contenders()]
         return rounds * sum(engine.cost.wall(c, engine.cost.floor(c, KNOB_MIN_CALLS, KNOB_MIN_TRIAL_S),
-                                             with_warmup=False) for c in e.contenders())
+                                             with_warmup=False) for c in like)
 
     if not entries:
         return [], []
