@@ -545,6 +545,38 @@ def test_the_knob_race_covers_each_batch_size_and_adopts_per_batch_size(with_jem
     assert clock() - 1000.0 <= 90.0 + 0.05
 
 
+def test_a_batch_size_whose_choice_runs_in_other_processes_races_the_leads_processes(with_jemalloc):
+    base = knob_speed({})
+
+    def speed(cfg):
+        # batch 8 (twice the items/s) leads with two 1-thread instances; at batch 64 one process
+        # with a team of two wins the search by 8%, but two instances with jemalloc are 1.5x
+        # faster: the allocator's gain depends on the process configuration
+        team = cfg.instances == 1 and (cfg.intra_op_threads or 2) == 2
+        s = base(cfg) * (2.0 if cfg.batch_size == 8 else 1.0)
+        if cfg.batch_size == 8 and cfg.allocator == "jemalloc":
+            s *= 0.95  # a little slower where activations are small
+        if cfg.batch_size == 64:
+            s *= 1.2 if team else (1.5 if cfg.allocator == "jemalloc" and cfg.instances == 2 else 1.0)
+        return s
+
+    clock = FakeClock()
+    groups = FakeGroups(clock, speed, call_s=0.002, noise=0.02)
+    spawned = []
+    groups.spawn_all = lambda configs: spawned.extend(configs)
+    res = run_tune(groups, clock, 90.0, batch_sizes=(8, 64), knobs=("allocator",), final_repeats=5)
+    by = {pb["batch_size"]: pb for pb in res.per_batch}
+    assert res.knobs["choice"]["batch_size"] == 8 and by[8]["best"]["config"]["instances"] == 2
+    assert by[64]["best"]["config"]["instances"] == 1  # the search's choice at 64
+    assert by[64]["knobs"]["adopted"] == "batch 8's allocator jemalloc"
+    assert (by[64]["knobs"]["choice"]["instances"], by[64]["knobs"]["choice"]["allocator"]) == (2, "jemalloc")
+    assert by[64]["knobs"]["ratio"]["estimate"] == pytest.approx(150 / 108, rel=0.06)  # 2x50x1.5 / (50x2x0.9x1.2)
+    assert by[8]["knobs"]["adopted"] is None
+    # no process beyond the lead's: the batch-64 choice's own jemalloc variant was not started
+    assert not any(c.instances == 1 and c.allocator == "jemalloc" for c in spawned)
+    assert any("batch 64: its choice" in n and "other processes" in n for n in res.notes)
+
+
 def test_a_batch_size_whose_knob_rounds_do_not_fit_is_left_out_with_a_note(with_jemalloc):
     from batchcraft.parallel.knobs import KnobEntry, fit_entries
 

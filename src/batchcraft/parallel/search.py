@@ -338,7 +338,8 @@ def _race_knobs(groups, engine, budget: Budget, objective: Objective, outcomes: 
     Process-level knobs matter most where the search cannot see them: the allocator's gain grows
     with the activations' size, so it is raced at each batch size, not carried over from one.
     The lead batch size also races the other backend variants of its choice (the backend's gain,
-    measured side by side) and its best baseline; the others race the process-level changes only.
+    measured side by side) and its best baseline; the others race, in the lead's processes only,
+    their process-level changes and the lead's choice with its process-level changes.
     """
     lead_cfg, _, lead_b = max(finals, key=lambda cr: objective.score(cr[1]))
     if alt_variants is None:  # a model's backends were raced per process configuration already
@@ -350,7 +351,31 @@ def _race_knobs(groups, engine, budget: Budget, objective: Objective, outcomes: 
             entries.append(KnobEntry(cfg, _best_baseline(outcomes[b], objective) if b == lead_b else None, alts))
     if not entries:
         return None
-    entries, fit_notes = fit_entries(entries, engine, budget.left(budget.hard_end), rounds)
+    # Other batch sizes race only in the lead's processes: a new process costs seconds of CPU to
+    # start, which disturbs every trial of the race on a small machine (Inception here: six
+    # start-ups cut the race to 2 rounds with 7x slower trials). So a batch size whose choice runs
+    # in other processes races the lead's choice and its process-level changes at its own batch
+    # size instead: the allocator's gain can depend on the process configuration (Inception at
+    # batch 64: tcmalloc 1.5x for two 1-thread instances, 1.05x for one 2-thread instance).
+    lead = entries[0]
+    lead_keys = {c.key() for c in lead.contenders()}
+    lead_procs = [lead.choice] + [a for a in lead.alts if a.key() != lead.choice.key()]
+    fit_notes = []
+    for e in entries[1:]:
+        b = e.choice.batch_size
+        own = [a for a in e.alts if a.key() in lead_keys]
+        if len(own) < len(e.alts):
+            fit_notes.append(f"batch {b}: its choice ({e.choice.short()}) runs in other processes than batch "
+                             f"{lead.choice.batch_size}'s; raced against that choice's processes at batch {b}")
+        carried = []
+        for c in lead_procs:
+            cc = c.replace(batch_size=b, label=f"batch {lead.choice.batch_size}'s "
+                           + ("choice" if c is lead.choice else c.label))
+            if cc.trial_key() != e.choice.trial_key() and all(cc.trial_key() != o.trial_key() for o in own + carried):
+                carried.append(cc)
+        e.alts = own + carried
+    entries, more = fit_entries([e for e in entries if e.alts], engine, budget.left(budget.hard_end), rounds)
+    fit_notes += more
     result = knob_race(groups, engine, budget, objective, entries, rounds=rounds, rnd=rnd,
                        max_trial_s=2 * engine.max_trial_s)
     result.notes = fit_notes + result.notes
