@@ -256,9 +256,10 @@ def fit_entries(entries: list[KnobEntry], engine, time_s: float, rounds: int = K
 
     if not entries:
         return [], []
-    keep, notes, used = {0}, [], cost(entries[0])
-    for i in sorted(range(1, len(entries)), key=lambda i: cost(entries[i])):
-        c = cost(entries[i])
+    costs = [cost(e) for e in entries]
+    keep, notes, used = {0}, [], costs[0]
+    for i in sorted(range(1, len(entries)), key=costs.__getitem__):
+        c = costs[i]
         if used + c <= KNOB_FIT * time_s:
             keep.add(i)
             used += c
@@ -371,7 +372,7 @@ def knob_race(groups, engine, budget, objective, entries: list[KnobEntry], *, ro
                 out.notes.append(f"not started in time, left out: {contenders[i].label} (batch {contenders[i].batch_size})")
                 dropped.add(i)
             for i in pending:
-                if not any(o.key() == contenders[i].key() for j, o in enumerate(contenders) if j in joined):
+                if not still_needed(contenders[i], i):
                     groups.drop(contenders[i])
             pending.clear()
         if 0 not in joined:

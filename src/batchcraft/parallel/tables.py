@@ -72,8 +72,9 @@ def comparison_table(result: dict, *, markdown: bool = False) -> str:
     """Per batch size: the tuned choice against each baseline, measured in the same final round.
 
     Items/s are final-round medians (a "tuned + knob" row: the knob race's median of the change
-    adopted at that batch size, with its interval against the tuned row); a ratio marked "(playoff)" comes from the playoff's longer
-    trials (its two rows follow), which decided between the choice and that baseline. The
+    adopted at that batch size, with its interval against the tuned row); a ratio marked
+    "(playoff)" comes from the playoff's longer trials (its two rows follow), which decided
+    between the choice and that baseline. The
     interval column gives the deciding round's paired-ratio interval (within one set of worker
     processes).
     """
