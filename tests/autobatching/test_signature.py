@@ -112,3 +112,51 @@ def test_no_grad_inside_instance_code_is_respected():
     out[0].sum().backward()
     # only the second lin call contributes: d/dW = x once
     assert lin.weight.grad is not None
+
+
+def test_views_of_a_shared_tensor_made_per_call_batch():
+    # ``W.t()`` is a new tensor object at every call; keyed by identity, every instance's matmul
+    # was a signature of its own and ran alone (48 calls for 16 instances x 3 steps)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        for _ in range(3):
+            x = torch.tanh(x @ w.t())
+        return x
+
+    f = assert_matches_eager(fn, [torch.randn(8) for _ in range(16)], [w])
+    assert f.stats.groups_by_rule.get("matmul") == 3 and f.stats.fallbacks == 0
+
+
+def test_different_views_of_one_base_do_not_share_a_signature():
+    w = torch.randn(4, 6, requires_grad=True)
+    # rows of w by instance: same base, shape and strides, different offsets
+    f = assert_matches_eager(lambda ix: ix[0] * w[ix[1]], [(torch.randn(6), i % 4) for i in range(8)], [w])
+    assert f.stats.batched_calls >= 4
+    # a transposed view and a contiguous one of equal shape differ in strides
+    sq = torch.randn(5, 5, requires_grad=True)
+    assert_matches_eager(lambda ix: ix[0] @ (sq.t() if ix[1] else sq[:, :]), [(torch.randn(5), i % 2) for i in range(6)],
+                         [sq])
+    # conj/neg views of a complex base
+    z = torch.randn(3, dtype=torch.complex64)
+    xs = [torch.randn(3, dtype=torch.complex64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    out = autobatch(lambda ix: ix[0] * (z.conj() if ix[1] else z[:]))([(x, i % 2) for i, x in enumerate(xs)])
+    for i, (o, x) in enumerate(zip(out, xs)):
+        torch.testing.assert_close(o, x * (z.conj() if i % 2 else z))
+
+
+def test_cells_with_a_shared_input_or_state_batch():
+    torch.manual_seed(0)
+    gru, lstm = nn.GRUCell(6, 6), nn.LSTMCell(6, 6)
+    x0 = torch.randn(6)  # the same input for every instance (a start token's embedding)
+
+    def fn(h):
+        c = torch.zeros(6)
+        for _ in range(3):
+            h = gru(x0, h)
+            h, c = lstm(x0, (h, c))
+        return h
+
+    params = list(gru.parameters()) + list(lstm.parameters())
+    f = assert_matches_eager(fn, [torch.randn(6) for _ in range(8)], params)
+    assert f.stats.fallbacks == 0 and f.stats.groups_by_rule.get("rnn_cell") == 6

@@ -30,7 +30,7 @@ from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.plan import plan_rows
 from batchcraft.autobatching.signature import (SCALAR_TYPES, SIGNATURES, SigInfo, flatten, rebuild,
-                                               shared_descriptor)
+                                               holds_these_shared, shared_descriptor)
 from batchcraft.autobatching.threadstate import op_state
 from batchcraft.errors import AutobatchError, StepLimitError, UnsupportedOperationError
 
@@ -271,7 +271,8 @@ class RecorderBase:
                 return self.run_on_values(func, struct, leaves, nv), None
         if info.n_out == 0:
             return rebuild(info.out_struct, iter(())), None
-        return self.append(info, lazies, None), info
+        out = self.append(info, lazies, None)
+        return out, (info if holds_these_shared(info, leaves) else None)
 
     def new_signature(self, key, func, struct, leaves, specs, state):
         from batchcraft.autobatching.blocks import StaticBlock

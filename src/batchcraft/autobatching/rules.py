@@ -81,7 +81,18 @@ def rule_rnn_cell(func, struct, leaves, mask, shapes, n):
     if len(ks) != 1 or any(len(s) != 2 for s, m in zip(shapes, mask) if m):
         return rule_vmap(func, struct, leaves, mask, shapes, n)
     k = ks.pop()
-    flat = [x.reshape(n * k, s[1]) if m else x for x, m, s in zip(leaves, mask, shapes)]
+    # input and state come first (lstm: input, h, c); a shared one (a state or input made outside
+    # the instance, the same for all) is repeated per instance: ATen's cells do not broadcast
+    n_data = 3 if func is torch.lstm_cell else 2
+    flat = []
+    for j, (x, m, s) in enumerate(zip(leaves, mask, shapes)):
+        if m:
+            x = x.reshape(n * k, s[1])
+        elif j < n_data and isinstance(x, torch.Tensor):
+            if x.dim() != 2 or x.shape[0] != k:
+                return rule_vmap(func, struct, leaves, mask, shapes, n)
+            x = x.repeat(n, 1)
+        flat.append(x)
     out = _call(func, struct, flat)
     if isinstance(out, tuple):
         return tuple(o.reshape(n, k, *o.shape[1:]) for o in out)

@@ -115,8 +115,28 @@ def call_with(func, struct, leaves):
 
 
 def shared_descriptor(t: torch.Tensor) -> tuple:
-    """Key part of a shared tensor: identity plus what may change under the same identity."""
+    """Key part of a shared tensor: identity plus what may change under the same identity.
+
+    A view of a shared tensor (``W.t()``, ``x0.unsqueeze(0)`` inside ``nn.GRUCell``) is a new
+    object at every call of the instance code, but views of one base with the same offset, sizes,
+    strides and conj/neg bits read the same memory: they key alike, so the calls batch (keyed by
+    identity, each instance's call was a signature of its own and ran alone). The signature
+    keeps the first such view, which keeps the base alive: its ``id`` cannot be reused meanwhile.
+    """
+    base = t._base
+    if base is not None and t.layout == torch.strided:
+        return ("shared_view", id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
+                t.requires_grad, t.is_conj(), t.is_neg())
     return ("shared", id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+def holds_these_shared(info, leaves) -> bool:
+    """Whether ``info`` stores the very shared tensors of ``leaves`` (not equivalent views).
+
+    The fast paths key shared tensors by identity; an entry for a view that ``info`` does not
+    hold could outlive the view and match an unrelated tensor at the same address later.
+    """
+    return all(s is None or s is x for s, x in zip(info.shared, leaves))
 
 
 class SigInfo:
