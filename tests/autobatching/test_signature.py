@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -160,3 +161,24 @@ def test_cells_with_a_shared_input_or_state_batch():
     params = list(gru.parameters()) + list(lstm.parameters())
     f = assert_matches_eager(fn, [torch.randn(6) for _ in range(8)], params)
     assert f.stats.fallbacks == 0 and f.stats.groups_by_rule.get("rnn_cell") == 6
+
+
+_W = torch.randn(8, 8, requires_grad=True)
+_LIN = nn.Linear(8, 8)
+_EMB = nn.Embedding(20, 8)
+_MASK = torch.ones(10, requires_grad=True)
+
+
+@pytest.mark.parametrize("name, fn, calls", [
+    ("F.linear(x, W.t())", lambda x: F.linear(x, _W.t(), _LIN.bias), 1),
+    ("x @ W.T", lambda x: x @ _W.T, 1),
+    ("x @ W.mT", lambda x: x @ _W.mT, 1),
+    ("x * mask[:8]", lambda x: x * _MASK[:8], 1),
+    ("x * emb.weight[3]", lambda x: x * _EMB.weight[3], 1),
+    ("x[:4] @ W[:4, :4]", lambda x: x[:4] @ _W[:4, :4], 2),
+    ("x * bias.view(-1)", lambda x: x * _LIN.bias.view(-1), 1),
+])
+def test_common_views_of_parameters_batch(name, fn, calls):
+    # each of these ran one instance at a time while shared tensors were keyed by identity
+    f = assert_matches_eager(fn, [torch.randn(8) for _ in range(16)], [_W, *_LIN.parameters(), _EMB.weight, _MASK])
+    assert f.stats.batched_calls == calls, (name, f.stats.groups_by_rule)

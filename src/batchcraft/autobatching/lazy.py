@@ -248,26 +248,37 @@ class LazyTensor(_Base):
     __hash__ = object.__hash__
 
     # -- value access: needs concrete values --------------------------------------------------
+    def _convert(self, why: str, to):
+        """``to(value)`` of the concrete value. With only the recorder's mode active, torch
+        functions are off: converting a plain tensor is nothing to record (through the mode it
+        cost a signature lookup and a concrete call at every wait). A mode of the user's, pushed
+        inside the instance, still sees the conversion, as in eager."""
+        v = self.rec.materialize(self, why)
+        if torch._C._len_torch_function_stack() > 1:
+            return to(v)
+        with torch._C.DisableTorchFunction():
+            return to(v)
+
     def __bool__(self):
-        return bool(self.rec.materialize(self, "use a tensor as a Python bool"))
+        return self._convert("use a tensor as a Python bool", bool)
 
     def item(self):
-        return self.rec.materialize(self, "call .item()").item()
+        return self._convert("call .item()", torch.Tensor.item)
 
     def tolist(self):
-        return self.rec.materialize(self, "call .tolist()").tolist()
+        return self._convert("call .tolist()", torch.Tensor.tolist)
 
     def __int__(self):
-        return int(self.rec.materialize(self, "convert a tensor to int"))
+        return self._convert("convert a tensor to int", int)
 
     def __float__(self):
-        return float(self.rec.materialize(self, "convert a tensor to float"))
+        return self._convert("convert a tensor to float", float)
 
     def __index__(self):
-        return self.rec.materialize(self, "use a tensor as a Python index").__index__()
+        return self._convert("use a tensor as a Python index", torch.Tensor.__index__)
 
     def numpy(self):
-        return self.rec.materialize(self, "call .numpy()").numpy()
+        return self._convert("call .numpy()", torch.Tensor.numpy)
 
     def __iter__(self):
         self.rec.note_shape()

@@ -232,6 +232,9 @@ class RecorderBase:
                 return out, None
         leaves: list = []
         struct = (flatten(args, leaves, self.lazy_type), flatten(kwargs, leaves, self.lazy_type) if kwargs else None)
+        lazy_type = self.lazy_type
+        if not any(type(x) is lazy_type for x in leaves):
+            return self.run_concrete(func, args, kwargs), None
         lazies = []
         specs = []
         dkey = []
@@ -253,8 +256,6 @@ class RecorderBase:
                 specs.append(("shared", x))
                 with torch._C.DisableTorchFunction():  # reading a tensor's metadata under the mode records it
                     dkey.append(shared_descriptor(x))
-        if not lazies:
-            return self.run_concrete(func, args, kwargs), None
         if _functional.is_inplace_call(func, args, kwargs, _Tensor) or (args and isinstance(args[0], _Tensor)
                                                                          and _functional.writes_first(func, kwargs)):
             raise UnsupportedOperationError(
