@@ -82,7 +82,7 @@ CELL = ("gru", "lstm", "rnn_tanh")
 BRANCH_COND = ("k_gt", "sum_gt", "any_gt", "item_int", "argmax_table", "inst_c")
 MISC = ("einsum", "outer", "dot", "layer_norm", "normalize", "conv1d", "T_prop", "zeros_created", "int_ops",
         "where_inst", "nested_block", "same_output_twice", "dropout_eval", "cross_entropy", "shared_buffer",
-        "copysign_inst", "memo")
+        "copysign_inst", "memo", "param_row_n", "param_view_mix")
 NEWFACT = ("new_ones", "zeros_like", "full_like", "new_full", "where_const")
 # issue 15: thread state, in-place writes, hooks, buffers; issue 14: ragged blocks
 GRADCTX = ("no_grad", "enable_grad", "set_grad_false")
@@ -509,6 +509,10 @@ def _misc(name, h, inst, P):
         return h + h[j] * (i.float() + 1) * 0.1
     if name == "where_inst":
         return torch.where(inst["k"] > 1, h, -h)
+    if name == "param_row_n":  # views of one parameter at per-instance offsets (bug #42's keys)
+        return h * P.M[inst["n"] % d]
+    if name == "param_view_mix":  # views made per call: transposed, reshaped, sliced
+        return (h @ P.M.t()) * P.v.view(-1) + P.M.T[0] + P.M[:, :1].reshape(-1)
     if name == "nested_block":
         outer = P.blocks.get("nested")
         if outer is None:
