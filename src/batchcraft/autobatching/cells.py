@@ -21,6 +21,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchcraft.autobatching import stack as _stack
+
+_tf_len = torch._C._len_torch_function_stack
+_tf_at = torch._C._get_function_stack_at
+_tf_pop = torch._C._pop_torch_function_stack
+_tf_push = torch._C._push_on_torch_function_stack
+
 CELL_FUNCS = (torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell)
 
 
@@ -64,14 +71,29 @@ def record_cell(rec, func, args, kwargs):
     if type(x) is not rec.lazy_type or not all(isinstance(w, torch.Tensor) and type(w) is not rec.lazy_type
                                                for w in (w_ih, w_hh) + tuple(b for b in (b_ih, b_hh) if b is not None)):
         return NotImplemented
+    states = tuple(hx) if func is torch.lstm_cell and isinstance(hx, (tuple, list)) else (hx,)
+    if (func is torch.lstm_cell and len(states) != 2) or not _shapes_ok(x, states, w_ih, w_hh, rec.lazy_type, 2):
+        return NotImplemented  # recorded as the fused call, whose shape check raises ATen's error
     if func is torch.lstm_cell:
-        if not isinstance(hx, (tuple, list)) or len(hx) != 2:
-            return NotImplemented
         gi = rec.record(F.linear, (x, w_ih, b_ih), {})
         return rec.record(lstm_gates, (gi, hx[0], hx[1], w_hh, b_hh), {})
     gates = {torch.gru_cell: gru_gates, torch.rnn_tanh_cell: rnn_tanh_gates, torch.rnn_relu_cell: rnn_relu_gates}[func]
     gi = rec.record(F.linear, (x, w_ih, b_ih), {})
     return rec.record(gates, (gi, hx, w_hh, b_hh), {})
+
+
+def _shapes_ok(x, states, w_ih, w_hh, lazy_type, rank=None) -> bool:
+    """ATen's cell checks (``check_rnn_cell_forward_input/hidden``) on rows of equal rank:
+    input (..., in) with in = w_ih's columns; each state (..., hidden) with the input's leading
+    size. Reads shapes only (no recorded operation)."""
+    with torch._C.DisableTorchFunction():
+        shapes = [tuple(t.shape) if type(t) is lazy_type or isinstance(t, torch.Tensor) else None
+                  for t in (x, *states)]
+        w_in, hidden = w_ih.shape[1], w_hh.shape[1]
+    xs = shapes[0]
+    if xs is None or len(xs) not in ((rank,) if rank else (1, 2)) or xs[-1] != w_in:
+        return False
+    return all(s is not None and len(s) == len(xs) and s[-1] == hidden and s[:-1] == xs[:-1] for s in shapes[1:])
 
 
 def rule_gates(func, struct, leaves, mask, shapes, n):
@@ -96,4 +118,95 @@ def lower_gates(func, args, kwargs, lw):
     return lw.call(func, args, kwargs)
 
 
-__all__ = ["CELL_FUNCS", "GATES", "record_cell", "lstm_gates", "gru_gates"]
+# -- cell modules called on lazy values --------------------------------------------------------
+# ``nn.GRUCell.forward`` is Python: dimension checks, an ``unsqueeze`` of input and state, the
+# fused ATen call, a ``squeeze`` -- five recorded operations and about 14 us per call inside
+# ``autobatch``, more than eager's whole step. While a call records, :data:`FAST_CELLS` makes the
+# three cell classes' ``forward`` record projection + gates directly (two operations, on 1-D
+# rows as they are). Anything else (no active recorder, a static block's tracer, an input that
+# is not this call's lazy value, a state missing or of another rank, a subclass's own forward)
+# runs the original forward, unchanged.
+
+_MISSING = object()
+
+
+def _plain_tensor(t, lazy_type) -> bool:
+    return isinstance(t, torch.Tensor) and type(t) is not lazy_type
+
+
+_NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+
+def _fast_cell(original, n_states, gates_of):
+    """A cell class's ``forward`` that records projection + gates on this call's lazy values."""
+    def forward(self, input, hx=None):
+        rec = _stack.current()
+        lazy_type = getattr(rec, "lazy_type", None)
+        if (lazy_type is None or type(input) is not lazy_type or input.rec is not rec
+                or getattr(rec, "is_tracer", False) or hx is None):
+            return original(self, input, hx)
+        # the registered parameters themselves (one dict read each, not four __getattr__ calls);
+        # a parametrized or replaced weight is not there: torch's forward then reads it its way
+        params = self.__dict__.get("_parameters", {})
+        w_ih, w_hh, b_ih, b_hh = (params.get(n, _MISSING) for n in _NAMES)
+        states = tuple(hx) if isinstance(hx, (tuple, list)) else (hx,)
+        gates = gates_of(self)
+        if (gates is None or len(states) != n_states
+                or any(w is _MISSING or (w is not None and not _plain_tensor(w, lazy_type)) for w in (w_ih, w_hh, b_ih, b_hh))
+                or w_ih is None or w_hh is None or not _shapes_ok(input, states, w_ih, w_hh, lazy_type)):
+            return original(self, input, hx)  # torch's forward: its own checks and errors
+        # as inside the recording mode's handler, the mode is off the stack (reads of a tensor's
+        # requires_grad are not recorded). Not DisableTorchFunction: recording may switch fibers
+        # (a value needed by shape inference), and the stack is part of each fiber's saved state
+        # where the disabled flag is not.
+        n = _tf_len()
+        if not n or _tf_at(n - 1) is not rec.mode:
+            return original(self, input, hx)  # a mode of the user's is on top: it sees the call
+        mode = _tf_pop()
+        try:
+            gi = rec.record(F.linear, (input, w_ih, b_ih), {})
+            return rec.record(gates, (gi, *states, w_hh, b_hh), {})
+        finally:
+            _tf_push(mode)
+
+    forward.__wrapped__ = original
+    forward.__doc__ = original.__doc__
+    return forward
+
+
+def _rnn_gates(cell):
+    return {"tanh": rnn_tanh_gates, "relu": rnn_relu_gates}.get(cell.nonlinearity)  # else: torch's error
+
+
+def _fast_cells():
+    from torch import nn
+
+    from batchcraft.autobatching.patches import SharedPatch
+
+    return tuple(SharedPatch(cls, "forward", _fast_cell(cls.forward, n_states, gates_of))
+                 for cls, n_states, gates_of in ((nn.LSTMCell, 2, lambda cell: lstm_gates),
+                                                 (nn.GRUCell, 1, lambda cell: gru_gates),
+                                                 (nn.RNNCell, 1, _rnn_gates)))
+
+
+class _Patches:
+    """Enter/exit several :class:`~batchcraft.autobatching.patches.SharedPatch` as one."""
+
+    def __init__(self, patches):
+        self.patches = patches
+
+    def __enter__(self):
+        for p in self.patches:
+            p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for p in reversed(self.patches):
+            p.__exit__(*exc)
+        return False
+
+
+#: enter/exit around a recording call: the cell modules' forward records directly
+FAST_CELLS = _Patches(_fast_cells())
+
+__all__ = ["CELL_FUNCS", "GATES", "record_cell", "lstm_gates", "gru_gates", "FAST_CELLS"]

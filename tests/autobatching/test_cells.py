@@ -1,0 +1,124 @@
+"""Cell modules inside autobatch: the direct recording of nn.LSTMCell / GRUCell / RNNCell (cells.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from batchcraft import autobatch
+from batchcraft.errors import InstanceError
+from equivalence import CORES, assert_matches_eager
+
+H = 6
+
+
+def _cells():
+    torch.manual_seed(0)
+    return {"lstm": nn.LSTMCell(H, H), "gru": nn.GRUCell(H, H), "rnn_tanh": nn.RNNCell(H, H),
+            "rnn_relu": nn.RNNCell(H, H, nonlinearity="relu"), "gru_nobias": nn.GRUCell(H, H, bias=False)}
+
+
+def _chain(cell, kind, rank, steps=3):
+    def fn(x):
+        x = x if rank == 1 else x.unsqueeze(0)
+        h = torch.zeros(H) if rank == 1 else torch.zeros(1, H)
+        c = torch.zeros_like(h)
+        for _ in range(steps):
+            if kind == "lstm":
+                h, c = cell(x, (h, c))
+            else:
+                h = cell(x, h)
+            x = torch.tanh(h)
+        return h
+    return fn
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("rank", [1, 2])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh", "rnn_relu", "gru_nobias"])
+def test_cells_record_two_operations_and_match_eager(kind, rank, core):
+    cell = _cells()[kind]
+    fn = _chain(cell, kind, rank)
+    xs = [torch.randn(H) for _ in range(5)]
+    f = assert_matches_eager(fn, xs, list(cell.parameters()), core=core)
+    slow = assert_matches_eager(fn, xs, list(cell.parameters()), fast_cells=False, core=core)
+    # torch's forward on 1-D rows adds an unsqueeze of the input and of each state, and a
+    # squeeze of each output, per call: 5 for the LSTM, 3 for the others
+    saved = len(xs) * 3 * ((5 if kind == "lstm" else 3) if rank == 1 else 0)
+    assert f.stats.ops_recorded == slow.stats.ops_recorded - saved, (f.stats.ops_recorded, slow.stats.ops_recorded)
+    assert f.stats.fallbacks == 0 and slow.stats.fallbacks == 0
+    assert nn.GRUCell.forward.__name__ == "forward" and not hasattr(nn.GRUCell.forward, "__wrapped__")
+
+
+def test_fast_cells_off_runs_torchs_forward():
+    cell = _cells()["gru"]
+    xs = [torch.randn(H) for _ in range(4)]
+    f = assert_matches_eager(_chain(cell, "gru", 1), xs, list(cell.parameters()), fast_cells=False)
+    assert f.stats.ops_recorded > len(xs) * 3 * 3  # unsqueeze / cell / squeeze per step
+
+
+def test_other_forms_use_torchs_forward():
+    torch.manual_seed(1)
+    gru = nn.GRUCell(H, H)
+
+    class MyCell(nn.GRUCell):  # its own forward: left alone
+        def forward(self, x, h=None):
+            return super().forward(x, h) * 0.5
+
+    mine = MyCell(H, H)
+    x0 = torch.randn(H)
+
+    def fn(x):
+        a = gru(x)                      # no state: torch's forward makes zeros
+        b = gru(x0, a)                  # shared input: torch's forward, its ops batch by rules
+        c = mine(x, b)                  # subclass: super().forward reaches the fast path
+        return gru(x.unsqueeze(0), c.unsqueeze(0))[0] + c  # ranks agree (2-D)
+
+    assert_matches_eager(fn, [torch.randn(H) for _ in range(4)], list(gru.parameters()) + list(mine.parameters()))
+
+
+def test_a_parametrized_weight_is_read_through_its_parametrization():
+    torch.manual_seed(2)
+    cell = nn.GRUCell(H, H)
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    parametrize.register_parametrization(cell, "weight_hh", Double())
+    assert_matches_eager(_chain(cell, "gru", 1), [torch.randn(H) for _ in range(4)], list(cell.parameters()))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("make_state, message", [
+    (lambda x: torch.zeros(H + 1), "hidden"),                        # wrong hidden size
+    (lambda x: torch.zeros(2, H), "hidden"),                         # a 2-D state for a 1-D input
+    (lambda x: torch.zeros(3, H) + x.unsqueeze(0)[:, :1], "batch"),  # per-instance, batch 3 vs 1
+])
+def test_mis_shaped_states_raise_atens_error(make_state, message, fast):
+    # torch's forward raises for these; the split projection + gates would have broadcast
+    cell = nn.GRUCell(H, H)
+
+    def fn(x):
+        h = make_state(x)
+        return cell(x if h.dim() == 1 else x.unsqueeze(0), h)
+
+    for x in [torch.randn(H)]:
+        with pytest.raises(RuntimeError, match=message):
+            fn(x)
+    with pytest.raises(InstanceError, match=message):
+        autobatch(fn, fast_cells=fast)([torch.randn(H), torch.randn(H)])
+
+
+def test_errors_leave_torch_function_on_and_the_patch_removed():
+    cell = nn.GRUCell(H, H)
+    with pytest.raises(InstanceError):
+        autobatch(lambda x: cell(x, torch.zeros(H + 1)))([torch.randn(H), torch.randn(H)])
+    with pytest.raises(InstanceError):
+        autobatch(lambda x: cell(x, torch.zeros(2, H)))([torch.randn(H)])  # eager: rank mismatch
+    assert torch._C._is_torch_function_enabled() and torch._C._len_torch_function_stack() == 0
+    assert not hasattr(nn.GRUCell.forward, "__wrapped__") and not hasattr(nn.LSTMCell.forward, "__wrapped__")
+    # eager calls outside autobatch are untouched
+    assert cell(torch.randn(H), torch.zeros(H)).shape == (H,)
