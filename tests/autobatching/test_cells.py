@@ -43,7 +43,7 @@ def test_cells_record_two_operations_and_match_eager(kind, rank, core):
     fn = _chain(cell, kind, rank)
     xs = [torch.randn(H) for _ in range(5)]
     f = assert_matches_eager(fn, xs, list(cell.parameters()), core=core)
-    slow = assert_matches_eager(fn, xs, list(cell.parameters()), fast_cells=False, core=core)
+    slow = assert_matches_eager(fn, xs, list(cell.parameters()), fast_modules=False, core=core)
     # torch's forward on 1-D rows adds an unsqueeze of the input and of each state, and a
     # squeeze of each output, per call: 5 for the LSTM, 3 for the others
     saved = len(xs) * 3 * ((5 if kind == "lstm" else 3) if rank == 1 else 0)
@@ -52,10 +52,10 @@ def test_cells_record_two_operations_and_match_eager(kind, rank, core):
     assert nn.GRUCell.forward.__name__ == "forward" and not hasattr(nn.GRUCell.forward, "__wrapped__")
 
 
-def test_fast_cells_off_runs_torchs_forward():
+def test_fast_modules_off_runs_torchs_forward():
     cell = _cells()["gru"]
     xs = [torch.randn(H) for _ in range(4)]
-    f = assert_matches_eager(_chain(cell, "gru", 1), xs, list(cell.parameters()), fast_cells=False)
+    f = assert_matches_eager(_chain(cell, "gru", 1), xs, list(cell.parameters()), fast_modules=False)
     assert f.stats.ops_recorded > len(xs) * 3 * 3  # unsqueeze / cell / squeeze per step
 
 
@@ -109,7 +109,7 @@ def test_mis_shaped_states_raise_atens_error(make_state, message, fast):
         with pytest.raises(RuntimeError, match=message):
             fn(x)
     with pytest.raises(InstanceError, match=message):
-        autobatch(fn, fast_cells=fast)([torch.randn(H), torch.randn(H)])
+        autobatch(fn, fast_modules=fast)([torch.randn(H), torch.randn(H)])
 
 
 def test_errors_leave_torch_function_on_and_the_patch_removed():

@@ -178,7 +178,7 @@ def _rnn_gates(cell):
     return {"tanh": rnn_tanh_gates, "relu": rnn_relu_gates}.get(cell.nonlinearity)  # else: torch's error
 
 
-def _fast_cells():
+def _fast_modules():
     from torch import nn
 
     from batchcraft.autobatching.patches import SharedPatch
@@ -207,6 +207,6 @@ class _Patches:
 
 
 #: enter/exit around a recording call: the cell modules' forward records directly
-FAST_CELLS = _Patches(_fast_cells())
+FAST_CELLS = _Patches(_fast_modules())
 
 __all__ = ["CELL_FUNCS", "GATES", "record_cell", "lstm_gates", "gru_gates", "FAST_CELLS"]

@@ -33,8 +33,10 @@ class Options:
         fast_factories (bool): C core: ``torch.tensor`` is replaced process-wide during the call
             by a C function that makes scalar leaves without torch's mode dispatch (opt-in: other
             threads and torch-function modes see a different ``torch.tensor`` object meanwhile).
-        fast_cells (bool): while the call records, ``nn.LSTMCell`` / ``GRUCell`` / ``RNNCell``
-            called on this call's lazy values record projection + gates directly (see ``cells.py``).
+        fast_modules (bool): while the call records, ``nn.LSTMCell`` / ``GRUCell`` / ``RNNCell``
+            called on this call's lazy values record projection + gates directly (``cells.py``),
+            and ``torch.nn.functional``'s Python functions reach the recorder without torch's
+            Python dispatch (``dispatch.py``).
     """
 
     scheduler: str = "depth"
@@ -49,7 +51,7 @@ class Options:
     compile_blocks: bool = False
     fast_attributes: bool = True
     fast_factories: bool = False
-    fast_cells: bool = True
+    fast_modules: bool = True
 
     def __post_init__(self):
         for name, allowed in (("scheduler", SCHEDULER_NAMES), ("core", CORE_NAMES), ("kernels", KERNEL_NAMES)):
@@ -61,7 +63,7 @@ class Options:
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
         for name in ("fibers", "ragged", "hoist", "arenas", "compile_blocks", "fast_attributes", "fast_factories",
-                     "fast_cells"):
+                     "fast_modules"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"autobatch: {name} must be a bool, got {v!r}")

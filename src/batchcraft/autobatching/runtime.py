@@ -30,6 +30,7 @@ import torch
 
 from batchcraft.autobatching.attrs import FAST_MODULE_GETATTR
 from batchcraft.autobatching.cells import FAST_CELLS
+from batchcraft.autobatching.dispatch import FAST_DISPATCH
 from batchcraft.autobatching.modstate import resolve_module_state
 from batchcraft.autobatching import core as _core
 from batchcraft.autobatching import buffers as _buffers
@@ -142,13 +143,14 @@ class Runtime:
         # Recording allocates many small objects; cyclic GC passes over them cost more than the
         # recording itself, and the graph has no cycles to collect. Re-enabled on exit.
         attrs = FAST_MODULE_GETATTR if self.options.fast_attributes and self.rec.core == "c" else nullcontext()
-        cells = FAST_CELLS if self.options.fast_cells else nullcontext()
+        cells = FAST_CELLS if self.options.fast_modules else nullcontext()  # cells.py
+        dispatch = FAST_DISPATCH if self.options.fast_modules else nullcontext()  # dispatch.py
         measured = getattr(self.executor.kernels, "n_measured", 0)
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
             _functional.intercept_function_apply(True)
-            with attrs, cells:
+            with attrs, cells, dispatch:
                 return self._run(instances, t_start)
         finally:
             try:
