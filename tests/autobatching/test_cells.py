@@ -122,3 +122,12 @@ def test_errors_leave_torch_function_on_and_the_patch_removed():
     assert not hasattr(nn.GRUCell.forward, "__wrapped__") and not hasattr(nn.LSTMCell.forward, "__wrapped__")
     # eager calls outside autobatch are untouched
     assert cell(torch.randn(H), torch.zeros(H)).shape == (H,)
+
+
+@pytest.mark.parametrize("kind", ["gru", "rnn_tanh"])
+def test_a_sequence_as_the_state_of_a_single_state_cell_raises_as_in_eager(kind):
+    cell = _cells()[kind]
+    with pytest.raises(AttributeError):
+        cell(torch.randn(H), (torch.zeros(H),))
+    with pytest.raises(InstanceError, match="has no attribute 'dim'"):
+        autobatch(lambda x: cell(x, (torch.zeros(H) + x,)))([torch.randn(H), torch.randn(H)])

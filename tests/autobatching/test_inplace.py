@@ -147,3 +147,26 @@ def test_random_inplace_sequences_match_eager(ops, n, core):
 
     xs = [torch.randn(4) for _ in range(n)]
     assert_matches_eager(fn, xs, PARAMS, core=core)
+
+
+@pytest.mark.xfail(strict=True, reason="open bug #44: a write into a shared tensor without per-instance "
+                                       "values runs at once, before earlier recorded reads execute")
+@pytest.mark.parametrize("core", CORES)
+def test_a_shared_write_after_a_recorded_read_is_refused_or_matches_eager(core):
+    w = torch.randn(4, 4)
+    w0 = w.clone()
+
+    def fn(x):
+        y = x @ w
+        w.add_(1.0)  # eager: the next instance reads the updated w
+        return y
+
+    xs = [torch.randn(4) for _ in range(3)]
+    ref = [fn(x) for x in xs]
+    w.copy_(w0)
+    try:
+        out = autobatch(fn, core=core)(xs)
+    except UnsupportedOperationError:
+        return
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)

@@ -9,7 +9,7 @@ from torch import nn
 
 from batchcraft import autobatch
 
-from equivalence import assert_matches_eager
+from equivalence import CORES, assert_matches_eager
 
 
 def test_scalar_arguments_are_part_of_the_signature():
@@ -182,3 +182,37 @@ def test_common_views_of_parameters_batch(name, fn, calls):
     # each of these ran one instance at a time while shared tensors were keyed by identity
     f = assert_matches_eager(fn, [torch.randn(8) for _ in range(16)], [_W, *_LIN.parameters(), _EMB.weight, _MASK])
     assert f.stats.batched_calls == calls, (name, f.stats.groups_by_rule)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_view_of_a_parameter_after_its_storage_changed_reads_the_new_storage(core):
+    # the signature of call 1 keeps call 1's view of W's old storage; W.data = ... (a manual SGD
+    # step, vector_to_parameters) gives W new storage under the same id: call 2 must not reuse it
+    w = nn.Parameter(torch.randn(4, 4))
+    fn = lambda x: x @ w.t()  # noqa: E731
+    xs = [torch.randn(4) for _ in range(3)]
+    f = autobatch(fn, core=core)
+    f(xs)
+    w.data = torch.randn(4, 4)
+    for o, x in zip(f(xs), xs):
+        torch.testing.assert_close(o, x @ w.t())
+    torch.nn.utils.vector_to_parameters(torch.randn(16), [w])
+    for o, x in zip(f(xs), xs):
+        torch.testing.assert_close(o, x @ w.t())
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_views_made_outside_the_call_keep_their_identity(core):
+    # the caller differentiates with respect to (or hooks) the very view object it captured
+    e = nn.Parameter(torch.randn(5, 4))
+    xs = [torch.randn(4) for _ in range(3)]
+    for _ in range(2):
+        h0 = e[0]  # a new view object each step, same base, offset, shape and strides
+        hooked = []
+        h0.register_hook(lambda g: hooked.append(g))
+        outs = autobatch(lambda x: torch.tanh(x * h0), core=core)(xs)
+        g = torch.autograd.grad(sum(o.sum() for o in outs), h0, retain_graph=True)[0]
+        ref = torch.autograd.grad(sum(torch.tanh(x * h0).sum() for x in xs), h0)[0]
+        torch.testing.assert_close(g, ref)
+        sum(o.sum() for o in outs).backward()
+        assert len(hooked) == 3  # both grad calls and the backward reach this step's h0

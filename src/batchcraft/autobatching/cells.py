@@ -149,7 +149,14 @@ def _fast_cell(original, n_states, gates_of):
         # a parametrized or replaced weight is not there: torch's forward then reads it its way
         params = self.__dict__.get("_parameters", {})
         w_ih, w_hh, b_ih, b_hh = (params.get(n, _MISSING) for n in _NAMES)
-        states = tuple(hx) if isinstance(hx, (tuple, list)) else (hx,)
+        if n_states == 1:  # GRU / RNN: a state tensor, not a sequence (torch raises for one)
+            if isinstance(hx, (tuple, list)):
+                return original(self, input, hx)
+            states = (hx,)
+        else:
+            if not isinstance(hx, (tuple, list)):
+                return original(self, input, hx)
+            states = tuple(hx)
         gates = gates_of(self)
         if (gates is None or len(states) != n_states
                 or any(w is _MISSING or (w is not None and not _plain_tensor(w, lazy_type)) for w in (w_ih, w_hh, b_ih, b_hh))

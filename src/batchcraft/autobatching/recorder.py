@@ -127,6 +127,7 @@ class RecorderBase:
         self.eager_ops = 0
         self.blocks_checked: set = set()
         self.buffers: list = []
+        self.made_views: dict = {}  # id -> view of a shared tensor made by instance code this call
         self.hooks: dict = {}
         self.writebacks: list = []
         self.deferred: list = []
@@ -255,7 +256,7 @@ class RecorderBase:
                              "parameters exist")
                 specs.append(("shared", x))
                 with torch._C.DisableTorchFunction():  # reading a tensor's metadata under the mode records it
-                    dkey.append(shared_descriptor(x))
+                    dkey.append(shared_descriptor(x, self.made_views))
         if _functional.is_inplace_call(func, args, kwargs, _Tensor) or (args and isinstance(args[0], _Tensor)
                                                                          and _functional.writes_first(func, kwargs)):
             raise UnsupportedOperationError(
@@ -317,6 +318,8 @@ class RecorderBase:
             if type(func) is _MethodWrapper or (isinstance(out, _Tensor) and _aliases_input(out, args)):
                 # a property (.data, .T, .grad) or a view of a tensor from outside the instance
                 # aliases shared state: it stays shared (writes into it reach that tensor, as in eager)
+                if isinstance(out, _Tensor) and out._base is not None:
+                    self.made_views[id(out)] = out  # keyed by what it reads (shared_descriptor)
                 return out
         if isinstance(out, _Tensor):
             scalar = (func is _torch_tensor and args and type(args[0]) in _PY_SCALARS and not out.requires_grad)

@@ -114,19 +114,24 @@ def call_with(func, struct, leaves):
     return func(*args, **kwargs)
 
 
-def shared_descriptor(t: torch.Tensor) -> tuple:
+def shared_descriptor(t: torch.Tensor, made_views=None) -> tuple:
     """Key part of a shared tensor: identity plus what may change under the same identity.
 
-    A view of a shared tensor (``W.t()``, ``x0.unsqueeze(0)`` inside ``nn.GRUCell``) is a new
-    object at every call of the instance code, but views of one base with the same offset, sizes,
-    strides and conj/neg bits read the same memory: they key alike, so the calls batch (keyed by
-    identity, each instance's call was a signature of its own and ran alone). The signature
-    keeps the first such view, which keeps the base alive: its ``id`` cannot be reused meanwhile.
+    A view of a shared tensor that instance code makes during the call (``W.t()``,
+    ``x0.unsqueeze(0)`` inside ``nn.GRUCell``; ``made_views``: id -> tensor, kept alive by the
+    recorder) is a new object at every call of the instance code, but views of one base at the
+    same address with the same sizes, strides and conj/neg bits read the same memory: they key
+    alike, so the calls batch (keyed by identity, each instance's call was a signature of its
+    own and ran alone). The address, not the offset: ``W.data = ...`` gives the base new
+    storage under the same id, and the signature's stored view, which keeps the old storage
+    alive, must not be used for it. Views made *outside* the call keep their identity: the
+    caller may differentiate with respect to that very object, or hook it.
     """
-    base = t._base
-    if base is not None and t.layout == torch.strided:
-        return ("shared_view", id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
-                t.requires_grad, t.is_conj(), t.is_neg())
+    if made_views is not None and made_views.get(id(t)) is t and t.layout == torch.strided:
+        base = t._base
+        if base is not None:
+            return ("shared_view", id(base), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device,
+                    t.requires_grad, t.is_conj(), t.is_neg())
     return ("shared", id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
