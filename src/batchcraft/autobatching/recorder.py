@@ -235,6 +235,8 @@ class RecorderBase:
         struct = (flatten(args, leaves, self.lazy_type), flatten(kwargs, leaves, self.lazy_type) if kwargs else None)
         lazy_type = self.lazy_type
         if not any(type(x) is lazy_type for x in leaves):
+            if args and isinstance(args[0], _Tensor) and _functional.writes_first(func, kwargs):
+                self.before_shared_write(args[0])
             return self.run_concrete(func, args, kwargs), None
         lazies = []
         specs = []
@@ -306,6 +308,23 @@ class RecorderBase:
             return info
 
         return SIGNATURES.add(key, make)
+
+    def before_shared_write(self, t) -> None:
+        """A write into shared tensor ``t`` with no per-instance value runs at once (as
+        ``num_batches_tracked.add_(1)`` must); reads of ``t`` recorded before it must execute
+        first, so pending work runs now if some signature reads ``t`` (reliability #44).
+
+        Exact when instances do not interleave; with value waits, another instance's read
+        recorded before this write still sees the old value (eager: instances run one after
+        another), as for module state (``modstate.py``).
+        """
+        if not self.n_pending:
+            return
+        with torch._C.DisableTorchFunction():
+            read = SIGNATURES.may_be_read(t)
+        if read:
+            self.runtime.stats.syncs += 1
+            self.runtime.flush()
 
     def run_concrete(self, func, args, kwargs):
         """A call without lazy arguments: run it now; tensors it returns become per-instance leaves."""

@@ -224,6 +224,30 @@ class SigInfo:
         return f"SigInfo(sid={self.sid}, {self.name}, in={self.in_dids}, out={self.out_dids})"
 
 
+def _storage_address(t) -> tuple:
+    try:
+        return ("storage", t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, meta): identity only
+        return ("object", id(t))
+
+
+def _read_tensors(info):
+    """The shared tensors one signature reads: its shared arguments and, for a static block,
+    its program's constants (nested programs included)."""
+    for x in info.shared:
+        if isinstance(x, torch.Tensor):
+            yield x
+    todo = [info.program] if info.program is not None else []
+    while todo:
+        prog = todo.pop()
+        for st in prog.steps:
+            for r in st.refs:
+                if r[0] == "const" and isinstance(r[1], torch.Tensor):
+                    yield r[1]
+            if st.info is not None and st.info.program is not None:
+                todo.append(st.info.program)
+
+
 class SignatureCache:
     """Every cache keyed by signatures, owned by one object (one per process).
 
@@ -244,6 +268,8 @@ class SignatureCache:
         self.generation = 0
         self._listeners: list = []
         self._lock = threading.RLock()
+        self._reads: set = set()  # see may_be_read
+        self._indexed = 0
 
     def get(self, key):
         return self.by_key.get(key)
@@ -261,6 +287,21 @@ class SignatureCache:
             self.by_key[key] = info
             return info
 
+    def may_be_read(self, t: torch.Tensor) -> bool:
+        """Whether some signature reads ``t``'s memory: one of its shared tensors, or a constant of
+        its static block's program, is ``t`` or lives in ``t``'s storage (False: no recorded
+        operation can read it). Indexed incrementally, by storage address and identity."""
+        with self._lock:
+            index = self._reads
+            for info in self.by_sid[self._indexed:]:
+                if info is None:
+                    continue
+                for x in _read_tensors(info):
+                    index.add(id(x))
+                    index.add(_storage_address(x))
+            self._indexed = len(self.by_sid)
+            return id(t) in index or _storage_address(t) in index
+
     def on_clear(self, fn) -> None:
         """Call ``fn()`` whenever the cache is cleared (the C core drops its mirror)."""
         self._listeners.append(fn)
@@ -272,6 +313,8 @@ class SignatureCache:
     def _clear(self) -> None:
         self.by_key.clear()
         self.fast.clear()
+        self._reads = set()
+        self._indexed = 0
         self.generation += 1
         for fn in self._listeners:
             fn()
