@@ -313,16 +313,28 @@ def _linear(name, j, h, P):
     raise AssertionError(name)
 
 
+def _see_top2(h, largest=True):
+    """A selecting reduction's gradient goes to the selected element: where the best two are
+    within rounding, eager and batched rounding may select different ones (a kink, as a branch
+    at its threshold), so the eager run records their gap as a margin."""
+    if MARGIN.tracking and h.dim() == 1 and h.shape[0] > 1:
+        top = torch.topk(h.detach().float(), 2, largest=largest).values
+        MARGIN.see(top[0] - top[1])
+
+
 def _reduce(name, h):
     if name == "sum":
         return h + h.sum()
     if name == "mean":
         return h - h.mean()
     if name == "amax":
+        _see_top2(h)
         return h - torch.amax(h, 0)
     if name == "max_values":
+        _see_top2(h)
         return h + h.max(0).values
     if name == "min_dim":
+        _see_top2(h, largest=False)
         return h + torch.min(h, dim=0)[0]
     if name == "logsumexp":
         return h - torch.logsumexp(h, 0)

@@ -138,7 +138,7 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
         return f
     if MARGIN.smallest < MIN_BRANCH_MARGIN:
         COUNTS["discarded_close_branches"] += 1
-        assume(False)  # a float branch within rounding of its threshold: not a fair comparison
+        assume(False)  # a float branch (or a max's best two) within rounding: not a fair comparison
     eager_buffers = _buffers(P)
     _restore(P, snap)
 
