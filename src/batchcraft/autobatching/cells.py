@@ -22,11 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from batchcraft.autobatching import stack as _stack
-
-_tf_len = torch._C._len_torch_function_stack
-_tf_at = torch._C._get_function_stack_at
-_tf_pop = torch._C._pop_torch_function_stack
-_tf_push = torch._C._push_on_torch_function_stack
+from batchcraft.autobatching.mode import NOT_ON_TOP, as_mode_handler
 
 CELL_FUNCS = (torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell)
 
@@ -162,19 +158,9 @@ def _fast_cell(original, n_states, gates_of):
                 or any(w is _MISSING or (w is not None and not _plain_tensor(w, lazy_type)) for w in (w_ih, w_hh, b_ih, b_hh))
                 or w_ih is None or w_hh is None or not _shapes_ok(input, states, w_ih, w_hh, lazy_type)):
             return original(self, input, hx)  # torch's forward: its own checks and errors
-        # as inside the recording mode's handler, the mode is off the stack (reads of a tensor's
-        # requires_grad are not recorded). Not DisableTorchFunction: recording may switch fibers
-        # (a value needed by shape inference), and the stack is part of each fiber's saved state
-        # where the disabled flag is not.
-        n = _tf_len()
-        if not n or _tf_at(n - 1) is not rec.mode:
-            return original(self, input, hx)  # a mode of the user's is on top: it sees the call
-        mode = _tf_pop()
-        try:
-            gi = rec.record(F.linear, (input, w_ih, b_ih), {})
-            return rec.record(gates, (gi, *states, w_hh, b_hh), {})
-        finally:
-            _tf_push(mode)
+        out = as_mode_handler(rec, lambda: rec.record(
+            gates, (rec.record(F.linear, (input, w_ih, b_ih), {}), *states, w_hh, b_hh), {}))
+        return original(self, input, hx) if out is NOT_ON_TOP else out
 
     forward.__wrapped__ = original
     forward.__doc__ = original.__doc__

@@ -19,30 +19,24 @@ import torch.nn.functional as F
 import torch.overrides
 
 from batchcraft.autobatching import stack as _stack
+from batchcraft.autobatching.mode import NOT_ON_TOP, as_mode_handler
 from batchcraft.autobatching.patches import SharedPatch
 
-_tf_len = torch._C._len_torch_function_stack
-_tf_at = torch._C._get_function_stack_at
-_tf_pop = torch._C._pop_torch_function_stack
-_tf_push = torch._C._push_on_torch_function_stack
 _original = torch.overrides.handle_torch_function
 
 
 def handle_torch_function(public_api, relevant_args, *args, **kwargs):
     """As :func:`torch.overrides.handle_torch_function`, direct when the recorder's mode is on top."""
     rec = _stack.current()
-    mode = getattr(rec, "mode", None)
-    n = _tf_len()
-    if mode is None or not n or _tf_at(n - 1) is not mode:
-        return _original(public_api, relevant_args, *args, **kwargs)
-    _tf_pop()  # as torch does while a mode handles a call
-    try:
+
+    def record():
         result = rec.record(public_api, args, kwargs)  # as the mode would (F.* is not a factory)
         if result is NotImplemented:  # the subclasses' turn, the mode still off, as in torch
             result = _original(public_api, relevant_args, *args, **kwargs)
         return result
-    finally:
-        _tf_push(mode)
+
+    result = NOT_ON_TOP if rec is None else as_mode_handler(rec, record)
+    return _original(public_api, relevant_args, *args, **kwargs) if result is NOT_ON_TOP else result
 
 
 #: enter/exit around a recording call
