@@ -103,7 +103,7 @@ def test_verification_that_contradicts_stale_cached_times_says_so_and_re_measure
             stale[key] = cache.get(key)
             cache.put(key, MeasurementRecord(200.0, 3, stale[key].workspace_bytes, 0.0))
     # the whole model runs alike with every variant (fake clock): the stale records predict ~1 s more
-    # for the default. 1000 ms allows a ±250 ms miss (tolerance 25%), so the second verification
+    # for the default. 1000 ms allows a ±250 ms miss (verify.DISAGREEMENT_TOLERANCE, 25%), so the second verification
     # agrees however a loaded machine inflates the re-measured per-layer times (~0.1 ms each when quiet)
     monkeypatch.setattr(verify_mod, "wall_clock_ms", lambda variant, fn: (fn(), 1000.0)[1])
     with pytest.warns(RuntimeWarning, match="disagrees with the cached per-layer times"):
