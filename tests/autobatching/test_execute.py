@@ -147,3 +147,53 @@ def test_zero_dim_per_instance_values_promote_like_eager(make, expected):
         ref = make(v)
         assert o.dtype == ref.dtype == expected
         torch.testing.assert_close(o, ref)
+
+
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_index_plans_of_one_buffer_are_one_gather_with_the_same_rows(as_bytes, monkeypatch):
+    from array import array
+
+    from batchcraft.autobatching import gather
+
+    bufs = [torch.randn(10, 3), torch.randn(4, 3)]
+    rows = (lambda r: bytearray(array("q", r).tobytes())) if as_bytes else list
+    plans = [("index", 0, rows([1, 3])), ("view", 1, 1, 2), ("index", 0, rows([2, 0, 9])), ("index", 1, rows([3, 0]))]
+    want = [gather.take(bufs, p) for p in plans]
+    calls = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda t, *a: calls.append(t.shape) or real(t, *a))
+    got = gather.take_all(bufs, plans)
+    assert [tuple(s) for s in calls] == [(10, 3), (4, 3)]  # buffer 0 once for its two plans
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_lstm_cell_block_chain_writes_arenas_and_gathers_no_hoisted_input(monkeypatch):
+    # BiRNN's pattern: the cell's outputs (views of a squeezed batch) go into one arena per output,
+    # and the per-step groups gather only h and c (x is read by the hoisted input projection)
+    from batchcraft.autobatching import execute
+
+    torch.manual_seed(5)
+    emb = static_block(torch.nn.Embedding(20, 6))
+    cell = static_block(torch.nn.LSTMCell(6, 5))
+
+    def rnn(ids):
+        h = c = torch.zeros(5)
+        hs = []
+        for w in ids:
+            h, c = cell(emb(torch.tensor(w)), (h, c))
+            hs.append(h)
+        return torch.stack(hs)
+
+    seqs = [[(3 * i + j) % 20 for j in range(n)] for i, n in enumerate((4, 9, 2, 6, 9))]
+    gathered, placed = [], []
+    real_take_all, real_arena = execute.take_all, execute.Executor._into_arena
+    monkeypatch.setattr(execute, "take_all", lambda bufs, plans: gathered.append(len(plans)) or real_take_all(bufs, plans))
+    monkeypatch.setattr(execute.Executor, "_into_arena",
+                        lambda self, *a: placed.append(real_arena(self, *a)) or placed[-1])
+    with torch.no_grad():
+        f = assert_matches_eager(rnn, seqs, [])
+    assert f.stats.groups_by_rule.get("hoisted") == 1
+    assert placed and all(p is not None for p in placed)
+    assert gathered.count(2) >= 8  # steps 1..8: h and c only
+    assert 3 not in gathered

@@ -1136,6 +1136,25 @@ static PyObject *record_block(RecObject *self, PyObject *block, PyObject *const 
                 lens[nlens++] = (int32_t)n;
                 for (Py_ssize_t j = 0; j < n; j++) members[nmem++] = PyList_GET_ITEM(a, j);
             }
+        } else if (t == &PyTuple_Type) {
+            /* a state tuple (h, c): per-length key only (the ragged spelling takes no tuples);
+               its lazies are leaves in flatten order, keyed with requires_grad like top-level ones */
+            Py_ssize_t n = PyTuple_GET_SIZE(a);
+            kr.ok = 0;
+            kpush(&kp, TAG(K_TUPLE, n));
+            for (Py_ssize_t j = 0; j < n && kp.ok; j++) {
+                PyObject *b = PyTuple_GET_ITEM(a, j);
+                if (Py_TYPE(b) == g_LazyType) {
+                    LazyObject *x = (LazyObject *)b;
+                    if (x->rec != (PyObject *)self || kp.nleaves >= MAXLEAVES) { kp.ok = 0; break; }
+                    kp.leaves[kp.nleaves++] = b;
+                    kpush(&kp, TAG(K_LAZYRG, ((uint64_t)x->did << 1) | lazy_rg(self, x)));
+                } else {
+                    Py_ssize_t nl = kp.nleaves;
+                    encode_arg(&kp, self, b, 1);
+                    if (kp.nleaves != nl) kp.ok = 0;
+                }
+            }
         } else {
             Py_ssize_t before_r = kr.n, before_p = kp.n;
             KeyBuf *bufs[2] = {&kr, &kp};

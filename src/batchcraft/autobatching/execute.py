@@ -24,7 +24,7 @@ import torch
 
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching.descs import row_bytes
-from batchcraft.autobatching.gather import index_tensor, take
+from batchcraft.autobatching.gather import index_tensor, take, take_all
 from batchcraft.autobatching.lower import Runner
 from batchcraft.autobatching.program import Program
 from batchcraft.autobatching.signature import LEAF, RAGGED, SIGNATURES, call_with, flatten, rebuild
@@ -103,8 +103,14 @@ class Executor:
         off = a[1]
         if off + n > a[2]:  # pragma: no cover - the plan counted every node
             return None
-        if any(t._base is not None or not t.is_contiguous() for t in outs):
+        if not all(t.is_contiguous() for t in outs):
             return None  # a copy would change eager's layout (.view() on it may rely on it)
+        if len(outs) > 1 and any(t._base is not None for t in outs):
+            # outputs aliasing each other ((a, a[0])) stay one storage; a view of a temporary
+            # (an LSTM cell's squeezed h and c) is copied like any result
+            ptrs = [t.untyped_storage().data_ptr() for t in outs]
+            if len(set(ptrs)) != len(ptrs):
+                return None
         bufs = self.rec.buffers
         if a[0] is None:
             a[0] = len(bufs)
@@ -171,9 +177,13 @@ class Executor:
             plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
         bufs = rec.buffers
         with run_under(info.state):
-            ins = [take(bufs, p) for p in plans[:prog.n_in]]
-            if hoisted is not None:
+            if hoisted is None:
+                ins = take_all(bufs, plans[:prog.n_in])
+            else:
                 sp = hoisted[0]
+                reads = sp.rest_reads
+                got = iter(take_all(bufs, [p for p, r in zip(plans, reads) if r]))
+                ins = [next(got) if r else None for r in reads]
                 if hoisted[2] is None:  # first group of the signature: the prefix for all of them
                     hoisted[2] = _hoist.run_prefix(self, sp, [nd for g in hoisted[1] for nd in g])
                     st.groups_by_rule["hoisted"] = st.groups_by_rule.get("hoisted", 0) + 1
@@ -201,9 +211,9 @@ class Executor:
             except BatchcraftError as exc:
                 if isinstance(exc, InstanceError):
                     raise
-                outs = self.per_instance_group(info, nodes, ins, rags, plans, exc)
+                outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), rags, plans, exc)
             except Exception as exc:
-                outs = self.per_instance_group(info, nodes, ins, rags, plans, exc)
+                outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), rags, plans, exc)
         if runner.fallback_steps:
             st.fallbacks += n * runner.fallback_steps
             for reason in runner.fallbacks.values():
@@ -233,6 +243,10 @@ class Executor:
         kinds[kname] = kinds.get(kname, 0) + 1
 
     # -- the last resort: node by node -------------------------------------------------------------
+    def _all_inputs(self, ins, plans):
+        """``ins`` with the inputs a hoisted rest did not read gathered too (for the original func)."""
+        return [take(self.rec.buffers, plans[j]) if t is None else t for j, t in enumerate(ins)]
+
     def per_instance_group(self, info, nodes, ins, rags, plans, cause):
         """Run each node of the group alone, on its own rows; stack the outputs."""
         rec = self.rec

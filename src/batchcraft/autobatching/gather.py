@@ -50,6 +50,43 @@ def take(buffers, plan) -> torch.Tensor:
     return cat.index_select(0, index_tensor(perm, cat.device))
 
 
+#: index plans of one buffer in one group are joined into one ``index_select`` from this many on
+JOIN_MIN = 2
+
+
+def take_all(buffers, plans) -> list:
+    """:func:`take` of every plan of a group; index plans reading one buffer share one gather.
+
+    A group with many slots (``torch.stack`` of a sentence's words: one slot per word) would make
+    one small ``index_select`` per slot; joined, the slots are one ``index_select`` of all their
+    rows (slot after slot) and each slot is a contiguous view of it. Values are the same rows.
+    """
+    by_buf: dict = {}
+    for j, p in enumerate(plans):
+        if p[0] == "index":
+            by_buf.setdefault(p[1], []).append(j)
+    out = [None] * len(plans)
+    for b, js in by_buf.items():
+        if len(js) < JOIN_MIN:
+            continue
+        rows = [plans[j][2] for j in js]
+        if all(type(r) is bytearray for r in rows):
+            joined = bytearray().join(rows)
+            sizes = [len(r) // 8 for r in rows]
+        elif not any(type(r) is bytearray for r in rows):
+            joined = [x for r in rows for x in r]
+            sizes = [len(r) for r in rows]
+        else:  # pragma: no cover - one planner emits one kind
+            continue
+        t = buffers[b]
+        g = t.index_select(0, index_tensor(joined, t.device))
+        r0 = 0
+        for j, n in zip(js, sizes):
+            out[j] = g[r0:r0 + n]
+            r0 += n
+    return [take(buffers, p) if o is None else o for p, o in zip(plans, out)]
+
+
 def stack_leaves(records, desc, value_of, nodes) -> torch.Tensor:
     """One tensor of leaves with descriptor ``desc``: ``records[i]`` is ``[tensor, pyvalue, did]``.
 

@@ -32,12 +32,17 @@ class Split:
         early (tuple[int]): the single input slots P reads.
         prefix (Program): inputs = those slots (in order); outputs = the values R needs.
         rest (Program): inputs = the original single inputs, then P's outputs.
+        rest_reads (tuple[bool]): per original single input, whether R reads it (an input only
+            P reads, such as the ``x`` of a hoisted input projection, is not gathered per group).
     """
 
     def __init__(self, early, prefix, rest):
         self.early = early
         self.prefix = prefix
         self.rest = rest
+        read = {r[1] for st in rest.steps for r in st.refs if r[0] == "in"}
+        read |= {r[1] for r in rest.out_refs if r[0] == "in"}
+        self.rest_reads = tuple(j in read for j in range(rest.n_in - len(prefix.out_refs)))
 
 
 def _heavy(st) -> bool:
