@@ -197,3 +197,49 @@ def test_lstm_cell_block_chain_writes_arenas_and_gathers_no_hoisted_input(monkey
     assert placed and all(p is not None for p in placed)
     assert gathered.count(2) >= 8  # steps 1..8: h and c only
     assert 3 not in gathered
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_recurrences_run_in_packed_order_and_read_their_state_as_views(packed, monkeypatch):
+    # instances stop at different steps; longest first, each step's h and c are the first rows
+    # of the previous step's (no index_select), and the values are eager's either way
+    from batchcraft.autobatching import execute, gather
+
+    torch.manual_seed(6)
+    cell = static_block(torch.nn.GRUCell(4, 3))
+
+    def rnn(xs):
+        h = torch.zeros(3)
+        for x in xs:
+            h = cell(x, h)
+        return h
+
+    seqs = [torch.randn(n, 4) for n in (3, 9, 1, 6, 9, 2, 5, 7) * 5]
+    kinds = []
+    real = gather.take_all
+    monkeypatch.setattr(execute, "take_all", lambda bufs, plans: kinds.extend(p[0] for p in plans) or real(bufs, plans))
+    with torch.no_grad():
+        assert_matches_eager(rnn, seqs, [], packed_order=packed)
+    gathers = sum(k != "view" for k in kinds)
+    if packed:  # the first step reads the stacked torch.zeros leaves in the new order; then views
+        assert gathers <= 1, kinds
+    else:
+        assert gathers >= 5, kinds
+
+
+def test_packed_order_leaves_tree_cells_and_small_signatures_alone():
+    from batchcraft.autobatching.order import packed_order
+
+    class Rec:
+        def group_instances(self, nodes):
+            return [nd // 10 for nd in nodes]  # node id // 10 = its instance
+
+    tree = [((0, 1, 7), [10, 11, 20]), ((0, 2, 7), [12, 21])]   # instance 1 twice at depth 1
+    chain = [((0, 1, 8), [k * 10 + 5 for k in range(40)]),
+             ((0, 2, 8), [k * 10 + 6 for k in range(0, 40, 2)])]  # even instances go on
+    groups = tree + chain
+    assert packed_order(Rec(), groups) == 1
+    assert groups[0][1] == [10, 11, 20] and groups[1][1] == [12, 21]
+    first = groups[2][1]
+    assert first[:20] == [k * 10 + 5 for k in range(0, 40, 2)]  # two steps: first
+    assert first[20:] == [k * 10 + 5 for k in range(1, 40, 2)]

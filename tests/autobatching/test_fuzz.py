@@ -100,16 +100,27 @@ def _restore(P, snap):
 
 
 def check_program(program, specs, scheduler="depth", fibers=True, max_pending=None, seed=0, cores=None,
-                  ragged=True, hoist=True, kernels="default"):
+                  ragged=True, hoist=True, kernels="default", packed_order=True):
     """Run ``program`` eagerly and batched (on each core of ``cores``) on the instances of ``specs``;
-    assert equal values, dtypes, requires_grad, gradients and final module buffers."""
-    for core in cores or [CORES[0]]:
-        f = _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragged, hoist, kernels)
-        COUNTS[f"programs_{core}"] = COUNTS.get(f"programs_{core}", 0) + 1
+    assert equal values, dtypes, requires_grad, gradients and final module buffers.
+
+    With ``packed_order`` every recurrence is reordered (its size threshold lowered to 2 nodes,
+    so the fuzzer's few instances reach it); without, none is."""
+    from batchcraft.autobatching import order
+
+    min_nodes = order.MIN_NODES
+    order.MIN_NODES = 2
+    try:
+        for core in cores or [CORES[0]]:
+            f = _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragged, hoist, kernels,
+                           packed_order)
+            COUNTS[f"programs_{core}"] = COUNTS.get(f"programs_{core}", 0) + 1
+    finally:
+        order.MIN_NODES = min_nodes
     return f
 
 
-def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragged, hoist, kernels):
+def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragged, hoist, kernels, packed_order):
     d = program[0]
     P = Params(d, seed)
     fn = compile_program(program, P)
@@ -130,7 +141,7 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
     if eager_error is not None:
         _restore(P, snap)
         f = autobatch(fn, scheduler=scheduler, fibers=fibers, max_pending=max_pending, core=core,
-                      ragged=ragged, hoist=hoist, kernels=kernels)
+                      ragged=ragged, hoist=hoist, kernels=kernels, packed_order=packed_order)
         P.memo.clear()
         with pytest.raises(Exception):
             f(instances)
@@ -143,7 +154,7 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
     _restore(P, snap)
 
     f = autobatch(fn, scheduler=scheduler, fibers=fibers, max_pending=max_pending, core=core, ragged=ragged,
-                  hoist=hoist, kernels=kernels)
+                  hoist=hoist, kernels=kernels, packed_order=packed_order)
     P.memo.clear()  # lazy values cached across instances must come from this run
     out = f(instances)
     COUNTS["programs"] += 1
@@ -262,6 +273,7 @@ options = st.fixed_dictionaries({
     "cores": st.just(CORES) if LONG else st.sampled_from(CORES).map(lambda c: [c]),
     "ragged": st.booleans(),   # ragged blocks vs per-length keys, both against eager
     "hoist": st.booleans(),
+    "packed_order": st.booleans(),   # recurrences longest instance first vs recording order
     "kernels": st.sampled_from(("default", "onednn")),
 })
 

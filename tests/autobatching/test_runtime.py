@@ -251,3 +251,31 @@ def test_a_block_called_with_a_state_tuple_records_on_the_fast_path(core, monkey
         assert len(slow) <= len(seqs), (len(slow), steps)
     else:
         assert len(slow) == steps
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_zeros_and_ones_of_int_sizes_are_leaves_like_eager(core, monkeypatch):
+    # the fill-factory leaf (recorder.factory_leaf) skips the general path: dtypes under the
+    # instance's default dtype, in-place updates of the leaf, gradients through it, as eager
+    from batchcraft.autobatching import recorder
+
+    made = []
+    real = recorder.RecorderBase.factory_leaf
+    monkeypatch.setattr(recorder.RecorderBase, "factory_leaf", lambda self, f, a: made.append(a) or real(self, f, a))
+    w = torch.randn(3, requires_grad=True)
+
+    def fn(inst):
+        x, wide = inst
+        if wide:
+            torch.set_default_dtype(torch.float64)
+        z = torch.zeros(3)
+        o = torch.ones(2, 3)
+        z.add_(x * w)   # in place on the leaf
+        torch.set_default_dtype(torch.float32)
+        return z + o.sum(0).to(z.dtype), torch.zeros(len(x) - 3 + 1, 2).shape[0]
+
+    xs = [(torch.randn(3), i % 2 == 1) for i in range(5)]
+    f = assert_matches_eager(fn, xs, [w], core=core)
+    assert len(made) >= 15  # every zeros/ones call of the batched run took the leaf path
+    with pytest.raises(InstanceError, match="negative"):
+        f([(torch.randn(3), False)] * 2 + [(torch.randn(1), False)])  # torch.zeros(-1, 2): torch's error

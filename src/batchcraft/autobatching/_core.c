@@ -31,6 +31,8 @@
 static PyObject *g_TensorType = NULL;      /* torch._C.TensorBase */
 static PyObject *g_DtypeType = NULL;       /* torch.dtype */
 static PyObject *g_torch_tensor = NULL;    /* torch.tensor */
+static PyObject *g_fill_factories = NULL;  /* (torch.zeros, torch.ones): int sizes -> rec.factory_leaf */
+static PyObject *s_factory_leaf = NULL;
 static PyObject *g_is_grad = NULL;         /* torch.is_grad_enabled */
 static PyObject *g_any_autocast = NULL;    /* torch._C._is_any_autocast_enabled */
 static PyObject *g_is_inference = NULL;    /* torch.is_inference_mode_enabled */
@@ -1736,6 +1738,18 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
                 if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
             }
         }
+        if (!fkw && n > 0 && g_fill_factories) {
+            int fill = 0;
+            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_fill_factories); i++)
+                if (PyTuple_GET_ITEM(g_fill_factories, i) == func) { fill = 1; break; }
+            for (Py_ssize_t i = 0; fill && i < n; i++)
+                if (Py_TYPE(PyTuple_GET_ITEM(targs, i)) != &PyLong_Type) fill = 0;
+            if (fill) {
+                r = PyObject_CallMethodObjArgs(rec, s_factory_leaf, func, targs, NULL);
+                Py_DECREF(targs);
+                return r;
+            }
+        }
         r = rec_record_impl(rec, func, &PyTuple_GET_ITEM(targs, 0), n, fkw);
     } else {
         PyObject *kw = fkw ? fkw : PyDict_New();
@@ -2007,7 +2021,9 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     GET(g_rebuild, "rebuild"); GET(g_escape, "escape"); GET(g_StaticBlock, "StaticBlock"); GET(g_float_dids, "float_dids");
     GET(g_scalar_dids, "scalar_dids"); GET(g_cpu_device, "cpu_device");
     GET(g_tf_mode_enabled, "tf_mode_enabled"); GET(g_tf_len, "tf_len"); GET(g_tf_at, "tf_at");
-    PyObject *o = PyDict_GetItemString(d, "int_did");
+    PyObject *o = PyDict_GetItemString(d, "fill_factories");
+    Py_XINCREF(o); Py_XSETREF(g_fill_factories, o);
+    o = PyDict_GetItemString(d, "int_did");
     g_int_did = o ? (int)PyLong_AsLong(o) : 0;
     o = PyDict_GetItemString(d, "bool_did");
     g_bool_did = o ? (int)PyLong_AsLong(o) : 0;
@@ -2073,7 +2089,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
     INTERN(s_pending_limit, "pending_limit"); INTERN(s_step_limit, "step_limit"); INTERN(s_inplace, "inplace");
-    INTERN(s_mode_call, "mode_call"); INTERN(s_mode, "mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
+    INTERN(s_mode_call, "mode_call"); INTERN(s_factory_leaf, "factory_leaf"); INTERN(s_mode, "mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
     INTERN(s_batchcraft_block, "_batchcraft_block"); INTERN(s_fn, "fn"); INTERN(s_register_view, "register_view");
     PyObject *m = PyModule_Create(&coremodule);
     if (!m) return NULL;

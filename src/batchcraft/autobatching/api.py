@@ -53,7 +53,7 @@ class AutoBatched:
 
 def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, max_steps: int | None = None,
               max_pending: int | None = None, core: str = "auto", ragged: bool = True, hoist: bool = True,
-              kernels: str = "auto", arenas: bool = True, compile_blocks: bool = False,
+              kernels: str = "auto", arenas: bool = True, packed_order: bool = True, compile_blocks: bool = False,
               fast_attributes: bool = True, fast_factories: bool = False, fast_modules: bool = True) -> AutoBatched:
     """Return a callable that runs per-instance ``fn`` over many instances in batches.
 
@@ -82,6 +82,9 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
         kernels (str): batched matrix multiplies: ``"auto"`` (the backend measured fastest here,
             cached per machine), ``"default"`` (PyTorch's) or ``"onednn"``.
         arenas (bool): in inference, groups of one operation write into shared buffers.
+        packed_order (bool): depth scheduler: the nodes of a recurrence (a cell called once per
+            step) run longest instance first, as in a packed sequence, so each step reads the
+            previous step's state as a view instead of gathering it. Default: True.
         compile_blocks (bool): run static blocks' programs through ``torch.compile`` (off: on the
             CPU it costs seconds per signature and was slower at the suite's sizes).
         fast_attributes (bool): C core: while the call records, ``nn.Module.__getattr__`` (what
@@ -132,7 +135,7 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
         raise TypeError(f"autobatch: fn must be callable, got {type(fn).__name__}")
     return AutoBatched(fn, Options(scheduler=scheduler, fibers=fibers, max_steps=max_steps, max_pending=max_pending,
                                    core=core, ragged=ragged, hoist=hoist, kernels=kernels, arenas=arenas,
-                                   compile_blocks=compile_blocks, fast_attributes=fast_attributes,
+                                   packed_order=packed_order, compile_blocks=compile_blocks, fast_attributes=fast_attributes,
                                    fast_factories=fast_factories, fast_modules=fast_modules))
 
 

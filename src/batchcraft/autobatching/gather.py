@@ -24,6 +24,18 @@ def index_tensor(rows, device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device)
 
 
+def select_rows(t, idx) -> torch.Tensor:
+    """``t.index_select(0, idx)``; a contiguous ``t`` of rank > 2 is gathered as a 2-D view.
+
+    ATen's ``index_select`` copies a 2-D contiguous tensor row by row but walks higher ranks
+    element-wise: 3.5x slower for (N, 64, 64) rows on this CPU (MV-RNN's word matrices). The
+    rows and values are the same.
+    """
+    if t.dim() > 2 and t.is_contiguous():
+        return t.view(t.shape[0], -1).index_select(0, idx).view((idx.shape[0],) + tuple(t.shape[1:]))
+    return t.index_select(0, idx)
+
+
 def take(buffers, plan) -> torch.Tensor:
     """The ``(n, ...)`` tensor described by ``plan``."""
     kind = plan[0]
@@ -33,7 +45,7 @@ def take(buffers, plan) -> torch.Tensor:
         return t if (r0 == 0 and t.shape[0] == n) else t[r0:r0 + n]
     if kind == "index":
         t = buffers[plan[1]]
-        return t.index_select(0, index_tensor(plan[2], t.device))
+        return select_rows(t, index_tensor(plan[2], t.device))
     pieces = []
     for b, rows in plan[1]:
         t = buffers[b]
@@ -42,12 +54,12 @@ def take(buffers, plan) -> torch.Tensor:
         if type(rows) is not bytearray and rows[-1] - r0 == n - 1 and rows == list(range(r0, r0 + n)):
             pieces.append(t[r0:r0 + n])
         else:
-            pieces.append(t.index_select(0, index_tensor(rows, t.device)))
+            pieces.append(select_rows(t, index_tensor(rows, t.device)))
     cat = torch.cat(pieces)
     perm = plan[2]
     if perm is None:
         return cat
-    return cat.index_select(0, index_tensor(perm, cat.device))
+    return select_rows(cat, index_tensor(perm, cat.device))
 
 
 #: index plans of one buffer in one group are joined into one ``index_select`` from this many on
@@ -79,7 +91,7 @@ def take_all(buffers, plans) -> list:
         else:  # pragma: no cover - one planner emits one kind
             continue
         t = buffers[b]
-        g = t.index_select(0, index_tensor(joined, t.device))
+        g = select_rows(t, index_tensor(joined, t.device))
         r0 = 0
         for j, n in zip(js, sizes):
             out[j] = g[r0:r0 + n]

@@ -27,6 +27,8 @@ class Options:
         kernels (str): batched matrix multiplies: ``"auto"`` (the backend measured fastest on
             this machine for the shape, cached), ``"default"`` (PyTorch's) or ``"onednn"``.
         arenas (bool): write the outputs of one kind of group into shared buffers (inference).
+        packed_order (bool): depth scheduler: order the nodes of recurrences longest instance
+            first, so that each step reads the previous step's state as a view (``order.py``).
         compile_blocks (bool): run static blocks' batched programs through ``torch.compile``.
         fast_attributes (bool): C core: ``nn.Module.__getattr__`` runs in C during the call
             (same lookups and errors; see ``attrs.py``).
@@ -48,6 +50,7 @@ class Options:
     hoist: bool = True
     kernels: str = "auto"
     arenas: bool = True
+    packed_order: bool = True
     compile_blocks: bool = False
     fast_attributes: bool = True
     fast_factories: bool = False
@@ -62,7 +65,7 @@ class Options:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
-        for name in ("fibers", "ragged", "hoist", "arenas", "compile_blocks", "fast_attributes", "fast_factories",
+        for name in ("fibers", "ragged", "hoist", "arenas", "packed_order", "compile_blocks", "fast_attributes", "fast_factories",
                      "fast_modules"):
             v = getattr(self, name)
             if not isinstance(v, bool):

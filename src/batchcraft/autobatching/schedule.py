@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from batchcraft.autobatching.order import packed_order
+
 _perf = time.perf_counter
 
 
@@ -26,6 +28,8 @@ class DepthScheduler:
         t0 = _perf()
         groups = rec.take_buckets()
         groups.sort(key=lambda kv: (kv[0][0], kv[0][1]))
+        if executor.options.packed_order:
+            packed_order(rec, groups)
         hoists = executor.plan_hoists(groups)
         stats.schedule_s += _perf() - t0
         executor.begin(groups)
