@@ -131,3 +131,35 @@ def test_a_sequence_as_the_state_of_a_single_state_cell_raises_as_in_eager(kind)
         cell(torch.randn(H), (torch.zeros(H),))
     with pytest.raises(InstanceError, match="has no attribute 'dim'"):
         autobatch(lambda x: cell(x, (torch.zeros(H) + x,)))([torch.randn(H), torch.randn(H)])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_checks_remembered_within_a_call_follow_weight_changes_and_new_shapes(core):
+    # cells.py remembers a passed check per (module, gates, descriptors) with the weights it saw:
+    # a weight replaced mid-call, a changed nonlinearity or a state of another size is checked anew
+    torch.manual_seed(7)
+    cell = nn.RNNCell(H, H)
+    w_new = nn.Parameter(torch.randn(H, H) * 0.3)
+    w_old = cell.weight_hh
+
+    def fn(x):
+        h = torch.zeros(H)
+        h = cell(x, h) + 0 * x
+        h = cell(x, h)
+        cell.weight_hh = w_new       # same shapes, another tensor: must be the one used
+        cell.nonlinearity = "relu"
+        h = cell(x, h)
+        cell.weight_hh = w_old
+        cell.nonlinearity = "tanh"
+        return cell(x, h), cell(x.unsqueeze(0), h.unsqueeze(0))  # 2-D: checked as 2-D
+
+    assert_matches_eager(fn, [torch.randn(H) for _ in range(4)], list(cell.parameters()) + [w_new], core=core)
+    bad = nn.LSTMCell(H, H)
+
+    def wrong(x):
+        h = torch.zeros(H)
+        h, c = bad(x, (h, h))
+        return bad(x, (h, torch.zeros(H + 1)))  # the second call's state has the wrong size
+
+    with pytest.raises(InstanceError, match="hidden|size"):
+        autobatch(wrong, core=core)([torch.randn(H) for _ in range(3)])

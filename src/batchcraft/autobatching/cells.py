@@ -141,10 +141,6 @@ def _fast_cell(original, n_states, gates_of):
         if (lazy_type is None or type(input) is not lazy_type or input.rec is not rec
                 or getattr(rec, "is_tracer", False) or hx is None):
             return original(self, input, hx)
-        # the registered parameters themselves (one dict read each, not four __getattr__ calls);
-        # a parametrized or replaced weight is not there: torch's forward then reads it its way
-        params = self.__dict__.get("_parameters", {})
-        w_ih, w_hh, b_ih, b_hh = (params.get(n, _MISSING) for n in _NAMES)
         if n_states == 1:  # GRU / RNN: a state tensor, not a sequence (torch raises for one)
             if isinstance(hx, (tuple, list)):
                 return original(self, input, hx)
@@ -153,11 +149,24 @@ def _fast_cell(original, n_states, gates_of):
             if not isinstance(hx, (tuple, list)):
                 return original(self, input, hx)
             states = tuple(hx)
+        # the registered parameters themselves (one dict read each, not four __getattr__ calls);
+        # a parametrized or replaced weight is not there: torch's forward then reads it its way
+        params = self.__dict__.get("_parameters", {})
+        weights = tuple([params.get(n, _MISSING) for n in _NAMES])
         gates = gates_of(self)
-        if (gates is None or len(states) != n_states
-                or any(w is _MISSING or (w is not None and not _plain_tensor(w, lazy_type)) for w in (w_ih, w_hh, b_ih, b_hh))
-                or w_ih is None or w_hh is None or not _shapes_ok(input, states, w_ih, w_hh, lazy_type)):
-            return original(self, input, hx)  # torch's forward: its own checks and errors
+        # this call's checks passed before for the same module, weights, gates and input / state
+        # descriptors (shapes, dtypes): the checks read shapes only, so they pass again
+        key = (id(self), gates, input.did, *[t.did if type(t) is lazy_type else None for t in states])
+        seen = _checked(rec).get(key)
+        if seen is None or any(a is not b for a, b in zip(seen, weights)) or None in key[3:]:
+            w_ih, w_hh, b_ih, b_hh = weights
+            if (gates is None or len(states) != n_states
+                    or any(w is _MISSING or (w is not None and not _plain_tensor(w, lazy_type)) for w in weights)
+                    or w_ih is None or w_hh is None or not _shapes_ok(input, states, w_ih, w_hh, lazy_type)):
+                return original(self, input, hx)  # torch's forward: its own checks and errors
+            if None not in key[3:]:
+                _checked(rec)[key] = weights  # holds the weights: their ids stay theirs
+        w_ih, w_hh, b_ih, b_hh = weights
         out = as_mode_handler(rec, lambda: rec.record(
             gates, (rec.record(F.linear, (input, w_ih, b_ih), {}), *states, w_hh, b_hh), {}))
         return original(self, input, hx) if out is NOT_ON_TOP else out
@@ -165,6 +174,15 @@ def _fast_cell(original, n_states, gates_of):
     forward.__wrapped__ = original
     forward.__doc__ = original.__doc__
     return forward
+
+
+def _checked(rec) -> dict:
+    """Cell calls whose checks passed during this recorder's call (dropped with the recorder)."""
+    d = rec.__dict__
+    c = d.get("_cells_checked")
+    if c is None:
+        c = d["_cells_checked"] = {}
+    return c
 
 
 def _rnn_gates(cell):
