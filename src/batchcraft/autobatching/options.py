@@ -39,6 +39,9 @@ class Options:
             called on this call's lazy values record projection + gates directly (``cells.py``),
             and ``torch.nn.functional``'s Python functions reach the recorder without torch's
             Python dispatch (``dispatch.py``).
+        retain_memory (bool): glibc: while the call runs, memory comes from the heap rather than
+            fresh ``mmap`` pages, so the next call reuses it instead of faulting it in again
+            (``memory.py``).
     """
 
     scheduler: str = "depth"
@@ -55,6 +58,7 @@ class Options:
     fast_attributes: bool = True
     fast_factories: bool = False
     fast_modules: bool = True
+    retain_memory: bool = True
 
     def __post_init__(self):
         for name, allowed in (("scheduler", SCHEDULER_NAMES), ("core", CORE_NAMES), ("kernels", KERNEL_NAMES)):
@@ -66,7 +70,7 @@ class Options:
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
         for name in ("fibers", "ragged", "hoist", "arenas", "packed_order", "compile_blocks", "fast_attributes", "fast_factories",
-                     "fast_modules"):
+                     "fast_modules", "retain_memory"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"autobatch: {name} must be a bool, got {v!r}")

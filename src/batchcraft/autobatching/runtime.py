@@ -35,6 +35,7 @@ from batchcraft.autobatching.modstate import resolve_module_state
 from batchcraft.autobatching import core as _core
 from batchcraft.autobatching import buffers as _buffers
 from batchcraft.autobatching import functional as _functional
+from batchcraft.autobatching import memory as _memory
 from batchcraft.autobatching import stack
 from batchcraft.autobatching.execute import Executor
 from batchcraft.autobatching.lazy import LazyTensor
@@ -45,6 +46,15 @@ from batchcraft.autobatching.threadstate import FiberState
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
+
+try:
+    import resource as _resource
+
+    def _minor_faults() -> int:
+        return _resource.getrusage(_resource.RUSAGE_SELF).ru_minflt
+except ImportError:  # not Unix
+    def _minor_faults() -> int:
+        return 0
 
 
 def _tag(exc, i: int) -> None:
@@ -146,16 +156,20 @@ class Runtime:
         cells = FAST_CELLS if self.options.fast_modules else nullcontext()  # cells.py
         dispatch = FAST_DISPATCH if self.options.fast_modules else nullcontext()  # dispatch.py
         measured = getattr(self.executor.kernels, "n_measured", 0)
+        retention = _memory.retain(self.options.retain_memory)
+        faults = _minor_faults()
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
             _functional.intercept_function_apply(True)
-            with attrs, cells, dispatch:
+            with attrs, cells, dispatch, retention:
                 return self._run(instances, t_start)
         finally:
             try:
                 _functional.intercept_function_apply(False)
                 st.kernels_measured = getattr(self.executor.kernels, "n_measured", 0) - measured
+                st.memory_retained = retention.retained
+                st.page_faults = _minor_faults() - faults
             finally:
                 if gc_was_enabled:
                     gc.enable()

@@ -26,6 +26,10 @@ class RunStats:
         kernels_measured (int): matrix-multiply shape classes whose kernel was measured during
             this call (``kernels="auto"``: once per machine, then cached; the time is in
             ``kernel_s``, so a first call on a new machine is slower).
+        memory_retained (bool): the call ran with memory retention (``memory.py``: glibc, option
+            ``retain_memory``).
+        page_faults (int): minor page faults of the process during the call (fresh memory
+            touched; each costs microseconds of kernel time).
     """
 
     instances: int = 0
@@ -44,6 +48,8 @@ class RunStats:
     gather_s: float = 0.0
     kernel_s: float = 0.0
     kernels_measured: int = 0
+    memory_retained: bool = False
+    page_faults: int = 0
 
     def note_fallback(self, reason: str, count: int = 1) -> None:
         self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + count
@@ -74,6 +80,9 @@ class RunStats:
         if self.kernels_measured:
             text += (f"; {self.kernels_measured} kernel shape classes measured in this call "
                      f"(once per machine, cached)")
+        if self.page_faults >= 1000:  # fresh memory touched: each fault costs microseconds of kernel time
+            text += (f"; {self.page_faults} page faults"
+                     + ("" if self.memory_retained else " (memory retention off or unavailable: memory.py)"))
         if self.fallback_reasons:
             text += "; fallbacks: " + "; ".join(f"{k} (x{v})" for k, v in sorted(self.fallback_reasons.items()))
         return text
