@@ -312,3 +312,50 @@ def test_view_made_under_no_grad_reads_requires_grad_as_in_eager(core):
     gb = torch.autograd.grad(sum(o.sum() for o in out if o.requires_grad), wrt, allow_unused=True)
     ge = torch.autograd.grad(sum(r.sum() for r in ref if r.requires_grad), wrt, allow_unused=True)
     assert gb == ge == (None, None)  # no history through the no_grad view, as in eager
+
+
+class _Tag(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_fiber_state_fast_path_skips_only_when_the_state_is_the_schedulers():
+    """``leave``/``enter`` do nothing when the fiber left the scheduler's state as it was; a change
+    of any part, a mode stack of the same depth and top with another mode below, takes the full path."""
+    from batchcraft.autobatching.threadstate import FiberState
+
+    outer, inner = _Tag(), _Tag()
+    with outer, inner:
+        main = FiberState.capture()
+        fs = main.copy()
+        fs.enter(main)
+        fs.leave(main)  # nothing changed: fast path
+        assert fs.same_as(main) and _state() == (True, False, torch.float32, False, torch.bfloat16, 2)
+
+        fs.enter(main)
+        torch._C._set_grad_enabled(False)  # the fiber turns gradients off and yields
+        fs.leave(main)
+        assert fs.grad is False and torch.is_grad_enabled()  # captured; the scheduler's restored
+        fs.enter(main)
+        assert not torch.is_grad_enabled()  # resumed with its own state
+        torch._C._set_grad_enabled(True)
+        fs.leave(main)
+
+        fs.enter(main)
+        other = _Tag()
+        assert torch._C._pop_torch_function_stack() is inner
+        assert torch._C._pop_torch_function_stack() is outer
+        torch._C._push_on_torch_function_stack(other)  # same depth, same top, another mode below
+        torch._C._push_on_torch_function_stack(inner)
+        fs.leave(main)
+        assert fs.modes == (other, inner)
+        assert torch._C._get_function_stack_at(0) is outer  # the scheduler's stack is back
+        fs.enter(main)
+        assert torch._C._get_function_stack_at(0) is other
+        for _ in range(2):
+            torch._C._pop_torch_function_stack()
+        torch._C._push_on_torch_function_stack(outer)
+        torch._C._push_on_torch_function_stack(inner)
+        fs.leave(main)
+        assert fs.same_as(main)
+    assert torch._C._len_torch_function_stack() == 0

@@ -144,7 +144,7 @@ class FiberState:
 
     def _apply(self, inference_via_guard: bool) -> None:
         cur_modes = _tf_len()
-        if cur_modes != len(self.modes) or (cur_modes and _tf_at(cur_modes - 1) is not self.modes[-1]):
+        if cur_modes != len(self.modes) or not all(_tf_at(i) is m for i, m in enumerate(self.modes)):
             for _ in range(cur_modes):
                 _tf_pop()
             for m in self.modes:
@@ -155,8 +155,15 @@ class FiberState:
             set_autocast_state(self.autocast)
         _set_grad(self.grad)
 
+    def same_as(self, other: "FiberState") -> bool:
+        """Equal grad mode, inference mode, autocast, default dtype and mode stack."""
+        return (self.grad is other.grad and self.inference is other.inference and self.dtype is other.dtype
+                and self.autocast == other.autocast and self.modes == other.modes)
+
     def enter(self, main: "FiberState") -> None:
         """Before resuming the fiber: make its state current (``main``'s is current)."""
+        if self._out_guard is None and self.same_as(main):
+            return  # the common case: the fiber's state is the scheduler's, already current
         with _NoTF():  # the recording mode would see these calls
             self._enter(main)
 
@@ -169,6 +176,14 @@ class FiberState:
 
     def leave(self, main: "FiberState") -> None:
         """After the fiber yielded or finished: capture its state, make ``main``'s current."""
+        if self._in_guard is None and _tf_len() == len(main.modes) and _grad() is main.grad \
+                and _inference() is main.inference and _default_dtype() is main.dtype \
+                and (main.autocast is None and not autocast_enabled_any()) \
+                and all(_tf_at(i) is m for i, m in enumerate(main.modes)):
+            # the fiber left the state as the scheduler's (the common case): nothing to restore
+            self.grad, self.inference, self.autocast = main.grad, main.inference, None
+            self.dtype, self.modes = main.dtype, main.modes
+            return
         with _NoTF():
             self._leave(main)
 
