@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -158,3 +159,21 @@ def test_a_lazy_value_kept_past_its_call_still_reads_or_raises_clearly():
     torch.testing.assert_close(torch.tensor(kept[1].tolist()), xs[1] * 2)  # computed: readable
     with pytest.raises(AutobatchError, match="outside batchcraft.autobatch"):
         kept[0] + 1
+
+
+@glibc
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_during_a_call_starts_with_no_call_inside():
+    """DataLoader workers fork while another thread may be inside a call: the child must not keep
+    ``M_MMAP_MAX = 0`` (its large frees would stay resident) nor a count that never drops to 0."""
+    with memory.retain(True) as r:
+        assert r.retained and memory.active_calls() == 1
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            ok = memory.active_calls() == 0
+            with memory.retain(True):  # the lock is usable and the count works in the child
+                ok = ok and memory.active_calls() == 1
+            os._exit(0 if ok and memory.active_calls() == 0 else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert memory.active_calls() == 0

@@ -58,3 +58,24 @@ def test_values_stored_in_a_call_with_value_waits_warn(core):
     with pytest.warns(RuntimeWarning, match=r"EMA\.ema.*fiber order"):
         autobatch(m, core=core)([torch.randn(3) for _ in range(3)])
     assert type(m.ema) is torch.Tensor
+
+
+_GLOBAL_EMA = EMA()
+
+
+def _through_a_global(x):
+    return _helper(x).sum()
+
+
+def _helper(x):
+    return _GLOBAL_EMA(x)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_values_stored_on_a_module_reached_through_globals_are_concrete(core):
+    """Found by a helper: ``m = Model()`` at module level, ``def f(x): return m(x).sum()`` left
+    ``m.last`` lazy (only ``fn``, bound methods, partials and closures were followed)."""
+    xs = [torch.randn(3) for _ in range(3)]
+    autobatch(_through_a_global, core=core)(xs)
+    assert type(_GLOBAL_EMA.last) is torch.Tensor and type(_GLOBAL_EMA.ema) is torch.Tensor
+    torch.testing.assert_close(_GLOBAL_EMA.last, _GLOBAL_EMA.lin(xs[-1]))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
@@ -54,6 +55,21 @@ def _load_glibc():
 
 
 _libc = _load_glibc()
+
+
+def _after_fork_in_child() -> None:
+    """A child forked during a call (DataLoader workers, ``multiprocessing`` with fork) runs no
+    call of its parent: it starts with no call inside, glibc's default ``M_MMAP_MAX`` and a lock
+    that no thread of the parent may still hold."""
+    global _active, _lock
+    _lock = threading.Lock()
+    if _active and _libc is not None:
+        _libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+    _active = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def available() -> bool:

@@ -6,7 +6,8 @@ the call these are lazy values; left there, the module would be unusable afterwa
 ``state_dict()`` and every later use would meet a value of a finished call). When the call ends,
 :func:`resolve_module_state` replaces every lazy value of the call found in the attributes,
 buffers and parameters of the modules the function reaches (itself, a bound method's object, a
-``functools.partial``'s arguments, closure cells, and their submodules) by its value.
+``functools.partial``'s arguments, closure cells, the module-level globals its code names, and
+their submodules) by its value.
 
 Which value: the last assignment batchcraft executed. Instances run in fibers in instance order
 and each runs until it waits for a value, so without value waits the assignments happen in eager's
@@ -24,7 +25,8 @@ from torch import nn
 
 def _roots(fn) -> list:
     """Modules ``fn`` reaches directly: itself, a bound method's object, a partial's arguments,
-    the cells of its closure."""
+    the cells of its closure, the globals its code names (and the functions of its module
+    among them, followed the same way)."""
     out, seen, todo = [], set(), [fn]
     while todo:
         x = todo.pop()
@@ -46,6 +48,13 @@ def _roots(fn) -> list:
                 todo.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 pass
+        code, glob = getattr(func, "__code__", None), getattr(func, "__globals__", None)
+        if code is not None and glob is not None:  # globals the code names (m = Model() at module level)
+            for name in code.co_names:
+                v = glob.get(name)
+                if isinstance(v, (nn.Module, functools.partial)) or (
+                        callable(v) and hasattr(v, "__code__") and getattr(v, "__globals__", None) is glob):
+                    todo.append(v)
     return out
 
 

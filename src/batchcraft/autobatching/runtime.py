@@ -42,7 +42,7 @@ from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.schedule import make_scheduler
 from batchcraft.autobatching.signature import flatten, rebuild
 from batchcraft.autobatching.stats import RunStats
-from batchcraft.autobatching.threadstate import FiberState
+from batchcraft.autobatching.threadstate import FiberState, autocast_dtypes, set_autocast_dtypes
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
@@ -204,6 +204,7 @@ class Runtime:
         # opt-in: the C core's torch.tensor while recording (process-wide; see ccore.FAST_FACTORIES)
         fast = getattr(rec, "fast_calls", None) if self.options.fast_factories else None
         mode.__enter__()
+        dtypes = autocast_dtypes()  # kept while autocast is off, so not in the fiber state
         try:
             self.main_state = FiberState.capture()
             with fast or nullcontext():
@@ -215,6 +216,7 @@ class Runtime:
             try:
                 if self.main_state is not None:
                     self.main_state._apply(True)
+                set_autocast_dtypes(dtypes)  # as eager's autocast exit restores them
             finally:
                 mode.__exit__(None, None, None)
                 stack.pop()

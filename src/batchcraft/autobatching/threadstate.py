@@ -62,12 +62,21 @@ def autocast_state() -> tuple | None:
 
 
 def set_autocast_state(state: tuple | None) -> None:
-    """Make the autocast flags and dtypes ``state`` (from :func:`autocast_state`) current."""
+    """Make the autocast flags and dtypes ``state`` (from :func:`autocast_state`) current.
+
+    Autocast caches the casts of leaf tensors (weights) by tensor, not by dtype, and empties the
+    cache when its outermost region exits; flags set directly skip that nesting count, so the
+    cache is emptied here whenever an enabled state is left. Otherwise a weight cast to float16
+    under one state was reused under a bfloat16 one (in the call, and after it in eager code).
+    """
     if state is None:
         if autocast_enabled_any():
+            torch.clear_autocast_cache()
             for d in AUTOCAST_DEVICES:
                 torch.set_autocast_enabled(d, False)
         return
+    if autocast_enabled_any() and state != autocast_state():
+        torch.clear_autocast_cache()
     for item in state:
         if item[0] == "cache":
             torch.set_autocast_cache_enabled(item[1])
@@ -75,6 +84,17 @@ def set_autocast_state(state: tuple | None) -> None:
             d, enabled, dtype = item
             torch.set_autocast_dtype(d, dtype)
             torch.set_autocast_enabled(d, enabled)
+
+
+def autocast_dtypes() -> tuple:
+    """``((device, dtype), ...)``: autocast's dtype per device, which is kept while it is off."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES)
+
+
+def set_autocast_dtypes(dtypes: tuple) -> None:
+    for d, dtype in dtypes:
+        if torch.get_autocast_dtype(d) is not dtype:
+            torch.set_autocast_dtype(d, dtype)
 
 
 def op_state() -> tuple:
@@ -97,16 +117,20 @@ class run_under:
     def __enter__(self):
         grad, inf, ac = self.state
         self.guard = _InferenceMode(True) if (inf and not _inference()) else None
-        self.saved = (_grad(), autocast_state() if ac is not None or autocast_enabled_any() else None)
-        if ac is not None or self.saved[1] is not None:
+        prev = autocast_state() if ac is not None or autocast_enabled_any() else None
+        # the dtypes too: turning autocast off keeps the dtype it had, eager's exit restores them
+        self.saved = (_grad(), prev, autocast_dtypes() if ac is not None else None)
+        if ac is not None or prev is not None:
             set_autocast_state(ac)
         _set_grad(grad)
         return self
 
     def __exit__(self, *exc):
-        grad, ac = self.saved
+        grad, ac, dtypes = self.saved
         if ac is not None or self.state[2] is not None:
             set_autocast_state(ac)
+            if dtypes is not None:
+                set_autocast_dtypes(dtypes)
         _set_grad(grad)
         self.guard = None  # leaving inference mode restores the state before it
         return False
@@ -204,4 +228,4 @@ class FiberState:
         self._in_guard = None
 
 
-__all__ = ["PLAIN", "op_state", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
+__all__ = ["PLAIN", "op_state", "autocast_dtypes", "set_autocast_dtypes", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
