@@ -75,10 +75,10 @@ class _Finished:
     """What a recorder points to once its call has returned, in place of the runtime.
 
     The recorder and the runtime (and the recorder and its torch-function mode) refer to each
-    other; left so, every call's buffers (the
-    batched results) stayed alive until a cyclic GC pass found them, and each call cost a
-    collection (GRU early stop: one 120 ms full collection every 20 calls). With the back
-    reference replaced, reference counting frees them when the call returns.
+    other; left so, every call's buffers (the batched results) stayed alive until a cyclic GC
+    pass found them, and each call cost a collection (GRU early stop: one 120 ms full collection
+    every 20 calls). With the back references replaced, reference counting frees them when the
+    call returns.
     """
 
     def __init__(self, stats):
