@@ -53,7 +53,7 @@ static PyObject *g_tf_at = NULL;           /* torch._C._get_function_stack_at */
 static int g_ready = 0;                    /* setup() ran */
 
 static PyObject *s_record, *s_general, *s_requires_grad, *s_sig_entry, *s_materialize_leaves,
-    *s_pending_limit, *s_step_limit, *s_inplace, *s_mode_call, *s_mode, *s_block_slow, *s_check_fp,
+    *s_pending_limit, *s_step_limit, *s_inplace, *s_mode_call, *s_mode, *s_under_user_mode, *s_block_slow, *s_check_fp,
     *s_batchcraft_block, *s_fn, *s_register_view;
 
 static PyTypeObject LazyBaseType, RecorderType, ModeType, LazyMethodType, BlockCallType;
@@ -194,6 +194,55 @@ static PyObject *dispatch(PyObject *func, PyObject *const *args, Py_ssize_t narg
     return r;
 }
 
+/* 1 when a torch-function mode that instance code entered is innermost (above the recorder's
+   own mode, torch functions enabled), 0 if not, -1 on error. One call of torch's stack length
+   in the common case (only the recorder's mode on the stack). */
+static int user_mode_on_top(PyObject *rec) {
+    if (!g_ready) return 0;
+    PyObject *n = PyObject_CallNoArgs(g_tf_len);
+    if (!n) return -1;
+    Py_ssize_t len = PyLong_AsSsize_t(n);
+    Py_DECREF(n);
+    if (len < 0 && PyErr_Occurred()) return -1;
+    if (len <= 1) return 0;
+    PyObject *mode = PyObject_GetAttr(rec, s_mode);
+    if (!mode) { PyErr_Clear(); return 0; }  /* a block's tracer: no mode of its own */
+    if (mode == Py_None) { Py_DECREF(mode); return 0; }
+    PyObject *top = PyObject_CallFunction(g_tf_at, "n", len - 1);
+    if (!top) { Py_DECREF(mode); return -1; }
+    int user = top != mode;
+    Py_DECREF(top);
+    Py_DECREF(mode);
+    if (!user) return 0;
+    PyObject *en = PyObject_CallNoArgs(g_tf_mode_enabled);
+    if (!en) return -1;
+    user = en == Py_True;
+    Py_DECREF(en);
+    return user;
+}
+
+/* A Tensor method or operator called on a lazy value (not through torch's dispatch): recorded,
+   unless a mode of the user's is innermost, which then sees the call as in eager (bug #49; the
+   recorder's under_user_mode runs it on concrete values). */
+static PyObject *dispatch_direct(PyObject *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwargs) {
+    PyObject *rec = current_rec();
+    if (rec) {
+        int user = user_mode_on_top(rec);
+        if (user < 0) return NULL;
+        if (user) {
+            PyObject *t = PyTuple_New(nargs);
+            if (!t) return NULL;
+            for (Py_ssize_t i = 0; i < nargs; i++) { Py_INCREF(args[i]); PyTuple_SET_ITEM(t, i, args[i]); }
+            PyObject *kw = kwargs ? kwargs : PyDict_New();
+            PyObject *r = kw ? PyObject_CallMethodObjArgs(rec, s_under_user_mode, func, t, kw, NULL) : NULL;
+            if (!kwargs) Py_XDECREF(kw);
+            Py_DECREF(t);
+            return r;
+        }
+    }
+    return dispatch(func, args, nargs, kwargs);
+}
+
 static PyObject *dispatch_inplace(PyObject *func, PyObject *self, PyObject *other) {
     PyObject *rec = current_rec();
     if (!rec) return PyObject_CallOneArg(g_escape, func);
@@ -221,10 +270,10 @@ static PyObject *op_funcs[OP_COUNT];
 
 static PyObject *binop(int op, int rop, PyObject *a, PyObject *b) {
     PyObject *args[2];
-    if (IS_LAZY(a)) { args[0] = a; args[1] = b; return dispatch(op_funcs[op], args, 2, NULL); }
+    if (IS_LAZY(a)) { args[0] = a; args[1] = b; return dispatch_direct(op_funcs[op], args, 2, NULL); }
     if (rop < 0) Py_RETURN_NOTIMPLEMENTED;
     args[0] = b; args[1] = a;
-    return dispatch(op_funcs[rop], args, 2, NULL);
+    return dispatch_direct(op_funcs[rop], args, 2, NULL);
 }
 
 #define BINOP(name, op, rop) static PyObject *lazy_##name(PyObject *a, PyObject *b) { return binop(op, rop, a, b); }
@@ -247,7 +296,7 @@ static PyObject *lazy_pow(PyObject *a, PyObject *b, PyObject *mod) {
 }
 
 #define UNOP(name, op) static PyObject *lazy_##name(PyObject *a) { PyObject *args[1] = {a}; \
-    return dispatch(op_funcs[op], args, 1, NULL); }
+    return dispatch_direct(op_funcs[op], args, 1, NULL); }
 UNOP(neg, OP_NEG)
 UNOP(abs, OP_ABS)
 UNOP(invert, OP_INVERT)
@@ -279,12 +328,12 @@ static PyObject *lazy_richcompare(PyObject *a, PyObject *b, int op) {
         default: which = OP_NE; break;
     }
     PyObject *args[2] = {a, b};
-    return dispatch(op_funcs[which], args, 2, NULL);
+    return dispatch_direct(op_funcs[which], args, 2, NULL);
 }
 
 static PyObject *lazy_subscript(PyObject *a, PyObject *key) {
     PyObject *args[2] = {a, key};
-    return dispatch(op_funcs[OP_GETITEM], args, 2, NULL);
+    return dispatch_direct(op_funcs[OP_GETITEM], args, 2, NULL);
 }
 
 static PyNumberMethods lazy_as_number = {
@@ -388,7 +437,7 @@ static PyObject *lazymethod_vectorcall(LazyMethodObject *self, PyObject *const *
             Py_XDECREF(t);
         }
     } else {
-        r = dispatch(self->func, args, nargs, kw);
+        r = dispatch_direct(self->func, args, nargs, kw);
     }
     Py_XDECREF(kw);
     return r;
@@ -2089,7 +2138,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
     INTERN(s_pending_limit, "pending_limit"); INTERN(s_step_limit, "step_limit"); INTERN(s_inplace, "inplace");
-    INTERN(s_mode_call, "mode_call"); INTERN(s_factory_leaf, "factory_leaf"); INTERN(s_mode, "mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
+    INTERN(s_mode_call, "mode_call"); INTERN(s_factory_leaf, "factory_leaf"); INTERN(s_mode, "mode"); INTERN(s_under_user_mode, "under_user_mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
     INTERN(s_batchcraft_block, "_batchcraft_block"); INTERN(s_fn, "fn"); INTERN(s_register_view, "register_view");
     PyObject *m = PyModule_Create(&coremodule);
     if (!m) return NULL;

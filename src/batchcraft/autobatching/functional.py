@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from batchcraft.autobatching.lazy import user_mode_on_top
 from batchcraft.errors import UnsupportedOperationError
 
 _INPLACE_KW_FUNCS = None
@@ -171,6 +172,11 @@ def inplace(rec, x, func, args, kwargs):
         return x
     if rec.is_input_leaf_requiring_grad(x):
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    if user_mode_on_top(rec):  # a mode entered inside instance code sees the in-place call (bug #49)
+        new, out = rec.under_user_mode(func, args, kwargs, copy_first=True)
+        with torch._C.DisableTorchFunction():  # re-pointing views is ours: the mode does not see it
+            (rebind if name in _METADATA_ONLY else write)(rec, x, new)
+        return x if out is None else out
     oop, kw = _out_of_place(func, kwargs)
     new = rec.record(oop, args, kw or {})
     if name in _METADATA_ONLY:
@@ -192,8 +198,14 @@ def setitem(rec, x, key, value) -> None:
     rec.check_owner(x, setitem)
     if rec.is_input_leaf_requiring_grad(x):
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    if user_mode_on_top(rec):  # bug #49, as in inplace()
+        new, _ = rec.under_user_mode(torch.Tensor.__setitem__, (x, key, value), {}, copy_first=True)
+        with torch._C.DisableTorchFunction():
+            write(rec, x, new)
+        return
     new = rec.record(setitem_functional, (x, key, value), {})
     write(rec, x, new)
+
 
 
 def set_requires_grad(rec, x, value: bool) -> None:

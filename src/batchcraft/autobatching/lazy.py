@@ -43,6 +43,30 @@ INPLACE_OPS = ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv_
                "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__")
 
 
+_tf_len = torch._C._len_torch_function_stack
+_tf_at = torch._C._get_function_stack_at
+_tf_enabled = torch._C._is_torch_function_mode_enabled
+
+
+def user_mode_on_top(rec) -> bool:
+    """A torch-function mode that instance code entered is innermost (above ``rec``'s own mode,
+    torch functions enabled). Methods and operators of lazy values do not pass through torch's
+    dispatch, so such a mode would not see them (bug #49): the recorder's ``under_user_mode``
+    runs them instead. A block's tracer has no mode: never."""
+    n = _tf_len()
+    if n <= 1:
+        return False
+    mode = getattr(rec, "mode", None)
+    return mode is not None and _tf_at(n - 1) is not mode and _tf_enabled()
+
+
+def _call(func, args, kwargs):
+    rec = _active()
+    if user_mode_on_top(rec):
+        return rec.under_user_mode(func, args, kwargs)
+    return rec.record(func, args, kwargs)
+
+
 def _active():
     rec = _current()
     if rec is None:
@@ -71,7 +95,7 @@ class _PyLazyBase:
 
 def _py_method(func):
     def meth(self, *args, **kwargs):
-        return _active().record(func, (self, *args), kwargs)
+        return _call(func, (self, *args), kwargs)
 
     meth.__name__ = func.__name__
     return meth
@@ -79,7 +103,7 @@ def _py_method(func):
 
 def _py_binary(func):
     def op(self, other):
-        return _active().record(func, (self, other), {})
+        return _call(func, (self, other), {})
 
     op.__name__ = func.__name__
     return op
@@ -87,7 +111,7 @@ def _py_binary(func):
 
 def _py_unary(func):
     def op(self):
-        return _active().record(func, (self,), {})
+        return _call(func, (self,), {})
 
     op.__name__ = func.__name__
     return op
@@ -309,11 +333,11 @@ class LazyTensor(_Base):
         if not callable(method):
             # properties such as .T, .mT, .H: computed through the recorder
             if hasattr(method, "__get__"):
-                return _active().record(method.__get__, (self,), {})
+                return _call(method.__get__, (self,), {})
             raise AttributeError(name)
 
         def bound(*args, **kwargs):
-            return _active().record(method, (self, *args), kwargs)
+            return _call(method, (self, *args), kwargs)
 
         bound.__name__ = name
         return bound
@@ -324,4 +348,4 @@ if _native.core is not None:
     _native.core.setup_lazy(LazyTensor, {n: getattr(torch.Tensor, n) for n in FAST_METHODS + BINARY_OPS + UNARY_OPS},
                             {n: getattr(torch.Tensor, n) for n in INPLACE_OPS})
 
-__all__ = ["LazyTensor", "FAST_METHODS"]
+__all__ = ["LazyTensor", "FAST_METHODS", "user_mode_on_top"]

@@ -50,6 +50,16 @@ _SCALAR_SPECS: dict = {}  # (dtype, device argument) -> (dtype, torch.device, di
 
 
 _MethodWrapper = type(torch.Tensor.data.__get__)
+# a concrete leaf's autograd facts, read without torch's dispatch (a mode of the user's on top
+# would see our reads)
+def _is_leaf(t) -> bool:
+    with torch._C.DisableTorchFunction():
+        return t.is_leaf
+
+
+def _grad_fn(t):
+    with torch._C.DisableTorchFunction():
+        return t.grad_fn
 
 
 def _aliases_input(out, args) -> bool:
@@ -149,13 +159,19 @@ class RecorderBase:
         return bool(self.rg_bit(x.node, x.slot))
 
     def is_leaf_of(self, x) -> bool:
-        return self.node_sid(x.node) == 0 or not self.rg_bit(x.node, x.slot) or self._made_leaf(x)
+        if self.node_sid(x.node) == 0:
+            # a tensor made by a concrete call of instance code (``w * 2``, w a parameter) has
+            # autograd history: not a leaf, as in eager
+            return not self.rg_bit(x.node, x.slot) or _is_leaf(self.leaf_value(x.node))
+        return not self.rg_bit(x.node, x.slot) or self._made_leaf(x)
 
     def _made_leaf(self, x) -> bool:
         sid = self.node_sid(x.node)
         return sid != 0 and SIGNATURES.by_sid[sid].func is _functional.make_leaf
 
     def grad_fn_of(self, x):
+        if self.node_sid(x.node) == 0:
+            return _grad_fn(self.leaf_value(x.node)) if self.rg_bit(x.node, x.slot) else None
         return None if self.is_leaf_of(x) else PENDING_GRAD_FN
 
     def set_requires_grad(self, x, value: bool) -> None:
@@ -169,6 +185,48 @@ class RecorderBase:
 
     def setitem(self, x, key, value) -> None:
         _functional.setitem(self, x, key, value)
+
+    # -- a mode of the user's entered inside instance code (bug #49) ----------------------------
+    def under_user_mode(self, func, args, kwargs, *, copy_first: bool = False):
+        """``func(*args, **kwargs)``, a Tensor method or operator called on lazy values while a
+        torch-function mode that instance code entered is innermost (``lazy.user_mode_on_top``).
+
+        Run on the instance's concrete values, through torch's dispatch, so the mode sees the
+        call as in eager (a ``torch.Tensor`` method, real tensors; lazy values are not tensors,
+        and ``torch.Tensor.relu(lazy)`` would fail inside the mode). The lazy arguments are
+        waited for (a value request); what the call returns becomes a per-instance value again
+        through the recording mode below. Counted in ``stats.fallback_reasons``.
+
+        ``copy_first`` (an in-place method or ``__setitem__``): the first argument is a copy of
+        the instance's value (the batched buffer is not written), and ``(copy, result)`` is
+        returned as per-instance values (``result`` is None when the call returned the copy, as
+        in-place methods do) for ``functional.inplace`` to re-point the handle at.
+        """
+        name = getattr(func, "__name__", None) or repr(func)
+        self.runtime.stats.note_fallback(f"{name}: under a torch-function mode entered inside instance code "
+                                         f"(run on the instance's values, as eager)")
+        why = f"call {name} under a torch-function mode entered inside instance code"
+
+        def concrete(a):
+            if type(a) is _Lazy:
+                return self.materialize(a, why)
+            if type(a) is list or type(a) is tuple:
+                return type(a)(concrete(b) for b in a)
+            return a
+
+        args = tuple(concrete(a) for a in args)
+        kwargs = {k: concrete(v) for k, v in kwargs.items()}
+        if not copy_first:
+            return func(*args, **kwargs)
+        with torch._C.DisableTorchFunction():  # the copy is ours: no mode sees it
+            first = args[0].clone()
+        out = func(first, *args[1:], **kwargs)
+        with torch._C.DisableTorchFunction():  # nor our bookkeeping (shape, dtype reads)
+            if out is first:
+                return self.leaf(first), None
+            if isinstance(out, _Tensor) and type(out) is not _Lazy:
+                out = self.leaf(out)
+            return self.leaf(first), out
 
     # -- factory calls seen by the recording mode ---------------------------------------------
     def mode_call(self, func, args, kwargs):
@@ -477,7 +535,10 @@ class RecorderBase:
             self.writebacks.append((self.instance, t, x))
 
     def is_input_leaf_requiring_grad(self, x) -> bool:
-        return self.node_sid(x.node) == 0 and bool(self.rg_bit(x.node, x.slot))
+        """``x`` is a leaf tensor that requires grad (an in-place update of it is an error, as in
+        eager); a concrete call's result with autograd history is not (reliability #53)."""
+        return (self.node_sid(x.node) == 0 and bool(self.rg_bit(x.node, x.slot))
+                and _is_leaf(self.leaf_value(x.node)))
 
     def attach_hooks(self, nodes) -> None:
         """Hook the rows of executed ``nodes`` that have hooks (see ``functional.register_hook``)."""
