@@ -38,7 +38,9 @@ import torch
 
 from batchcraft import models
 from batchcraft.measure import format_table, machine_info, measure
+from batchcraft.measure.race import Race
 from batchcraft.parallel import BASELINES, InterOpExecutor, ParallelConfig, head_to_head, sweep, tune
+from batchcraft.parallel.compare import Comparison
 from batchcraft.parallel.workload import build_model, make_input
 
 DEFAULT_MODELS = ["mlp_fc512", "mlp_fc4096", "inception_wide", "recommender", "resnet18", "treelstm"]
@@ -101,8 +103,17 @@ def _verdicts(row: dict) -> None:
         "slower backend" if other["units"] and other["high"] < 1.0 else "faster backend")
 
 
+def _merged(a: Comparison, b: Comparison) -> Comparison:
+    """Two head-to-head races of the same configurations as one (b's process starts as new clusters)."""
+    ra, rb = a.race, b.race
+    offset = 1 + max((c for c in ra.clusters if isinstance(c, int)), default=-1)
+    race = Race.from_samples([x + y for x, y in zip(ra.samples, rb.samples)], labels=ra.labels, value=ra.value,
+                             clusters=[*ra.clusters, *(c + offset if isinstance(c, int) else c for c in rb.clusters)])
+    return Comparison(a.configs, race)
+
+
 def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: float, image_size: int,
-                confirm_rounds: int = 8, confirm_trial_s: float = 0.5) -> dict:
+                confirm_rounds: int = 8, confirm_trial_s: float = 0.5, max_confirm_rounds: int = 24) -> dict:
     t0 = time.monotonic()
     tuned = tune(name, batch_sizes=batch_sizes, budget_s=budget_s, image_size=image_size)
     tune_s = time.monotonic() - t0
@@ -140,7 +151,6 @@ def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: flo
         t1 = time.monotonic()
         comp = head_to_head(name, distinct, rounds=1, starts=confirm_rounds, duration_s=confirm_trial_s,
                             image_size=image_size) if len(distinct) > 1 else None
-        confirm_s += time.monotonic() - t1
         empty = {"estimate": 1.0, "low": 1.0, "high": 1.0, "confidence": 1.0, "units": 0, "same": True}
 
         def ratio(role):
@@ -149,6 +159,19 @@ def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: flo
             if index[role] == index["tuned"]:
                 return dict(empty)
             return _iv(comp, index["tuned"], index[role])
+
+        # sequential: a verdict the rounds so far leave undecided gets confirm_rounds more fresh-process
+        # rounds, up to max_confirm_rounds (each look's interval at CONFIDENCE; looking more than once
+        # lowers the coverage of the last look somewhat, so the row says how many rounds it took)
+        while comp is not None and comp.race.rounds + confirm_rounds <= max_confirm_rounds:
+            probe = {"vs_sweep_best": ratio("sweep best"), "vs_best_baseline": ratio("best baseline")}
+            _verdicts(probe)
+            if "undecided" not in (probe["verdict_sweep"], probe["verdict_baseline"]):
+                break
+            more = head_to_head(name, distinct, rounds=1, starts=confirm_rounds, duration_s=confirm_trial_s,
+                                image_size=image_size)
+            comp = _merged(comp, more)
+        confirm_s += time.monotonic() - t1
 
         row = {
             "model": name, "batch_size": b,
@@ -163,6 +186,7 @@ def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: flo
             "vs_sweep_best": ratio("sweep best"), "vs_best_baseline": ratio("best baseline"),
             "vs_pytorch_default": ratio("pytorch-default"), "vs_other_backend": ratio("other backend"),
             "confirm": None if comp is None else comp.to_dict(),
+            "confirm_rounds": 0 if comp is None else comp.race.rounds,
         }
         _verdicts(row)
         rows.append(row)
@@ -213,14 +237,17 @@ def render(report: dict) -> str:
     cov = report["models"][0]["rows"][0]["vs_best_baseline"]["confidence"] if report["models"] else 0
     lines.append(f"Machine: {m['cpu']}, {m['usable_cpus']} usable cores, torch {m['torch']}, "
                  f"Python {m['python']}; load average before/after: {report['load_before']} / {report['load_after']}.")
+    seq = report.get("max_confirm_rounds")
     lines.append(f"Side by side: {report['confirm_rounds']} rounds, each in fresh worker processes (one unit of "
                  f"the interval), rotating order, {report['confirm_trial_s']:g}-s trials; intervals "
                  f"[low, high] are the order-statistics intervals of the median paired ratio "
-                 f"({cov:.1%} coverage at {report['confirm_rounds']} rounds).")
+                 f"({cov:.1%} coverage at {report['confirm_rounds']} rounds)"
+                 + (f"; a row left undecided got {report['confirm_rounds']} more rounds at a time, up to {seq} "
+                    f"(column \"rounds\")." if seq else "."))
     lines.append("")
     headers = ["model", "batch", "tuned", "sweep best", "tuned/sweep best", "tuned/best baseline",
                "tuned/pytorch-default", "tuned/other backend", "within 5% of sweep", "vs best baseline",
-               "backend"]
+               "backend"] + (["rounds"] if seq else [])
     rows = []
     for mres in report["models"]:
         for r in mres["rows"]:
@@ -228,7 +255,8 @@ def render(report: dict) -> str:
                          f"{r['sweep_best']} ({r['sweep_best_label']})", _ivtext(r["vs_sweep_best"]),
                          f"{_ivtext(r['vs_best_baseline'])} ({r['best_baseline']})", _ivtext(r["vs_pytorch_default"]),
                          f"{_ivtext(r['vs_other_backend'])} ({r['other_backend']})" if r["other_backend"] else "-",
-                         r["verdict_sweep"], r["verdict_baseline"], r["verdict_backend"]])
+                         r["verdict_sweep"], r["verdict_baseline"], r["verdict_backend"]]
+                        + ([r.get("confirm_rounds", report["confirm_rounds"])] if seq else []))
     lines.append(format_table(headers, rows, markdown=True))
     lines.append("")
     lines.append(format_table(["model", "budget (s)", "tuner time (s)", "of which start-up (s)", "tuner trials",
@@ -304,6 +332,8 @@ def main(argv=None) -> int:
     p.add_argument("--confirm-rounds", type=int, default=8,
                    help="side-by-side rounds, each in fresh processes (8: 93%% intervals, one outlying round "
                         "on either side left out)")
+    p.add_argument("--max-confirm-rounds", type=int, default=24,
+                   help="a verdict still undecided gets --confirm-rounds more rounds, up to this many")
     p.add_argument("--confirm-trial-s", type=float, default=0.5)
     p.add_argument("--executor-models", default="inception_wide,recommender")
     p.add_argument("--executor-repeats", type=int, default=15)
@@ -328,6 +358,7 @@ def main(argv=None) -> int:
     budgets = _per_model(args.model_budgets, float)
     report = {"machine": machine_info(), "load_before": os.getloadavg(), "budget_s": args.budget_s,
               "sweep_s": args.sweep_s, "confirm_rounds": args.confirm_rounds, "confirm_trial_s": args.confirm_trial_s,
+              "max_confirm_rounds": args.max_confirm_rounds,
               "batch_sizes": batch_sizes, "image_size": args.image_size,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "models": [], "executor": []}
     out = Path(args.out or f"results/parallel-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -339,7 +370,8 @@ def main(argv=None) -> int:
     for n in names:
         print(f"[{time.monotonic() - t0:6.0f} s] {n}", file=sys.stderr)
         report["models"].append(bench_model(n, per_model_batches.get(n, batch_sizes), budgets.get(n, args.budget_s),
-                                            args.sweep_s, args.image_size, args.confirm_rounds, args.confirm_trial_s))
+                                            args.sweep_s, args.image_size, args.confirm_rounds, args.confirm_trial_s,
+                                            args.max_confirm_rounds))
         report["load_after"] = os.getloadavg()
         report["total_s"] = time.monotonic() - t0
         out.write_text(json.dumps(report, indent=1))  # after every model: a cut-short run keeps its results
