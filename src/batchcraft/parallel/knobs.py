@@ -440,7 +440,7 @@ def knob_race(groups, engine, budget, objective, entries: list[KnobEntry], *, ro
         return out
     if since_all < rounds:
         out.notes.append(f"knob race: {since_all} of {rounds} rounds with every contender fitted the budget")
-    elif extra_from is not None:
+    elif extended:
         out.notes.append(f"knob race: {rounds} rounds with every contender, then {since_all - rounds} more of "
                          f"the alternatives still undecided")
     live = sorted(joined)
