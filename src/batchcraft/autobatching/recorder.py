@@ -214,10 +214,18 @@ class RecorderBase:
                 return type(a)(concrete(b) for b in a)
             return a
 
-        args = tuple(concrete(a) for a in args)
-        kwargs = {k: concrete(v) for k, v in kwargs.items()}
+        cargs = tuple(concrete(a) for a in args)
+        ckwargs = {k: concrete(v) for k, v in kwargs.items()}
         if not copy_first:
-            return func(*args, **kwargs)
+            out = func(*cargs, **ckwargs)
+            with torch._C.DisableTorchFunction():
+                view = isinstance(out, _Tensor) and _aliases_input(out, [a for a in cargs if isinstance(a, _Tensor)])
+            if view:
+                # a view (``y[0]``, ``.T``): the mode saw the call; the recorded view keeps the
+                # aliasing (a later in-place update of its base reaches it, as in eager)
+                return self.record(func, args, kwargs)
+            return out
+        args, kwargs = cargs, ckwargs
         with torch._C.DisableTorchFunction():  # the copy is ours: no mode sees it
             first = args[0].clone()
         out = func(first, *args[1:], **kwargs)
