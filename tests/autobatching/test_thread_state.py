@@ -411,15 +411,19 @@ class _Double(TorchFunctionMode):
         return out * 2 if getattr(func, "__name__", "") == "relu" else out
 
 
+def _assert_matches_eager(f, xs, core):
+    got = autobatch(f, core=core)(xs)
+    for g, x in zip(got, xs):
+        torch.testing.assert_close(g, f(x))
+
+
 def test_a_mode_entered_inside_instance_code_sees_tensor_methods(core):  # reliability #49
     def f(x):
         with _Double():
             return x.relu()
 
     xs = [torch.ones(3), torch.full((3,), 2.0)]
-    got = autobatch(f, core=core)(xs)
-    for g, x in zip(got, xs):
-        torch.testing.assert_close(g, f(x))
+    _assert_matches_eager(f, xs, core)
 
 
 def test_a_mode_entered_inside_instance_code_sees_torch_functions(core):
@@ -428,9 +432,7 @@ def test_a_mode_entered_inside_instance_code_sees_torch_functions(core):
             return torch.relu(x)
 
     xs = [torch.ones(3), torch.full((3,), 2.0)]
-    got = autobatch(f, core=core)(xs)
-    for g, x in zip(got, xs):
-        torch.testing.assert_close(g, f(x))
+    _assert_matches_eager(f, xs, core)
 
 
 class _Log(TorchFunctionMode):
@@ -578,9 +580,7 @@ def test_a_mode_that_checks_isinstance_tensor_sees_tensors(core):
             return h.tanh()
 
     xs = [torch.ones(4), torch.full((4,), 2.0)]
-    got = autobatch(f, core=core)(xs)
-    for g, x in zip(got, xs):
-        torch.testing.assert_close(g, f(x))
+    _assert_matches_eager(f, xs, core)
 
 
 class _NotImpl(TorchFunctionMode):

@@ -177,6 +177,19 @@ static PyObject *rec_record_impl(PyObject *rec, PyObject *func, PyObject *const 
 /* Send func(*args, **kwargs) to the active recorder. */
 static int require_setup(void);
 
+/* rec.<name>(func, args as a tuple, kwargs or {}) */
+static PyObject *call_rec(PyObject *rec, PyObject *name, PyObject *func, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *kwargs) {
+    PyObject *t = PyTuple_New(nargs);
+    if (!t) return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++) { Py_INCREF(args[i]); PyTuple_SET_ITEM(t, i, args[i]); }
+    PyObject *kw = kwargs ? kwargs : PyDict_New();
+    PyObject *r = kw ? PyObject_CallMethodObjArgs(rec, name, func, t, kw, NULL) : NULL;
+    if (!kwargs) Py_XDECREF(kw);
+    Py_DECREF(t);
+    return r;
+}
+
 static PyObject *dispatch(PyObject *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwargs) {
     PyObject *rec = current_rec();
     if (!rec) {
@@ -184,14 +197,7 @@ static PyObject *dispatch(PyObject *func, PyObject *const *args, Py_ssize_t narg
         return PyObject_CallOneArg(g_escape, func);
     }
     if (PyObject_TypeCheck(rec, &RecorderType)) return rec_record_impl(rec, func, args, nargs, kwargs);
-    PyObject *t = PyTuple_New(nargs);
-    if (!t) return NULL;
-    for (Py_ssize_t i = 0; i < nargs; i++) { Py_INCREF(args[i]); PyTuple_SET_ITEM(t, i, args[i]); }
-    PyObject *kw = kwargs ? kwargs : PyDict_New();
-    PyObject *r = kw ? PyObject_CallMethodObjArgs(rec, s_record, func, t, kw, NULL) : NULL;
-    if (!kwargs) Py_XDECREF(kw);
-    Py_DECREF(t);
-    return r;
+    return call_rec(rec, s_record, func, args, nargs, kwargs);
 }
 
 /* 1 when a torch-function mode that instance code entered is innermost (above the recorder's
@@ -229,16 +235,7 @@ static PyObject *dispatch_direct(PyObject *func, PyObject *const *args, Py_ssize
     if (rec) {
         int user = user_mode_on_top(rec);
         if (user < 0) return NULL;
-        if (user) {
-            PyObject *t = PyTuple_New(nargs);
-            if (!t) return NULL;
-            for (Py_ssize_t i = 0; i < nargs; i++) { Py_INCREF(args[i]); PyTuple_SET_ITEM(t, i, args[i]); }
-            PyObject *kw = kwargs ? kwargs : PyDict_New();
-            PyObject *r = kw ? PyObject_CallMethodObjArgs(rec, s_under_user_mode, func, t, kw, NULL) : NULL;
-            if (!kwargs) Py_XDECREF(kw);
-            Py_DECREF(t);
-            return r;
-        }
+        if (user) return call_rec(rec, s_under_user_mode, func, args, nargs, kwargs);
     }
     return dispatch(func, args, nargs, kwargs);
 }

@@ -395,7 +395,7 @@ def knob_race(groups, engine, budget, objective, entries: list[KnobEntry], *, ro
                     keep.update((i, head))
         return sorted(keep)
 
-    since_all, full_from, extra_from, extended = 0, 0, None, []  # extra_from: first extra round
+    since_all, full_from, extended = 0, 0, None  # extended: the undecided, once the first rounds are done
     planned_extra = int(round(KNOB_EXTRA_PLANNED * extra_rounds))
     while since_all < rounds + extra_rounds and budget.left(budget.hard_end) > 0:
         join_ready()
@@ -419,9 +419,8 @@ def knob_race(groups, engine, budget, objective, entries: list[KnobEntry], *, ro
             full_from = race.rounds  # from this round on, every contender is in
         active = sorted(joined)
         if since_all >= rounds:  # extra rounds: only what was undecided after the first ones
-            if extra_from is None:
+            if extended is None:
                 extended = undecided()
-                extra_from = race.rounds
             if not extended:
                 break
             active = extended
