@@ -50,11 +50,12 @@ static PyObject *g_cpu_device = NULL;      /* torch.device("cpu") */
 static PyObject *g_tf_mode_enabled = NULL; /* torch._C._is_torch_function_mode_enabled */
 static PyObject *g_tf_len = NULL;          /* torch._C._len_torch_function_stack */
 static PyObject *g_tf_at = NULL;           /* torch._C._get_function_stack_at */
+static PyObject *g_torch_dir = NULL;       /* torch's package directory, ending in the separator */
 static int g_ready = 0;                    /* setup() ran */
 
 static PyObject *s_record, *s_general, *s_requires_grad, *s_sig_entry, *s_materialize_leaves,
     *s_pending_limit, *s_step_limit, *s_inplace, *s_mode_call, *s_mode, *s_under_user_mode, *s_block_slow, *s_check_fp,
-    *s_batchcraft_block, *s_fn, *s_register_view;
+    *s_batchcraft_block, *s_fn, *s_register_view, *s_dunder_tf, *s_for_handler;
 
 static PyTypeObject LazyBaseType, RecorderType, ModeType, LazyMethodType, BlockCallType;
 
@@ -362,6 +363,19 @@ static PyObject *lazy_torch_function(PyObject *cls, PyObject *const *args, Py_ss
         }
     }
     if (!func) { PyErr_SetString(PyExc_TypeError, "__torch_function__: missing func"); return NULL; }
+    /* torch reaches here with a mode of the user's innermost only after that mode returned
+       NotImplemented: raise as eager does rather than answer (bug #57) */
+    PyObject *rec = current_rec();
+    if (rec) {
+        int user = user_mode_on_top(rec);
+        if (user < 0) return NULL;
+        if (user) {
+            PyErr_Format(PyExc_TypeError, "Multiple dispatch failed for %R; all __torch_function__ handlers "
+                         "returned NotImplemented (a torch-function mode entered in instance code declined it)",
+                         func);
+            return NULL;
+        }
+    }
     if (fkwargs == Py_None || (fkwargs && PyDict_GET_SIZE(fkwargs) == 0)) fkwargs = NULL;
     if (!fargs || fargs == Py_None) return dispatch(func, NULL, 0, fkwargs);
     if (!PyTuple_Check(fargs)) {
@@ -1750,6 +1764,31 @@ static int scalar_kw_ok(PyObject *k, PyObject *val, int *forced) {
     return 0;
 }
 
+/* 1 when the torch call that the mode sees comes from a `__torch_function__` handler (a mode of
+   the user's calling `func(*args)` with lazy values), torch's own frames between skipped
+   (`handle_torch_function`, `F.relu`); 0 otherwise. The recorder's `for_handler` checks the
+   handler's owner (bug #56). A few pointer compares for a call from user code. */
+static int called_from_handler(void) {
+    PyFrameObject *f = PyEval_GetFrame();
+    if (!f || !g_torch_dir) return 0;
+    Py_INCREF(f);
+    int res = 0;
+    for (int hop = 0; hop < 4 && f; hop++) {
+        PyCodeObject *co = PyFrame_GetCode(f);
+        int tf = co->co_name == s_dunder_tf || PyUnicode_Compare(co->co_name, s_dunder_tf) == 0;
+        int in_torch = !tf && PyUnicode_Tailmatch(co->co_filename, g_torch_dir, 0, PY_SSIZE_T_MAX, -1) == 1;
+        Py_DECREF(co);
+        if (tf) { res = 1; break; }
+        if (!in_torch) break;
+        PyFrameObject *b = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = b;
+    }
+    Py_XDECREF(f);
+    if (PyErr_Occurred()) PyErr_Clear();
+    return res;
+}
+
 static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *func = nargs > 0 ? args[0] : NULL;
     PyObject *fargs = nargs > 2 ? args[2] : NULL;
@@ -1769,6 +1808,10 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
     PyObject *r;
     if (!rec) {
         r = PyObject_Call(func, targs, fkw);
+    } else if (called_from_handler()) {
+        PyObject *kw = fkw ? fkw : PyDict_New();
+        r = kw ? PyObject_CallMethodObjArgs(rec, s_for_handler, func, targs, kw, NULL) : NULL;
+        if (!fkw) Py_XDECREF(kw);
     } else if (PyObject_TypeCheck(rec, &RecorderType)) {
         Py_ssize_t n = PyTuple_GET_SIZE(targs);
         if (func == g_torch_tensor && n == 1) {
@@ -2067,6 +2110,7 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     GET(g_rebuild, "rebuild"); GET(g_escape, "escape"); GET(g_StaticBlock, "StaticBlock"); GET(g_float_dids, "float_dids");
     GET(g_scalar_dids, "scalar_dids"); GET(g_cpu_device, "cpu_device");
     GET(g_tf_mode_enabled, "tf_mode_enabled"); GET(g_tf_len, "tf_len"); GET(g_tf_at, "tf_at");
+    GET(g_torch_dir, "torch_dir");
     PyObject *o = PyDict_GetItemString(d, "fill_factories");
     Py_XINCREF(o); Py_XSETREF(g_fill_factories, o);
     o = PyDict_GetItemString(d, "int_did");
@@ -2136,7 +2180,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
     INTERN(s_pending_limit, "pending_limit"); INTERN(s_step_limit, "step_limit"); INTERN(s_inplace, "inplace");
     INTERN(s_mode_call, "mode_call"); INTERN(s_factory_leaf, "factory_leaf"); INTERN(s_mode, "mode"); INTERN(s_under_user_mode, "under_user_mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
-    INTERN(s_batchcraft_block, "_batchcraft_block"); INTERN(s_fn, "fn"); INTERN(s_register_view, "register_view");
+    INTERN(s_batchcraft_block, "_batchcraft_block"); INTERN(s_fn, "fn"); INTERN(s_register_view, "register_view"); INTERN(s_dunder_tf, "__torch_function__"); INTERN(s_for_handler, "for_handler");
     PyObject *m = PyModule_Create(&coremodule);
     if (!m) return NULL;
     Py_INCREF(&LazyBaseType); PyModule_AddObject(m, "LazyBase", (PyObject *)&LazyBaseType);

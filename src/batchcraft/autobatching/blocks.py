@@ -131,6 +131,20 @@ class BlockTracer:
     def mode_call(self, func, args, kwargs):
         return self.record(func, args, kwargs or {})
 
+    def for_handler(self, func, args, kwargs, frame=None):
+        """A torch call from a ``__torch_function__`` frame (see ``RecorderBase.for_handler``):
+        a mode of the user's handler inside a block would see traced values, not tensors."""
+        import sys
+
+        from batchcraft.autobatching.mode import handler_mode
+
+        mode = handler_mode(frame or sys._getframe(1))
+        if mode is not None:
+            raise AutobatchError(f"static block {self.block.name!r}: a torch-function mode "
+                                 f"({type(mode).__name__}) entered inside a static block is not supported",
+                                 hint="enter the mode outside the block, or do not mark this code static_block")
+        return self.mode_call(func, args, kwargs)
+
     def check_owner(self, x, func):
         if x.rec is not self:
             raise AutobatchError(

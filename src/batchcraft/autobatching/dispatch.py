@@ -14,12 +14,14 @@ to torch's own function, unchanged.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 import torch.overrides
 
 from batchcraft.autobatching import stack as _stack
-from batchcraft.autobatching.mode import NOT_ON_TOP, as_mode_handler
+from batchcraft.autobatching.mode import NOT_ON_TOP, TF_NAME, as_mode_handler
 from batchcraft.autobatching.patches import SharedPatch
 
 _original = torch.overrides.handle_torch_function
@@ -28,9 +30,14 @@ _original = torch.overrides.handle_torch_function
 def handle_torch_function(public_api, relevant_args, *args, **kwargs):
     """As :func:`torch.overrides.handle_torch_function`, direct when the recorder's mode is on top."""
     rec = _stack.current()
+    frame = sys._getframe(1)  # the F.* function
 
     def record():
-        result = rec.record(public_api, args, kwargs)  # as the mode would (F.* is not a factory)
+        caller = frame.f_back
+        if caller is not None and caller.f_code.co_name == TF_NAME:  # maybe a user mode's handler (bug #56)
+            result = rec.for_handler(public_api, args, kwargs, frame)
+        else:
+            result = rec.record(public_api, args, kwargs)  # as the mode would (F.* is not a factory)
         if result is NotImplemented:  # the subclasses' turn, the mode still off, as in torch
             result = _original(public_api, relevant_args, *args, **kwargs)
         return result

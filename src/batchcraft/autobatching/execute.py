@@ -24,7 +24,7 @@ import torch
 
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching.descs import row_bytes
-from batchcraft.autobatching.gather import index_tensor, take, take_all
+from batchcraft.autobatching.gather import index_tensor, keep_requires_grad, take, take_all
 from batchcraft.autobatching.lower import Runner
 from batchcraft.autobatching.program import Program
 from batchcraft.autobatching.signature import LEAF, RAGGED, SIGNATURES, call_with, flatten, rebuild
@@ -192,6 +192,8 @@ class Executor:
                 ins = ins + [t[r0:r0 + n] for t in hoisted[2]]
                 hoisted[3] = r0 + n
                 runner = self.runner_for(sp.rest)
+            if not info.state[0] and not info.state[1]:
+                ins = keep_requires_grad(bufs, plans, ins)
             rags, segs, cnts = [], [], []
             if prog.n_ragged:
                 seen = set()

@@ -174,8 +174,7 @@ def inplace(rec, x, func, args, kwargs):
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     if user_mode_on_top(rec):  # a mode entered inside instance code sees the in-place call (bug #49)
         new, out = rec.under_user_mode(func, args, kwargs, copy_first=True)
-        with torch._C.DisableTorchFunction():  # re-pointing views is ours: the mode does not see it
-            (rebind if name in _METADATA_ONLY else write)(rec, x, new)
+        repoint(rec, x, new, name)
         return x if out is None else out
     oop, kw = _out_of_place(func, kwargs)
     new = rec.record(oop, args, kw or {})
@@ -191,6 +190,14 @@ def inplace(rec, x, func, args, kwargs):
         new = rec.record(torch.Tensor.to, (new, dtype), {})
     write(rec, x, new)
     return x
+
+
+def repoint(rec, x, new, name: str) -> None:
+    """``x`` (lazy) re-pointed at ``new``, the result of the in-place ``name`` run for a mode of
+    the user's on the instance's values (bugs #49, #56); its views follow unless only metadata
+    changed. Not seen by any mode: the re-pointing is ours."""
+    with torch._C.DisableTorchFunction():
+        (rebind if name in _METADATA_ONLY else write)(rec, x, new)
 
 
 def setitem(rec, x, key, value) -> None:

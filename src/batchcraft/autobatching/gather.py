@@ -62,6 +62,30 @@ def take(buffers, plan) -> torch.Tensor:
     return select_rows(cat, index_tensor(perm, cat.device))
 
 
+def keep_requires_grad(buffers, plans, ins) -> list:
+    """``ins`` where a gathered input of a group recorded under ``no_grad`` requires grad as its rows did.
+
+    A gather under ``no_grad`` cuts ``requires_grad``; eager's no_grad *view* of a tensor that
+    requires grad still requires grad (a leaf without history, reliability #54). Such an input
+    becomes a leaf that requires grad (a detached alias: no copy), so views of it do as in eager
+    and other results do not. ``None`` entries (inputs a hoisted rest does not read) stay.
+    """
+    out = ins
+    for j, t in enumerate(ins[:len(plans)]):  # (a hoisted rest's prefix outputs come after)
+        if t is None or t.requires_grad:
+            continue
+        p = plans[j]
+        kind = p[0]
+        if kind == "view":
+            continue
+        srcs = (p[1],) if kind == "index" else [b for b, _ in p[1]]
+        if any(buffers[b].requires_grad for b in srcs):
+            if out is ins:
+                out = list(ins)
+            out[j] = t.detach().requires_grad_()
+    return out
+
+
 #: index plans of one buffer in one group are joined into one ``index_select`` from this many on
 JOIN_MIN = 2
 

@@ -60,6 +60,15 @@ def user_mode_on_top(rec) -> bool:
     return mode is not None and _tf_at(n - 1) is not mode and _tf_enabled()
 
 
+def declined(func) -> TypeError:
+    """Eager's error when every handler declined ``func``: torch reaches a lazy value's
+    ``__torch_function__`` with a mode of the user's innermost only after that mode returned
+    ``NotImplemented`` (bug #57); answering would hide the mode's refusal."""
+    name = getattr(func, "__qualname__", None) or repr(func)
+    return TypeError(f"Multiple dispatch failed for '{name}'; all __torch_function__ handlers returned "
+                     "NotImplemented (a torch-function mode entered in instance code declined it)")
+
+
 def _call(func, args, kwargs):
     rec = _active()
     if user_mode_on_top(rec):
@@ -90,7 +99,10 @@ class _PyLazyBase:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _active().record(func, args, kwargs or {})
+        rec = _active()
+        if user_mode_on_top(rec):
+            raise declined(func)
+        return rec.record(func, args, kwargs or {})
 
 
 def _py_method(func):

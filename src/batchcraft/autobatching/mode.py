@@ -10,6 +10,9 @@ interleave enter/exit between fibers). The C core has its own mode object, whose
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -17,6 +20,32 @@ from batchcraft.autobatching import stack
 
 #: returned by :func:`as_mode_handler` when the recorder's mode is not the innermost one
 NOT_ON_TOP = object()
+
+#: torch's package directory: frames there are skipped when looking for the caller of a torch call
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+TF_NAME = "__torch_function__"
+
+
+def handler_mode(frame):
+    """The mode of the user's whose ``__torch_function__`` made the torch call that ``frame``
+    (torch's frames above it skipped) is in, else None.
+
+    torch runs a mode's handler with the mode off the stack, so the recording mode sees the
+    handler's ``func(*args)``; called with lazy values, its result must be a tensor, as in eager
+    (bug #56). A Tensor subclass's handler (no mode) and batchcraft's own mode are not it.
+    """
+    for _ in range(4):
+        if frame is None:
+            return None
+        co = frame.f_code
+        if co.co_name == TF_NAME:
+            owner = frame.f_locals.get("self")
+            ok = isinstance(owner, TorchFunctionMode) and not isinstance(owner, RecordingMode)
+            return owner if ok else None
+        if not co.co_filename.startswith(TORCH_DIR):
+            return None
+        frame = frame.f_back
+    return None
 
 
 class RecordingMode(TorchFunctionMode):
@@ -30,6 +59,9 @@ class RecordingMode(TorchFunctionMode):
         rec = stack.current()
         if rec is None:  # batched execution inside the run: calls run as they are
             return func(*args, **(kwargs or {}))
+        frame = sys._getframe(1)
+        if handler_mode(frame) is not None:  # a mode of the user's handler called func (bug #56)
+            return rec.for_handler(func, args, kwargs or {}, frame)
         return rec.mode_call(func, args, kwargs or {})
 
 
@@ -52,3 +84,47 @@ def as_mode_handler(rec, fn):
         return fn()
     finally:
         torch._C._push_on_torch_function_stack(mode)
+
+
+class outside_mode:
+    """Context manager: ``rec``'s recording mode off torch's mode stack, the modes above it kept
+    in order; put back at its place on exit (also when the body raises).
+
+    A call run for a mode of the user's on concrete values (``recorder.under_user_mode``) must
+    not be recorded on the way: the mode's handler then sees real tensors as results, as in eager
+    (bug #56). A no-op when the recorder has no mode or it is not on the stack.
+    """
+
+    __slots__ = ("mode", "above")
+
+    def __init__(self, rec):
+        self.mode = getattr(rec, "mode", None)
+        self.above = None
+
+    def __enter__(self):
+        mode = self.mode
+        n = torch._C._len_torch_function_stack()
+        if mode is None or not any(torch._C._get_function_stack_at(i) is mode for i in range(n)):
+            return self
+        above = []
+        while True:
+            top = torch._C._pop_torch_function_stack()
+            if top is mode:
+                break
+            above.append(top)
+        for m in reversed(above):
+            torch._C._push_on_torch_function_stack(m)
+        self.above = above
+        return self
+
+    def __exit__(self, *exc):
+        above = self.above
+        if above is None:
+            return False
+        self.above = None
+        for _ in above:
+            torch._C._pop_torch_function_stack()
+        torch._C._push_on_torch_function_stack(self.mode)
+        for m in reversed(above):
+            torch._C._push_on_torch_function_stack(m)
+        return False

@@ -28,6 +28,7 @@ from batchcraft.autobatching import functional as _functional
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.lazy import LazyTensor
+from batchcraft.autobatching.mode import outside_mode as _outside_mode
 from batchcraft.autobatching.plan import plan_rows
 from batchcraft.autobatching.signature import (SCALAR_TYPES, SIGNATURES, SigInfo, flatten, rebuild,
                                                holds_these_shared, shared_descriptor)
@@ -60,6 +61,26 @@ def _is_leaf(t) -> bool:
 def _grad_fn(t):
     with torch._C.DisableTorchFunction():
         return t.grad_fn
+
+
+def _flat_tensors(x) -> list:
+    """The tensors in ``x`` (a tensor, or tuples and lists of them, nested)."""
+    if isinstance(x, _Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for y in x for t in _flat_tensors(y)]
+    return []
+
+
+def _flat_lazies(args, kwargs) -> list:
+    """The values in ``args`` and ``kwargs`` (lists and tuples opened, one level deep)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if type(a) is list or type(a) is tuple:
+            out.extend(a)
+        else:
+            out.append(a)
+    return out
 
 
 def _aliases_input(out, args) -> bool:
@@ -217,24 +238,84 @@ class RecorderBase:
         cargs = tuple(concrete(a) for a in args)
         ckwargs = {k: concrete(v) for k, v in kwargs.items()}
         if not copy_first:
-            out = func(*cargs, **ckwargs)
+            with _outside_mode(self):  # the mode's handler sees tensors as results (bug #56)
+                out = func(*cargs, **ckwargs)
             with torch._C.DisableTorchFunction():
-                view = isinstance(out, _Tensor) and _aliases_input(out, [a for a in cargs if isinstance(a, _Tensor)])
-            if view:
-                # a view (``y[0]``, ``.T``): the mode saw the call; the recorded view keeps the
-                # aliasing (a later in-place update of its base reaches it, as in eager)
-                return self.record(func, args, kwargs)
-            return out
+                ins = _flat_tensors(cargs)
+                view = any(_aliases_input(t, ins) for t in _flat_tensors(out))
+                if not view:
+                    return self._leaves_of(out)
+            # a view (``y[0]``, ``.T``, ``chunk``): the mode saw the call; the recorded view keeps
+            # the aliasing (a later in-place update of its base reaches it, as in eager)
+            return self.record(func, args, kwargs)
         args, kwargs = cargs, ckwargs
         with torch._C.DisableTorchFunction():  # the copy is ours: no mode sees it
             first = args[0].clone()
-        out = func(first, *args[1:], **kwargs)
+        with _outside_mode(self):
+            out = func(first, *args[1:], **kwargs)
         with torch._C.DisableTorchFunction():  # nor our bookkeeping (shape, dtype reads)
             if out is first:
                 return self.leaf(first), None
-            if isinstance(out, _Tensor) and type(out) is not _Lazy:
-                out = self.leaf(out)
-            return self.leaf(first), out
+            return self.leaf(first), self._leaves_of(out)
+
+    def for_handler(self, func, args, kwargs, frame=None):
+        """A torch call seen by the recording mode from a ``__torch_function__`` frame (the C
+        core's pre-check, ``mode.handler_mode`` decides): inside a mode of the user's handler,
+        ``func(*args)`` on lazy values runs on the instance's values and returns tensors, which
+        the handler may inspect or transform as in eager (bug #56; ``isinstance(out, Tensor)``
+        was False on a lazy result, and a halving mode left it whole). An in-place call writes a
+        copy of the instance's value and re-points the lazy value at it. Otherwise (no mode of the
+        user's, ``out=``, no lazy argument) the usual :meth:`mode_call`. Counted in ``stats.fallback_reasons``. ``frame``:
+        where the caller search starts (default: the caller's, as from the C mode).
+        """
+        import sys
+
+        from batchcraft.autobatching.mode import handler_mode
+
+        name = getattr(func, "__name__", None) or repr(func)
+        writes = kwargs.get("inplace") is True or (name.endswith("_") and not name.endswith("__"))
+        if (handler_mode(frame or sys._getframe(1)) is None or "out" in kwargs
+                or (writes and not (args and type(args[0]) is _Lazy))
+                or not any(type(a) is _Lazy for a in _flat_lazies(args, kwargs))):
+            return self.mode_call(func, args, kwargs)
+        self.runtime.stats.note_fallback(f"{name}: called by a torch-function mode's handler in instance code "
+                                         f"(run on the instance's values, as eager)")
+        why = f"call {name} from a torch-function mode's handler in instance code"
+
+        def concrete(a):
+            if type(a) is _Lazy:
+                return self.materialize(a, why)
+            if type(a) is list or type(a) is tuple:
+                return type(a)(concrete(b) for b in a)
+            return a
+
+        cargs = tuple(concrete(a) for a in args)
+        ckwargs = {k: concrete(v) for k, v in kwargs.items()}
+        if not writes:
+            with _outside_mode(self):  # not recorded: the handler gets what eager gives it
+                return func(*cargs, **ckwargs)
+        # an in-place call (``torch.sigmoid_(h)``, ``F.relu(h, inplace=True)``): on a copy of the
+        # instance's value (the batched buffer is not written), the lazy value re-pointed at it;
+        # the handler gets the copy where eager gives it ``h`` itself
+        x = args[0]
+        if self.is_input_leaf_requiring_grad(x):
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        with torch._C.DisableTorchFunction():
+            first = cargs[0].clone()
+        with _outside_mode(self):
+            out = func(first, *cargs[1:], **ckwargs)
+        _functional.repoint(self, x, self.leaf(first), name)
+        return out
+
+    def _leaves_of(self, out):
+        """``out`` (a call's concrete result) with its tensors as per-instance leaves."""
+        if isinstance(out, _Tensor):
+            return self.leaf(out)
+        if isinstance(out, (tuple, list)) and any(isinstance(o, _Tensor) for o in out):
+            leaves: list = []
+            st = flatten(out, leaves, self.lazy_type)
+            return rebuild(st, iter([self.leaf(t) if isinstance(t, _Tensor) else t for t in leaves]))
+        return out
 
     # -- factory calls seen by the recording mode ---------------------------------------------
     def mode_call(self, func, args, kwargs):
@@ -422,12 +503,10 @@ class RecorderBase:
             scalar = (func is _torch_tensor and args and type(args[0]) in _PY_SCALARS and not out.requires_grad)
             return self.leaf(out, args[0] if scalar else None)
         if isinstance(out, (tuple, list)) and any(isinstance(o, _Tensor) for o in out):
-            leaves: list = []
-            st = flatten(out, leaves, self.lazy_type)
             with torch._C.DisableTorchFunction():
-                if any(_aliases_input(t, args) for t in leaves if isinstance(t, _Tensor)):
+                if any(_aliases_input(t, args) for t in _flat_tensors(out)):
                     return out
-            return rebuild(st, iter([self.leaf(t) if isinstance(t, _Tensor) else t for t in leaves]))
+            return self._leaves_of(out)
         return out
 
     def run_on_values(self, func, struct, leaves, nv):
