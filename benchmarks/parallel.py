@@ -125,9 +125,7 @@ def bench_model(name: str, batch_sizes: list[int], budget_s: float, sweep_s: flo
     for pb in tuned.per_batch:
         b = pb["batch_size"]
         at_b = [r for r in swept if r.batch_size == b]
-        choice_cfg = dict(pb["best"]["config"])
-        if (pb.get("knobs") or {}).get("adopted"):  # the knob race's choice at this size
-            choice_cfg = dict(pb["knobs"]["choice"])
+        choice_cfg = dict(pb.get("choice") or pb["best"]["config"])  # after the knob race and tie-break
         best = max(at_b, key=lambda r: r.throughput_items_per_s)
         bases = [r for r in at_b if r.config["label"] in BASELINES]
         best_base = max(bases, key=lambda r: r.throughput_items_per_s)
@@ -295,6 +293,18 @@ def render(report: dict) -> str:
         lines.append("")
         lines.append(format_table(["model", "batch", "process", "matmul", "conv", "vs default", "rounds", ""],
                                   backend_rows, markdown=True))
+    tie_rows = [[mres["model"], t["batch_size"], t["process"].split(" b=")[0],
+                 f"{t['chosen']['matmul']}/{t['chosen']['conv']}", f"{t['other']['matmul']}/{t['other']['conv']}",
+                 t["fresh_rounds"], " ".join(f"{u:.3g}" for u in t["units"]), _ivtext(t["ratio"]),
+                 "other" if t["adopted"] else "chosen"]
+                for mres in report["models"] for t in mres["tune_result"].get("ties", [])]
+    if tie_rows:
+        lines.append("")
+        lines.append("Near-tied backends decided across fresh sets of processes (per set, the two in turns of "
+                     "10 ms; units: the other over the chosen per set, the search's own first):")
+        lines.append("")
+        lines.append(format_table(["model", "batch", "process", "chosen", "other", "fresh sets", "units",
+                                   "other/chosen", "kept"], tie_rows, markdown=True))
     notes = [f"{m['model']}: {n}" for m in report["models"] for n in m["tune_notes"]]
     if notes:
         lines.append("")

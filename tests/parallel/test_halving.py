@@ -33,12 +33,16 @@ class FakeGroups:
     """
 
     def __init__(self, clock, speed, *, call_s=0.01, start_s=3.0, overhead_s=0.02, noise=0.0, seed=0,
-                 speed_at=None):
+                 speed_at=None, process_factor=None):
         self.clock, self.speed, self.call_s = clock, speed, call_s
         self.start_s, self.overhead_s, self.noise = start_s, overhead_s, noise
         self.rng = random.Random(seed)
         self.warm, self.calls, self.closed = set(), [], False
         self.speed_at = speed_at  # speed(cfg, trial length): a trial-length bias
+        # process_factor(cfg, p): a variant's speed factor in set of processes p (0: the search's
+        # own, 1, 2, ...: fresh sets), as memory placement gives one backend an edge in one process
+        self.process_factor = process_factor or (lambda cfg, p: 1.0)
+        self.fresh_sets = 0
 
     def start_all(self, configs, timeout_s):
         self.clock.t += min(self.start_s, timeout_s)
@@ -61,16 +65,23 @@ class FakeGroups:
     def drop(self, cfg):
         pass
 
-    def race_variants(self, cfgs, duration_s, warmup_s, block_s):
-        """Backend variants taking turns in blocks, on the fake clock (see WorkerGroup.race_variants)."""
+    def race_variants(self, cfgs, duration_s, warmup_s, block_s, *, fresh=False):
+        """Backend variants taking turns in blocks, on the fake clock (see WorkerGroup.race_variants);
+        ``fresh``: in a new set of processes (its start-up takes a third of ``start_s``)."""
         from batchcraft.parallel.groups import variant_race_result
 
+        p = 0
+        if fresh:
+            self.fresh_sets += 1
+            p = self.fresh_sets
+            self.clock.t += self.start_s / 3
         b = cfgs[0].batch_size
         call = self.call_s * b ** 0.5  # the default variant's call, as in measure(); others scale by speed
         ref = self.speed(cfgs[0])
         n = max(1, math.ceil(block_s / call))
         rounds = max(7, math.ceil(duration_s / (n * call * len(cfgs))))
-        blocks = [[(r, j, n, n * call * ref / self.speed(c) * (1 + self.rng.uniform(-self.noise, self.noise)))
+        blocks = [[(r, j, n, n * call * ref / (self.speed(c) * self.process_factor(c, p))
+                    * (1 + self.rng.uniform(-self.noise, self.noise)))
                    for r in range(rounds) for j, c in enumerate(cfgs)] for _ in range(cfgs[0].instances)]
         self.clock.t += sum(max(warmup_s, call) for c in cfgs) + rounds * len(cfgs) * n * call + self.overhead_s
         self.variant_races = getattr(self, "variant_races", 0) + 1

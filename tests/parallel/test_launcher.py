@@ -304,6 +304,47 @@ def test_backends_race_inside_the_instances_for_real():
     assert iv.units == race.rounds and iv.low <= iv.estimate <= iv.high
 
 
+def _children() -> set[int]:
+    """PIDs of this process's children (any state), from /proc."""
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid():
+                out.add(int(d))
+    return out
+
+
+@needs_two
+@pytest.mark.slow
+def test_a_fresh_race_starts_its_own_processes_and_stops_them():
+    from batchcraft.parallel.groups import Groups
+    from batchcraft.parallel.processes import group_alive
+    from batchcraft.parallel.workload import model_spec
+
+    cfg = ParallelConfig(instances=2, intra_op_threads=1, batch_size=4)
+    groups = Groups(model_spec("mlp_fc512"), usable_cpus()[:2])
+    try:
+        groups.start_all([cfg])
+        running = groups._groups[cfg.key()]
+        pids = {i["pid"] for i in running.info}
+        before = _children()  # the running set and the stop watchdog
+        results, race = groups.race_variants([cfg, cfg.replace(matmul="onednn")], 0.1, 0.02, 0.005, fresh=True)
+        assert race.rounds >= 5 and all(r.throughput_items_per_s > 0 for r in results)
+        assert groups._groups[cfg.key()] is running and all(p.poll() is None for p in running._procs)
+        assert _children() == before  # the fresh set stopped and reaped
+        results2, _ = groups.race_variants([cfg, cfg.replace(matmul="onednn")], 0.1, 0.02, 0.005)
+        assert all(r.throughput_items_per_s > 0 for r in results2)
+        assert {i["pid"] for i in running.info} == pids
+    finally:
+        groups.close()
+    assert not any(group_alive(pid) for pid in pids)
+
+
 @pytest.mark.slow
 def test_the_compile_variant_is_built_checked_and_prepare_compiles_under_launch(monkeypatch):
     from torch import nn

@@ -111,7 +111,7 @@ def run(args) -> int:
     from batchcraft.measure import machine_info
     from batchcraft.parallel import tune, tune_program
     from batchcraft.parallel.knobs import DEFAULT_KNOBS
-    from batchcraft.parallel.tables import comparison_table, knob_table, plot, tried_table, variant_table
+    from batchcraft.parallel.tables import comparison_table, knob_table, plot, tie_table, tried_table, variant_table
 
     argv = list(args.command)
     if argv and argv[0] == "--":
@@ -167,12 +167,18 @@ def run(args) -> int:
         print("\nbackends (each process configuration's instances run the variants in turns of 10 ms; ratio "
               "to PyTorch's default):")
         print(vt)
+    tt = tie_table(out)
+    if tt:
+        print("\nnear-tied backends, decided across fresh sets of processes (the two in turns inside each set; "
+              "the other over the chosen per set, the search's own set first):")
+        print(tt)
     kt = knob_table(out)
     if kt:
         print("\nknob race (each batch size's choice with one knob changed, side by side in one set of rounds; "
               "ratio to that batch size's choice):")
         print(kt)
-    where = {"final": "its final round", "knobs": "the knob race"}[result.best_round]
+    where = {"final": "its final round", "knobs": "the knob race",
+             "tie-break": "its fresh-process tie-break"}[result.best_round]
     print(f"\nbest: {b.short()} [{b.label}] {result.best_result.throughput_items_per_s:.1f} items/s, "
           f"p50 {result.best_result.latency_p50_ms:.2f} ms (median of {where}); saved to {args.output}, "
           f"full result in {result_file}")

@@ -109,9 +109,16 @@ class Groups:
         return res
 
     def race_variants(self, cfgs: list[ParallelConfig], duration_s: float, warmup_s: float = 0.2,
-                      block_s: float = 0.01) -> tuple[list[TrialResult], Race]:
+                      block_s: float = 0.01, *, fresh: bool = False) -> tuple[list[TrialResult], Race]:
         """Race the model-level variants ``cfgs`` (one process configuration, one batch size)
-        inside its running instances (:meth:`WorkerGroup.race_variants`)."""
+        inside its running instances (:meth:`WorkerGroup.race_variants`); with ``fresh``, inside
+        a new set of its processes, started for this race and stopped after it (the running
+        ones wait idle meanwhile)."""
+        if fresh:
+            with self._new(cfgs[0]).start() as g:
+                blocks = g.race_variants(cfgs[0].batch_size, [c.variant() for c in cfgs], duration_s,
+                                         warmup_s=warmup_s, block_s=block_s)
+            return variant_race_result(cfgs, blocks, duration_s)
         g = self._groups.get(cfgs[0].key())
         if g is None:
             self._groups[cfgs[0].key()] = g = self._new(cfgs[0]).start()

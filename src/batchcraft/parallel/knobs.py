@@ -29,6 +29,7 @@ from batchcraft.measure.race import Race
 from batchcraft.parallel.backends import convert, relevant_knobs
 from batchcraft.parallel.config import ParallelConfig
 from batchcraft.parallel.env_knobs import WAIT_POLICIES, available_allocators
+from batchcraft.parallel.ties import near_tie
 from batchcraft.parallel.workload import invoke
 
 __all__ = ["KNOB_NAMES", "DEFAULT_KNOBS", "model_variants", "pick_variants", "alternatives", "knob_race",
@@ -139,9 +140,10 @@ def pick_variants(groups, engine, search: list[ParallelConfig], variants, end: f
                 chosen, best_est = j, iv.estimate
         engine.on_trial()
         keep[key] = racers[chosen]
-        records.append({"batch_size": base.batch_size, "process": base.short(), "label": cfgs[0].label,
-                        "rounds": race.rounds, "variants": rows,
-                        "chosen": {"matmul": racers[chosen].matmul, "conv": racers[chosen].conv}})
+        records.append({"batch_size": base.batch_size, "process": base.short(), "key": repr(key),
+                        "label": cfgs[0].label, "rounds": race.rounds, "variants": rows,
+                        "chosen": {"matmul": racers[chosen].matmul, "conv": racers[chosen].conv},
+                        "near_tie": near_tie(rows, chosen, race)})
     out, placed = [], set()
     for c in search:
         k = c.key()

@@ -14,8 +14,10 @@ With time set aside, a **knob race** (:mod:`batchcraft.parallel.knobs`) then mea
 batch size's choice with one knob changed at a time (allocator, OpenMP wait policy, optionally
 ``torch.compile``; at the overall choice's batch size also the other backends, beside the best
 baseline), all in one set of interleaved rounds, and adopts per batch size a change whose whole
-interval is faster. All trials run in worker processes, so the tuning process never
-changes its own thread settings (inter-op threads can be set once per process).
+interval is faster. Two backends near-tied in their race inside one set of processes are then
+decided, with the time left, across fresh sets of processes (:mod:`batchcraft.parallel.ties`).
+All trials run in worker processes, so the tuning process never changes its own thread settings
+(inter-op threads can be set once per process).
 
 What "better" means is one :class:`~batchcraft.parallel.objective.Objective`; the model can be a
 registry name, a ``"module:factory"`` path or an object (:mod:`batchcraft.parallel.workload`).
@@ -40,6 +42,7 @@ from batchcraft.parallel.knobs import (ADOPT_CONFIDENCE, DEFAULT_KNOBS, KNOB_MAX
                                       pick_variants)
 from batchcraft.parallel.objective import Objective
 from batchcraft.parallel.threads import preserved_thread_state
+from batchcraft.parallel.ties import break_ties
 from batchcraft.parallel.trial import TrialResult
 from batchcraft.parallel.workload import build_workload, model_spec
 
@@ -54,19 +57,26 @@ class TuneResult:
 
     Attributes:
         best (ParallelConfig): the chosen configuration (over all batch sizes, knobs included).
-        best_result (TrialResult): its median in its batch size's final round, or in the knob race
-            for a knob change adopted there; ``best_round`` says which.
+        best_result (TrialResult): its median in its batch size's final round, in the knob race
+            for a knob change adopted there, or in the fresh-process tie-break for a backend
+            adopted there; ``best_round`` says which.
         per_batch (list[dict]): per batch size: ``best`` (config + final-round median),
             ``baselines`` (label -> final-round median), ``ratios`` (label -> choice / baseline
             by the objective), ``intervals`` (label -> the ratio's interval from the deciding
             round's paired passes), ``decided_by`` (label -> "final" or "playoff"), ``final``
             (every final-round median, best first), ``final_trial_s``, ``playoff``,
             ``skipped_trials``, ``knobs`` (the knob race at this batch size: ``adopted``,
-            ``choice`` (config after it), ``result``, ``ratio``; None if it was not raced).
+            ``choice`` (config after it), ``result``, ``ratio``; None if it was not raced),
+            ``tie_break`` (the fresh-process tie-break at this batch size, if one ran) and
+            ``choice`` (the configuration chosen at this batch size after all of them).
         knobs (dict | None): the knob race (:class:`~batchcraft.parallel.knobs.KnobRaceResult`
             as a dict), None if it did not run.
         variants (list[dict]): the backend races, per batch size and process configuration
-            (:func:`~batchcraft.parallel.knobs.pick_variants`).
+            (:func:`~batchcraft.parallel.knobs.pick_variants`); a near tie has ``near_tie``.
+        ties (list[dict]): near-tied backends decided across fresh processes
+            (:func:`~batchcraft.parallel.ties.break_ties`): per batch size the two backends, the
+            per-process ratios (``units``: the other over the chosen), their ``ratio`` interval
+            and whether the other was ``adopted`` (then ``best_round`` is "tie-break" there).
         trials (list[dict]): every measurement, in order, with ``round``, ``role`` and ``repeat``.
         rounds (list[dict]): per round and configuration, the median of its repeats.
         start_s (float): seconds until the instances were ready (analysis included).
@@ -88,6 +98,7 @@ class TuneResult:
     knobs: dict | None = None
     best_round: str = "final"
     variants: list[dict] = field(default_factory=list)
+    ties: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -104,6 +115,7 @@ class TuneResult:
             "per_batch": self.per_batch,
             "knobs": self.knobs,
             "variants": self.variants,
+            "ties": self.ties,
             "trials": self.trials,
             "rounds": self.rounds,
             "notes": self.notes,
@@ -255,7 +267,7 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
                      + ", ".join(f"{c.short()} [{c.label}]" for c in late))
     late_keys = {c.key() for c in late}
     start_s = budget.elapsed()
-    trials, rounds, per_batch, finals, outcomes = [], [], [], [], {}
+    trials, rounds, per_batch, finals, outcomes, ties = [], [], [], [], {}, []
     bar = progress_bar(desc=f"tune {model}", unit="trial", enabled=progress)
     engine = HalvingSearch(groups.measure, budget.clock, objective, eta=eta, repeats=repeats,
                            final_repeats=final_repeats, k_final=k_final, trials=trials, rounds=rounds,
@@ -305,29 +317,43 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
                                       alt_variants, rounds=final_repeats or repeats, rnd=_next_round(rounds))
             if knob_result is not None:
                 notes += [f"knobs: {n}" for n in knob_result.notes]
+        best_round = {b: "final" for _, _, b in finals}
+        if knob_result is not None:  # a change adopted at a batch size: measured only in the knob race
+            for pb in per_batch:
+                kb = knob_result.by_batch.get(pb["batch_size"])
+                pb["knobs"] = kb
+                if kb is not None and kb["adopted"]:
+                    b = pb["batch_size"]
+                    finals = [(ParallelConfig.from_dict(kb["choice"]), TrialResult(**kb["result"]), b2)
+                              if b2 == b else (c, r, b2) for c, r, b2 in finals]
+                    best_round[b] = "knobs"
+        if any(v.get("near_tie") for v in variant_records):  # with the time left: across fresh processes
+            started = {c.key(): c.instances for c in [*first[0], *first[1]] if c.key() not in late_keys}
+            per_instance_s = start_s / max(1, sum(started.values()))
+            finals.sort(key=lambda cr: objective.score(cr[1]), reverse=True)
+            finals, ties, tnotes = break_ties(
+                groups, engine, budget, finals, variant_records, rnd=_next_round(rounds),
+                start_s=max(1.0, per_instance_s * max(c.instances for c, _, _ in finals)))
+            notes += tnotes
+            for t in ties:
+                next(pb for pb in per_batch if pb["batch_size"] == t["batch_size"])["tie_break"] = t
+                if t["adopted"]:
+                    best_round[t["batch_size"]] = "tie-break"
     finally:
         bar.close()
     if not finals:
         raise ConfigurationError(f"tune: no trial of {model!r} fitted the {budget.budget_s:g} s budget",
                                  hint="give a larger --budget")
     per_batch.sort(key=lambda pb: batch_sizes.index(pb["batch_size"]))
-    best_round = {b: "final" for _, _, b in finals}
-    if knob_result is not None:  # a change adopted at a batch size: measured only in the knob race
-        for pb in per_batch:
-            kb = knob_result.by_batch.get(pb["batch_size"])
-            pb["knobs"] = kb
-            if kb is not None and kb["adopted"]:
-                b = pb["batch_size"]
-                finals = [(ParallelConfig.from_dict(kb["choice"]), TrialResult(**kb["result"]), b2)
-                          if b2 == b else (c, r, b2) for c, r, b2 in finals]
-                best_round[b] = "knobs"
+    for c, _, b in finals:
+        next(pb for pb in per_batch if pb["batch_size"] == b)["choice"] = c.to_dict()
     best_cfg, best_res, b = max(finals, key=lambda cr: objective.score(cr[1]))
     return TuneResult(model=model, objective=objective.kind, latency_limit_ms=objective.limit,
                       budget_s=budget.budget_s, elapsed_s=budget.elapsed(),
                       analysis=None if analysis is None else analysis.to_dict(), best=best_cfg,
                       best_result=best_res, per_batch=per_batch, trials=trials, rounds=rounds, notes=notes,
                       start_s=start_s, knobs=None if knob_result is None else knob_result.to_dict(),
-                      best_round=best_round[b], variants=variant_records)
+                      best_round=best_round[b], variants=variant_records, ties=ties)
 
 
 def _race_knobs(groups, engine, budget: Budget, objective: Objective, outcomes: dict, finals: list, knobs,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from batchcraft.measure import format_table
 from batchcraft.parallel.baselines import BASELINES
 
-__all__ = ["tried_table", "comparison_table", "variant_table", "knob_table", "plot", "interval_text"]
+__all__ = ["tried_table", "comparison_table", "variant_table", "knob_table", "tie_table", "plot", "interval_text"]
 
 _ROLE_ORDER = {"knobs": 0, "playoff": 1, "final": 2, "search": 3}
 
@@ -123,6 +123,21 @@ def variant_table(result: dict, *, markdown: bool = False) -> str | None:
                          "chosen" if chosen else ""])
     return format_table(["batch", "process", "matmul", "conv", "items/s", "p50_ms", "vs default", ""], rows,
                         markdown=markdown)
+
+
+def tie_table(result: dict, *, markdown: bool = False) -> str | None:
+    """Near-tied backends decided across fresh sets of processes: per batch size the two
+    backends, each set's ratio of the other over the chosen (the search's own set first), the
+    median with its interval, and which was kept. None if no tie-break ran."""
+    ties = result.get("ties") or []
+    if not ties:
+        return None
+    rows = [[t["batch_size"], t["process"].split(" b=")[0], f"{t['chosen']['matmul']}/{t['chosen']['conv']}",
+             f"{t['other']['matmul']}/{t['other']['conv']}", t["fresh_rounds"],
+             " ".join(f"{u:.3g}" for u in t["units"]), interval_text(t["ratio"]),
+             "other" if t["adopted"] else "chosen"] for t in ties]
+    return format_table(["batch", "process", "chosen", "other", "fresh sets", "per set", "other/chosen", "kept"],
+                        rows, markdown=markdown)
 
 
 def knob_table(result: dict, *, markdown: bool = False) -> str | None:
