@@ -91,3 +91,18 @@ def test_aggregate_sums_throughput_and_pools_latencies():
     assert res.throughput_items_per_s == pytest.approx(8 / 0.04 + 4 / 0.02)
     assert res.calls == 3 and res.latency_p50_ms == pytest.approx(20.0)
     assert aggregate({}, 1, [([], 0, 0.0)], 0.1).throughput_items_per_s == 0.0
+
+
+def test_held_time_ends_earlier_stages_sooner_and_goes_to_the_last():
+    t = [100.0]
+    b = Budget(60.0, clock=lambda: t[0])
+    end = b.hard_end
+    b.hold(10.0)
+    assert b.hard_end == end - 10.0 and b.left(b.hard_end) == pytest.approx(60.0 - SHUTDOWN_RESERVE_S - 10.0)
+    b.hold(5.0)  # a new hold replaces the old one
+    assert b.hard_end == end - 5.0
+    t[0] = end - 2.0
+    b.hold(5.0)  # never more than is left
+    assert b.hard_end == t[0]
+    b.unhold()
+    assert b.hard_end == end

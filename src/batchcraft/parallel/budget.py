@@ -9,7 +9,10 @@ and their shutdown. It is spent in stages, each with its own end:
    kept for its playoff; a trial may run on to the window's ``slack``;
 3. time set aside for a later stage (:meth:`Budget.set_aside`: the knob race) is not given to the
    search; it is handed back with :meth:`Budget.release`;
-4. ``SHUTDOWN_RESERVE_S`` at the end for stopping the instances.
+4. time held for the last stage (:meth:`Budget.hold`: the tie-break of near-tied backends) ends
+   every earlier stage sooner (:attr:`Budget.hard_end` moves back); :meth:`Budget.unhold` gives
+   it to the last stage;
+5. ``SHUTDOWN_RESERVE_S`` at the end for stopping the instances.
 
 ``clock`` is passed in, so tests run the tuner on a fake clock.
 """
@@ -57,12 +60,14 @@ class Budget:
         self.clock = clock
         self.t_start = clock() if t_start is None else t_start
         self.reserved = 0.0
+        self.held = 0.0
 
     # -- stages -----------------------------------------------------------------------------
     @property
     def hard_end(self) -> float:
-        """No trial starts that would end after this (the shutdown reserve comes after it)."""
-        return self.t_start + self.budget_s - SHUTDOWN_RESERVE_S
+        """No trial starts that would end after this (the shutdown reserve comes after it, and
+        what :meth:`hold` keeps for the last stage)."""
+        return self.t_start + self.budget_s - SHUTDOWN_RESERVE_S - self.held
 
     @property
     def search_end(self) -> float:
@@ -90,6 +95,15 @@ class Budget:
     def release(self) -> None:
         """Give back what :meth:`set_aside` kept (the later stage starts now)."""
         self.reserved = 0.0
+
+    def hold(self, seconds: float) -> None:
+        """Keep ``seconds`` (at most what is left) for the last stage: earlier stages end sooner."""
+        self.unhold()
+        self.held = min(max(0.0, seconds), max(0.0, self.hard_end - self.clock()))
+
+    def unhold(self) -> None:
+        """Give what :meth:`hold` kept to the stage that starts now."""
+        self.held = 0.0
 
     def batch_window(self, floors: list[float], playoff_reserve: Callable[[float], float]) -> Window:
         """The window of the next batch size.

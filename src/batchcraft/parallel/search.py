@@ -42,13 +42,14 @@ from batchcraft.parallel.knobs import (ADOPT_CONFIDENCE, DEFAULT_KNOBS, KNOB_MAX
                                       pick_variants)
 from batchcraft.parallel.objective import Objective
 from batchcraft.parallel.threads import preserved_thread_state
-from batchcraft.parallel.ties import break_ties
+from batchcraft.parallel.ties import break_ties, time_needed
 from batchcraft.parallel.trial import TrialResult
 from batchcraft.parallel.workload import build_workload, model_spec
 
 __all__ = ["TuneResult", "tune", "prepare_model", "check_arguments", "run_search"]
 
 KNOB_MIN_BUDGET_S = 30.0  # below this budget no time is set aside for the knob race
+TIE_HOLD_SHARE = 0.5  # of the time left after the search, at most, held back from the knob race for ties
 
 
 @dataclass
@@ -311,8 +312,15 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
         for b, out in outcomes.items():
             per_batch.append(per_batch_report(b, out, objective))
             finals.append((out.best, out.best_result, b))
+        # a fresh set of processes starts in about its share of the first start-up
+        started = {c.key(): c.instances for c in [*first[0], *first[1]] if c.key() not in late_keys}
+        fresh_start_s = max(1.0, start_s / max(1, sum(started.values())) * max((c.instances for c, _, _ in finals),
+                                                                                  default=1))
         if finals and budget.reserved:
             budget.release()
+            # the tie-break's least rounds are held back from the knob race, up to half of what is left
+            budget.hold(min(time_needed(finals, variant_records, engine, fresh_start_s),
+                            TIE_HOLD_SHARE * budget.left(budget.hard_end)))
             knob_result = _race_knobs(groups, engine, budget, objective, outcomes, finals, knobs, traceable,
                                       alt_variants, rounds=final_repeats or repeats, rnd=_next_round(rounds))
             if knob_result is not None:
@@ -327,13 +335,11 @@ def run_search(groups, budget: Budget, model: str, batch_sizes: list[int], objec
                     finals = [(ParallelConfig.from_dict(kb["choice"]), TrialResult(**kb["result"]), b2)
                               if b2 == b else (c, r, b2) for c, r, b2 in finals]
                     best_round[b] = "knobs"
+        budget.unhold()
         if any(v.get("near_tie") for v in variant_records):  # with the time left: across fresh processes
-            started = {c.key(): c.instances for c in [*first[0], *first[1]] if c.key() not in late_keys}
-            per_instance_s = start_s / max(1, sum(started.values()))
             finals.sort(key=lambda cr: objective.score(cr[1]), reverse=True)
-            finals, ties, tnotes = break_ties(
-                groups, engine, budget, finals, variant_records, rnd=_next_round(rounds),
-                start_s=max(1.0, per_instance_s * max(c.instances for c, _, _ in finals)))
+            finals, ties, tnotes = break_ties(groups, engine, budget, finals, variant_records,
+                                              rnd=_next_round(rounds), start_s=fresh_start_s)
             notes += tnotes
             for t in ties:
                 next(pb for pb in per_batch if pb["batch_size"] == t["batch_size"])["tie_break"] = t

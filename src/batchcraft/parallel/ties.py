@@ -9,11 +9,13 @@ mlp_fc4096 at batch 1 (stop 25, ``docs/benchmarks.md``): one race chose MKL-pack
 the default beside oneDNN 1.00x, a repeat chose oneDNN 1.11x beside MKL-packed 1.05x, and
 fresh processes side by side then found MKL-packed 1.11x faster than the repeat's choice.
 
-So two backends that both beat the default and lie within :data:`NEAR_TIE` of each other count
-as a *near tie*, decided with time left at the end of the search: each round starts a fresh set
-of processes of the same configuration, races the two inside them, and stops them; every set
-of processes (the search's own included) is one unit, the per-process median ratio. The choice
-is the backend whose median over processes is higher, i.e. the one faster in a typical process.
+So a backend chosen over the default and the next best backend count as a *near tie* when their
+estimates lie within :data:`NEAR_TIE` of each other, whatever their intervals (the repeat above:
+MKL-packed 1.05 [1.00, 1.12] beside oneDNN 1.11 [1.07, 1.13]). It is decided at the end, in time
+held back from the knob race: each round starts a fresh set of processes of the same
+configuration, races the two inside them, and stops them; every set of processes (the search's
+own included) is one unit, the per-process median ratio. The choice is the backend whose median
+over processes is higher, i.e. the one faster in a typical process.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from batchcraft.errors import BatchcraftError
 from batchcraft.measure.race import RatioInterval, median_interval
 from batchcraft.parallel.config import ParallelConfig
 
-__all__ = ["NEAR_TIE", "FRESH_RACE_S", "FRESH_MIN_ROUNDS", "FRESH_MAX_ROUNDS", "near_tie", "break_ties"]
+__all__ = ["NEAR_TIE", "FRESH_RACE_S", "FRESH_MIN_ROUNDS", "FRESH_MAX_ROUNDS", "near_tie", "break_ties",
+           "time_needed"]
 
-NEAR_TIE = 1.10  # two backends both decided faster than the default, estimates within this factor
+NEAR_TIE = 1.12  # chosen backend and runner-up, estimates within this factor (process-to-process swings
+# of the two backends' ratio on mlp_fc4096 batch 1 here: 0.90-1.06)
 FRESH_RACE_S = 0.5  # per fresh set of processes: the two backends in turns (as the search's race)
 FRESH_MIN_ROUNDS = 3  # fresh sets of processes, at least (with the search's: 4 units), or no tie-break
 FRESH_MAX_ROUNDS = 6
@@ -49,21 +53,38 @@ def near_tie(rows: list[dict], chosen: int, race) -> dict | None:
         race: the race (variants in ``rows`` order).
     Returns:
         ``{"matmul", "conv", "index", "unit"}`` of the runner-up (``unit``: its median ratio over
-        the chosen variant in this race), when both have their whole interval above the default's
-        and their estimates lie within NEAR_TIE of each other.
+        the chosen variant in this race), when a backend was chosen over the default and the
+        next best backend's estimate lies within NEAR_TIE of the chosen one's. The default is
+        never a runner-up: it gives way only to a backend decided faster (pick_variants' rule).
     """
     if chosen == 0:
-        return None  # the default stays unless a backend is decided faster: no tie to break
-    decided = [j for j, r in enumerate(rows)
-               if j and r["ratio_to_default"] and r["ratio_to_default"]["low"] > 1.0
-               and r["ratio_to_default"]["confidence"] >= CONFIDENCE]
-    others = sorted((j for j in decided if j != chosen), key=lambda j: -rows[j]["ratio_to_default"]["estimate"])
-    if chosen not in decided or not others:
+        return None
+    others = sorted((j for j, r in enumerate(rows) if j and j != chosen and r["ratio_to_default"]),
+                    key=lambda j: -rows[j]["ratio_to_default"]["estimate"])
+    if not others or not rows[chosen]["ratio_to_default"]:
         return None
     j = others[0]
-    if rows[chosen]["ratio_to_default"]["estimate"] / rows[j]["ratio_to_default"]["estimate"] >= NEAR_TIE:
+    if rows[chosen]["ratio_to_default"]["estimate"] >= NEAR_TIE * rows[j]["ratio_to_default"]["estimate"]:
         return None
     return {"matmul": rows[j]["matmul"], "conv": rows[j]["conv"], "index": j, "unit": process_unit(race, j, chosen)}
+
+
+def round_cost(engine, cfg: ParallelConfig, start_s: float) -> float:
+    """Predicted seconds of one fresh round: start-up, both warm-ups, the race, overhead."""
+    return start_s + 2 * max(engine.cost.warmup_s, engine.cost.call_time(cfg)) + FRESH_RACE_S + engine.cost.overhead_s
+
+
+def tied(cfg: ParallelConfig, b: int, variant_records: list) -> dict | None:
+    """The backend race record of ``cfg`` at batch size ``b`` if it holds a near tie of ``cfg``'s backend."""
+    return next((v for v in variant_records if v.get("near_tie") and v["batch_size"] == b
+                 and v["key"] == repr(cfg.key()) and not cfg.compile
+                 and (cfg.matmul, cfg.conv) == (v["chosen"]["matmul"], v["chosen"]["conv"])), None)
+
+
+def time_needed(finals: list, variant_records: list, engine, start_s: float) -> float:
+    """Seconds for FRESH_MIN_ROUNDS fresh rounds of every final choice with a near tie."""
+    return sum(FRESH_MIN_ROUNDS * round_cost(engine, cfg, start_s)
+               for cfg, _, b in finals if tied(cfg, b, variant_records))
 
 
 def break_ties(groups, engine, budget, finals: list, variant_records: list, *, start_s: float, rnd: int
@@ -87,17 +108,14 @@ def break_ties(groups, engine, budget, finals: list, variant_records: list, *, s
 
     out, records, notes = list(finals), [], []
     for n, (cfg, _, b) in enumerate(finals):
-        rec = next((v for v in variant_records if v.get("near_tie") and v["batch_size"] == b
-                    and v["key"] == repr(cfg.key()) and not cfg.compile
-                    and (cfg.matmul, cfg.conv) == (v["chosen"]["matmul"], v["chosen"]["conv"])), None)
+        rec = tied(cfg, b, variant_records)
         if rec is None:
             continue
         tie = rec["near_tie"]
         other = cfg.replace(matmul=tie["matmul"], conv=tie["conv"], compile=False)
         pair = [cfg, other]
         units = [] if tie["unit"] is None else [tie["unit"]]
-        round_s = start_s + 2 * max(engine.cost.warmup_s, engine.cost.call_time(cfg)) + FRESH_RACE_S + \
-            engine.cost.overhead_s
+        round_s = round_cost(engine, cfg, start_s)
         if budget.clock() + FRESH_MIN_ROUNDS * round_s > budget.hard_end:
             notes.append(f"batch {b}: no time to decide the near tie of {cfg.matmul}/{cfg.conv} and "
                          f"{other.matmul}/{other.conv} ({cfg.short()}) in fresh processes "
