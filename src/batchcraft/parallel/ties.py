@@ -34,6 +34,9 @@ NEAR_TIE = 1.12  # chosen backend and runner-up, estimates within this factor (p
 FRESH_RACE_S = 0.5  # per fresh set of processes: the two backends in turns (as the search's race)
 FRESH_MIN_ROUNDS = 3  # fresh sets of processes, at least (with the search's: 4 units), or no tie-break
 FRESH_MAX_ROUNDS = 6
+FRESH_START_MIN_S = 3.0  # a fresh set's start-up is assumed to take at least this (a 2-process set of
+# mlp_fc4096 here: 3-5 s a round with both warm-ups; a share of the first start-up predicted 1.8 s,
+# and only 2 of 3 rounds fitted)
 CONFIDENCE = 0.9
 
 
@@ -70,8 +73,9 @@ def near_tie(rows: list[dict], chosen: int, race) -> dict | None:
 
 
 def round_cost(engine, cfg: ParallelConfig, start_s: float) -> float:
-    """Predicted seconds of one fresh round: start-up, both warm-ups, the race, overhead."""
-    return start_s + 2 * max(engine.cost.warmup_s, engine.cost.call_time(cfg)) + FRESH_RACE_S + engine.cost.overhead_s
+    """Predicted seconds of one fresh round: start-up (at least FRESH_START_MIN_S), both
+    warm-ups, the race, overhead."""
+    return max(FRESH_START_MIN_S, start_s) + 2 * max(engine.cost.warmup_s, engine.cost.call_time(cfg)) + FRESH_RACE_S + engine.cost.overhead_s
 
 
 def tied(cfg: ParallelConfig, b: int, variant_records: list) -> dict | None:
