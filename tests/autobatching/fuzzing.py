@@ -182,7 +182,7 @@ instance_specs = st.fixed_dictionaries({
 
 def make_instance(spec: dict, d: int) -> dict:
     g = torch.Generator().manual_seed(spec["seed"])
-    x = torch.randn(spec["L"], d, generator=g)
+    x = torch.randn(spec["L"], d, generator=g, device="cpu").to(torch.empty(0).device)  # the default device
     if spec["x_grad"]:
         x.requires_grad_(True)
     return {"x": x, "ids": list(spec["ids"]), "n": spec["n"], "k": torch.tensor(spec["k"]),

@@ -100,20 +100,25 @@ def _restore(P, snap):
 
 
 def check_program(program, specs, scheduler="depth", fibers=True, max_pending=None, seed=0, cores=None,
-                  ragged=True, hoist=True, kernels="default", packed_order=True):
+                  ragged=True, hoist=True, kernels="default", packed_order=True, device=None):
     """Run ``program`` eagerly and batched (on each core of ``cores``) on the instances of ``specs``;
     assert equal values, dtypes, requires_grad, gradients and final module buffers.
 
     With ``packed_order`` every recurrence is reordered (its size threshold lowered to 2 nodes,
-    so the fuzzer's few instances reach it); without, none is."""
+    so the fuzzer's few instances reach it); without, none is. With ``device`` (``"cuda"``) both
+    runs happen under ``with torch.device(device)``: parameters, instances and every tensor the
+    program makes live there, as in a user's ``torch.set_default_device`` program."""
+    from contextlib import nullcontext
+
     from batchcraft.autobatching import order
 
     min_nodes = order.MIN_NODES
     order.MIN_NODES = 2
     try:
         for core in cores or [CORES[0]]:
-            f = _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragged, hoist, kernels,
-                           packed_order)
+            with torch.device(device) if device is not None else nullcontext():
+                f = _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragged, hoist, kernels,
+                               packed_order)
             COUNTS[f"programs_{core}"] = COUNTS.get(f"programs_{core}", 0) + 1
     finally:
         order.MIN_NODES = min_nodes
@@ -175,7 +180,7 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
             wrt += list(blk.parameters())
     wrt += [inst["x"] for inst in instances if inst["x"].requires_grad]
     g = torch.Generator().manual_seed(seed + 1)
-    weights = [[torch.randn(t.shape, generator=g) for t in flat_tensors(r)] for r in ref]
+    weights = [[torch.randn(t.shape, generator=g, device="cpu").to(t.device) for t in flat_tensors(r)] for r in ref]
 
     def loss(outs):
         total = torch.zeros(())

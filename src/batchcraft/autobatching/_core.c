@@ -47,6 +47,7 @@ static int g_int_did = 0, g_bool_did = 0;
 static PyObject *g_float_dids = NULL;      /* dict dtype -> did for torch.tensor(float) */
 static PyObject *g_scalar_dids = NULL;     /* dict dtype -> did of a 0-d CPU tensor of that dtype */
 static PyObject *g_cpu_device = NULL;      /* torch.device("cpu") */
+static PyObject *g_int64_dtype = NULL, *g_bool_dtype = NULL;  /* torch.int64, torch.bool */
 static PyObject *g_tf_mode_enabled = NULL; /* torch._C._is_torch_function_mode_enabled */
 static PyObject *g_tf_len = NULL;          /* torch._C._len_torch_function_stack */
 static PyObject *g_tf_at = NULL;           /* torch._C._get_function_stack_at */
@@ -637,18 +638,23 @@ typedef struct {
     PyObject *runtime;
     PyObject *views;       /* dict id(base) -> list of weakrefs */
     PyObject *checked;     /* set of blocks whose fingerprint was checked this call */
+    PyObject *factory_funcs; /* None, or the functions the Python mode_call gives a default device= */
+    PyObject *factory_device; /* None, or the device of a DeviceContext below the mode (not the CPU) */
+    PyObject *dev_dids;    /* dict device -> dict dtype -> did of torch.tensor(scalar) leaves (filled by Python) */
     PyObject *dict;
 } RecObject;
 
 static int rec_traverse(RecObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->leaf_obj); Py_VISIT(self->leaf_py); Py_VISIT(self->pending_leaves);
     Py_VISIT(self->runtime); Py_VISIT(self->views); Py_VISIT(self->checked); Py_VISIT(self->dict);
+    Py_VISIT(self->factory_funcs); Py_VISIT(self->factory_device); Py_VISIT(self->dev_dids);
     return 0;
 }
 
 static int rec_clear_refs(RecObject *self) {
     Py_CLEAR(self->leaf_obj); Py_CLEAR(self->leaf_py); Py_CLEAR(self->pending_leaves);
     Py_CLEAR(self->runtime); Py_CLEAR(self->views); Py_CLEAR(self->checked); Py_CLEAR(self->dict);
+    Py_CLEAR(self->factory_funcs); Py_CLEAR(self->factory_device); Py_CLEAR(self->dev_dids);
     return 0;
 }
 
@@ -677,7 +683,10 @@ static PyObject *rec_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->instance = -1;
     self->ragged_on = 1;
     Py_INCREF(Py_None); self->runtime = Py_None;
-    if (!self->leaf_obj || !self->leaf_py || !self->pending_leaves || !self->views || !self->checked) {
+    Py_INCREF(Py_None); self->factory_funcs = Py_None;
+    Py_INCREF(Py_None); self->factory_device = Py_None;
+    self->dev_dids = PyDict_New();
+    if (!self->dev_dids || !self->leaf_obj || !self->leaf_py || !self->pending_leaves || !self->views || !self->checked) {
         Py_DECREF(self); return NULL;
     }
     return (PyObject *)self;
@@ -1072,25 +1081,66 @@ static PyObject *rec_add_leaf(RecObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromSsize_t(node);
 }
 
-/* scalar leaf made in C: torch.tensor(int | bool | float), dtype given by `forced_did` (0: inferred) */
-static PyObject *scalar_leaf(RecObject *self, PyObject *v, int forced_did) {
-    int did;
+/* did of torch.tensor(v) on the CPU with the default dtype: -1 error, 0 the Python path (an int
+   that does not fit int64: eager's error is raised there) */
+static int default_cpu_did(PyObject *v) {
     PyTypeObject *t = Py_TYPE(v);
-    if (forced_did) did = forced_did;
-    else if (t == &PyBool_Type) did = g_bool_did;
-    else if (t == &PyLong_Type) {
+    if (t == &PyBool_Type) return g_bool_did;
+    if (t == &PyLong_Type) {
         int of = 0;
         PyLong_AsLongLongAndOverflow(v, &of);
-        if (of) return NULL;   /* caller takes the Python path (which raises eager's error) */
-        did = g_int_did;
-    } else {
-        PyObject *dt = PyObject_CallNoArgs(g_get_default_dtype);
-        if (!dt) return NULL;
-        PyObject *d = PyDict_GetItemWithError(g_float_dids, dt);
-        Py_DECREF(dt);
-        if (!d) return NULL;
-        did = (int)PyLong_AsLong(d);
+        return of ? 0 : g_int_did;
     }
+    PyObject *dt = PyObject_CallNoArgs(g_get_default_dtype);
+    if (!dt) return -1;
+    PyObject *d = PyDict_GetItemWithError(g_float_dids, dt);
+    Py_DECREF(dt);
+    if (!d) return PyErr_Occurred() ? -1 : 0;
+    return (int)PyLong_AsLong(d);
+}
+
+/* did of torch.tensor(v, dtype=dt, device=dev) (dt, dev NULL or None when not given): the C path
+   for CPU leaves and for devices the Python path has seen this call (rec->dev_dids); 0: the Python
+   path; -1: error. Without device=, a DeviceContext's device applies (rec->factory_device). */
+static int scalar_did(RecObject *rec, PyObject *v, PyObject *dt, PyObject *dev) {
+    if (dt == Py_None) dt = NULL;
+    if (!dev || dev == Py_None) dev = rec->factory_device;
+    PyTypeObject *t = Py_TYPE(v);
+    if (t == &PyLong_Type) {
+        int of = 0;
+        PyLong_AsLongLongAndOverflow(v, &of);
+        if (of) return 0;
+    }
+    int cpu = !dev || dev == Py_None || dev == g_cpu_device;
+    if (!cpu && Py_TYPE(dev) == Py_TYPE(g_cpu_device)) {
+        cpu = PyObject_RichCompareBool(dev, g_cpu_device, Py_EQ);
+        if (cpu < 0) return -1;
+    }
+    if (cpu) {
+        if (!dt) return default_cpu_did(v);
+        PyObject *d = PyDict_GetItemWithError(g_scalar_dids, dt);
+        if (!d) { if (PyErr_Occurred()) PyErr_Clear(); return 0; }
+        return (int)PyLong_AsLong(d);
+    }
+    PyObject *tab = PyDict_GetItemWithError(rec->dev_dids, dev);
+    if (!tab) { if (PyErr_Occurred()) PyErr_Clear(); return 0; }
+    PyObject *key = dt, *own = NULL;
+    if (!key) {
+        if (t == &PyBool_Type) key = g_bool_dtype;
+        else if (t == &PyLong_Type) key = g_int64_dtype;
+        else { own = key = PyObject_CallNoArgs(g_get_default_dtype); if (!own) return -1; }
+    }
+    PyObject *d = PyDict_GetItemWithError(tab, key);
+    Py_XDECREF(own);
+    if (!d) { if (PyErr_Occurred()) PyErr_Clear(); return 0; }
+    return (int)PyLong_AsLong(d);
+}
+
+/* scalar leaf made in C: torch.tensor(int | bool | float) with descriptor `forced_did` (0: the CPU's
+   default for v); NULL without an error: the caller takes the Python path */
+static PyObject *scalar_leaf(RecObject *self, PyObject *v, int forced_did) {
+    int did = forced_did ? forced_did : default_cpu_did(v);
+    if (did < 0) return NULL;
     if (!did) return NULL;
     PyObject *a[4];
     PyObject *didobj = PyLong_FromLong(did);
@@ -1692,6 +1742,12 @@ static PyMemberDef rec_members[] = {
     {"runtime", T_OBJECT, offsetof(RecObject, runtime), 0, "owning runtime"},
     {"views", T_OBJECT, offsetof(RecObject, views), READONLY, "id(base) -> weakrefs of its views"},
     {"checked_blocks", T_OBJECT, offsetof(RecObject, checked), READONLY, "blocks checked this call"},
+    {"factory_device", T_OBJECT, offsetof(RecObject, factory_device), 0,
+     "None, or the device factory calls without device= use (a DeviceContext below the mode)"},
+    {"dev_dids", T_OBJECT, offsetof(RecObject, dev_dids), READONLY,
+     "device -> dtype -> did of scalar leaves on that device (filled by RecorderBase.scalar_leaf)"},
+    {"factory_funcs", T_OBJECT, offsetof(RecObject, factory_funcs), 0,
+     "None, or a set of factory functions that the mode sends to mode_call (a default device applies)"},
     {NULL}
 };
 
@@ -1745,22 +1801,10 @@ static PyTypeObject RecorderType = {
 /* depth: the torch-function stack's length right after this mode was pushed (see fast_tensor) */
 typedef struct { PyObject_HEAD PyObject *recorder; PyObject *dict; Py_ssize_t depth; } ModeObject;
 
-/* one keyword of torch.tensor(python scalar, device=cpu | None, dtype=int64 | bool | a float dtype):
-   1 if the C path can make it (a forced dtype goes to *forced), 0 if not, never an error */
-static int scalar_kw_ok(PyObject *k, PyObject *val, int *forced) {
-    if (PyUnicode_CompareWithASCIIString(k, "device") == 0) {
-        if (val == Py_None) return 1;
-        int eq = PyObject_RichCompareBool(val, g_cpu_device, Py_EQ);
-        if (eq < 0) { PyErr_Clear(); return 0; }
-        return eq;
-    }
-    if (PyUnicode_CompareWithASCIIString(k, "dtype") == 0) {
-        if (val == Py_None) return 1;
-        PyObject *d = PyDict_GetItemWithError(g_scalar_dids, val);
-        if (!d) { PyErr_Clear(); return 0; }
-        *forced = (int)PyLong_AsLong(d);
-        return 1;
-    }
+/* a keyword of torch.tensor(scalar, ...) that the C path takes: device= and dtype= (borrowed) */
+static int scalar_kws(PyObject *k, PyObject *val, PyObject **dt, PyObject **dev) {
+    if (PyUnicode_CompareWithASCIIString(k, "device") == 0) { *dev = val; return 1; }
+    if (PyUnicode_CompareWithASCIIString(k, "dtype") == 0) { *dt = val; return 1; }
     return 0;
 }
 
@@ -1789,6 +1833,22 @@ static int called_from_handler(void) {
     return res;
 }
 
+/* A factory call while a default device applies (the recorder's factory_funcs is a set holding
+   func): 1, the Python mode_call adds device= as torch's DeviceContext would; 0: the C paths may
+   take it; -1: error. */
+static int is_device_factory(RecObject *rec, PyObject *func) {
+    if (rec->factory_funcs == Py_None || !rec->factory_funcs) return 0;
+    return PySet_Contains(rec->factory_funcs, func);
+}
+
+/* rec.mode_call(func, args, kwargs or {}): the Python recorder's handling of a call the mode saw */
+static PyObject *py_mode_call(PyObject *rec, PyObject *func, PyObject *targs, PyObject *fkw) {
+    PyObject *kw = fkw ? fkw : PyDict_New();
+    PyObject *r = kw ? PyObject_CallMethodObjArgs(rec, s_mode_call, func, targs, kw, NULL) : NULL;
+    if (!fkw) Py_XDECREF(kw);
+    return r;
+}
+
 static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *func = nargs > 0 ? args[0] : NULL;
     PyObject *fargs = nargs > 2 ? args[2] : NULL;
@@ -1805,7 +1865,7 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
     PyObject *targs = fargs && fargs != Py_None ? PySequence_Tuple(fargs) : PyTuple_New(0);
     if (!targs) return NULL;
     PyObject *rec = current_rec();
-    PyObject *r;
+    PyObject *r = NULL;
     if (!rec) {
         r = PyObject_Call(func, targs, fkw);
     } else if (called_from_handler()) {
@@ -1817,15 +1877,32 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
         if (func == g_torch_tensor && n == 1) {
             PyObject *v = PyTuple_GET_ITEM(targs, 0);
             PyTypeObject *t = Py_TYPE(v);
-            int ok = t == &PyLong_Type || t == &PyFloat_Type || t == &PyBool_Type, forced = 0;
+            int ok = t == &PyLong_Type || t == &PyFloat_Type || t == &PyBool_Type;
+            PyObject *dt = NULL, *dev = NULL;
             if (ok && fkw) {
                 Py_ssize_t pos = 0; PyObject *k, *val;
-                while (ok && PyDict_Next(fkw, &pos, &k, &val)) ok = scalar_kw_ok(k, val, &forced);
+                while (ok && PyDict_Next(fkw, &pos, &k, &val)) ok = scalar_kws(k, val, &dt, &dev);
             }
             if (ok) {
-                r = scalar_leaf((RecObject *)rec, v, forced);
-                if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
+                int did = scalar_did((RecObject *)rec, v, dt, dev);
+                if (did < 0) { Py_DECREF(targs); return NULL; }
+                if (did > 0) {
+                    r = scalar_leaf((RecObject *)rec, v, did);
+                    if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
+                }
+                /* a (device, dtype) not seen yet, or an int beyond int64: the Python mode_call (a
+                   scalar leaf on that device, registered for the C path; or eager's error) */
+                r = py_mode_call(rec, func, targs, fkw);
+                Py_DECREF(targs);
+                return r;
             }
+        }
+        int dfac = is_device_factory((RecObject *)rec, func);
+        if (dfac < 0) { Py_DECREF(targs); return NULL; }
+        if (dfac) {
+            r = py_mode_call(rec, func, targs, fkw);
+            Py_DECREF(targs);
+            return r;
         }
         if (!fkw && n > 0 && g_fill_factories) {
             int fill = 0;
@@ -1841,9 +1918,7 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
         }
         r = rec_record_impl(rec, func, &PyTuple_GET_ITEM(targs, 0), n, fkw);
     } else {
-        PyObject *kw = fkw ? fkw : PyDict_New();
-        r = kw ? PyObject_CallMethodObjArgs(rec, s_mode_call, func, targs, kw, NULL) : NULL;
-        if (!fkw) Py_XDECREF(kw);
+        r = py_mode_call(rec, func, targs, fkw);
     }
     Py_DECREF(targs);
     return r;
@@ -1953,14 +2028,17 @@ static PyObject *py_fast_tensor(PyObject *m, PyObject *const *args, size_t nargs
     if (g_ready && rec && nargs == 1 && PyObject_TypeCheck(rec, &RecorderType)) {
         PyObject *v = args[0];
         PyTypeObject *t = Py_TYPE(v);
-        int ok = t == &PyLong_Type || t == &PyFloat_Type || t == &PyBool_Type, forced = 0;
+        int ok = t == &PyLong_Type || t == &PyFloat_Type || t == &PyBool_Type;
+        PyObject *dt = NULL, *dev = NULL;
         for (Py_ssize_t i = 0; ok && kwnames && i < PyTuple_GET_SIZE(kwnames); i++)
-            ok = scalar_kw_ok(PyTuple_GET_ITEM(kwnames, i), args[nargs + i], &forced);
+            ok = scalar_kws(PyTuple_GET_ITEM(kwnames, i), args[nargs + i], &dt, &dev);
         if (ok) {
             int top = rec_mode_on_top(rec);
             if (top < 0) return NULL;
-            if (top) {
-                PyObject *r = scalar_leaf((RecObject *)rec, v, forced);
+            int did = top ? scalar_did((RecObject *)rec, v, dt, dev) : 0;
+            if (did < 0) return NULL;
+            if (did > 0) {
+                PyObject *r = scalar_leaf((RecObject *)rec, v, did);
                 if (r || PyErr_Occurred()) return r;
             }
         }
@@ -2109,6 +2187,7 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     GET(g_tf_push, "tf_push"); GET(g_tf_pop, "tf_pop"); GET(g_get_default_dtype, "get_default_dtype");
     GET(g_rebuild, "rebuild"); GET(g_escape, "escape"); GET(g_StaticBlock, "StaticBlock"); GET(g_float_dids, "float_dids");
     GET(g_scalar_dids, "scalar_dids"); GET(g_cpu_device, "cpu_device");
+    GET(g_int64_dtype, "int64_dtype"); GET(g_bool_dtype, "bool_dtype");
     GET(g_tf_mode_enabled, "tf_mode_enabled"); GET(g_tf_len, "tf_len"); GET(g_tf_at, "tf_at");
     GET(g_torch_dir, "torch_dir");
     PyObject *o = PyDict_GetItemString(d, "fill_factories");

@@ -28,7 +28,7 @@ from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.program import Program, Step
 from batchcraft.autobatching.signature import (LEAF, RAGGED, SCALAR_TYPES, SIGNATURES, SigInfo, flatten,
                                                rebuild, shared_descriptor)
-from batchcraft.autobatching.threadstate import op_state
+from batchcraft.autobatching.threadstate import op_state, with_factory_device
 from batchcraft.errors import AutobatchError
 
 _current = stack.current
@@ -88,6 +88,7 @@ class BlockTracer:
         self.instance = getattr(parent, "instance", -1)
         self.blocks_checked = getattr(parent, "blocks_checked", set())
         self.options = getattr(parent, "options", None)
+        self.factory_device = getattr(parent, "factory_device", None)
 
     # -- lazy protocol ---------------------------------------------------------------------------
     def note_shape(self, x=None) -> None:
@@ -129,7 +130,10 @@ class BlockTracer:
             hint="move the value-dependent branch out of the block, or do not mark this code static_block")
 
     def mode_call(self, func, args, kwargs):
-        return self.record(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        if self.factory_device is not None:
+            kwargs = with_factory_device(func, kwargs, self.factory_device)
+        return self.record(func, args, kwargs)
 
     def for_handler(self, func, args, kwargs, frame=None):
         """A torch call from a ``__torch_function__`` frame (see ``RecorderBase.for_handler``):

@@ -15,10 +15,11 @@ import torch
 
 from batchcraft.autobatching import _native
 from batchcraft.autobatching.descs import DESCS, desc_id
-from batchcraft.autobatching.gather import stack_leaves
+from batchcraft.autobatching.gather import stack_leaves, to_device
 from batchcraft.autobatching.patches import SharedPatch
 from batchcraft.autobatching.recorder import RecorderBase, scalar_spec
 from batchcraft.autobatching.signature import SIGNATURES, rebuild
+from batchcraft.autobatching.threadstate import device_constructors
 from batchcraft.errors import AutobatchError
 
 _c = _native.core
@@ -44,6 +45,7 @@ def _setup() -> None:
         tf_pop=torch._C._pop_torch_function_stack, get_default_dtype=torch.get_default_dtype, rebuild=rebuild,
         escape=_escape, StaticBlock=StaticBlock, float_dids=float_dids,
         int_did=desc_id(((), torch.int64, torch.device("cpu"))), cpu_device=torch.device("cpu"),
+        int64_dtype=torch.int64, bool_dtype=torch.bool,
         # torch.tensor(python scalar, dtype=...) made in C: dtypes that hold any Python scalar as
         # eager would (narrow integer dtypes can overflow: they take the Python path, which raises)
         scalar_dids={dt: desc_id(((), dt, torch.device("cpu")))
@@ -75,7 +77,9 @@ class CRecorder(_c.Recorder, RecorderBase):
         self.ragged_on = 1 if options.ragged else 0
         self.leaf_cache: dict = {}
         self.mode = _c.Mode(self)
-        self.fast_calls = FAST_FACTORIES
+        # a default device applies: factory calls go to mode_call, which adds device= (C paths make CPU leaves)
+        self.factory_funcs = device_constructors() if self.factory_device is not None else None
+        self.fast_calls = FAST_FACTORIES if self.factory_device is None else None
 
     # -- signatures into the C table ---------------------------------------------------------------
     def _sig_entry(self, info):
@@ -117,8 +121,9 @@ class CRecorder(_c.Recorder, RecorderBase):
             if scalars is not None:
                 nodes, values, is_float = scalars
                 t = torch.frombuffer(values, dtype=torch.float64 if is_float else torch.int64)
-                if t.dtype != dtype or device.type != "cpu":
-                    t = t.to(device=device, dtype=dtype)
+                if t.dtype != dtype:
+                    t = t.to(dtype=dtype)
+                t = to_device(t, device)
                 buf = len(self.buffers)
                 self.buffers.append(t)
                 self.place(nodes, buf, 0)
@@ -140,7 +145,15 @@ class CRecorder(_c.Recorder, RecorderBase):
             out = self.mode_scalar(v)
             if out is not None:
                 return out
-        return RecorderBase.scalar_leaf(self, v, dtype, device)
+        out = RecorderBase.scalar_leaf(self, v, dtype, device)
+        if device is not None:
+            # the C path makes the next torch.tensor(scalar) on this device without Python
+            dt, _, did = scalar_spec(v, dtype, device)
+            try:
+                self.dev_dids.setdefault(device, {})[dt] = did
+            except TypeError:  # an unhashable device argument: the Python path stays
+                pass
+        return out
 
     def group_lens(self, nodes):
         return [self.node_lens(nd) for nd in nodes]

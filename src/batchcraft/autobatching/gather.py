@@ -16,12 +16,27 @@ _frombuffer = torch.frombuffer
 _int64 = torch.int64
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """CPU tensor ``t`` on ``device``, without waiting for the device.
+
+    A plain ``t.to("cuda")`` from pageable memory synchronises the stream: the host would wait
+    for every kernel queued so far before recording on. From pinned memory with
+    ``non_blocking=True`` the copy is queued behind them (torch's caching host allocator keeps the
+    pinned block until the copy has run), so recording and planning overlap the kernels.
+    """
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def index_tensor(rows, device) -> torch.Tensor:
     """int64 index tensor of ``rows`` (a list of ints or int64 bytes) on ``device``."""
     if type(rows) is not bytearray:
         rows = _array("q", rows)
     t = _frombuffer(rows, dtype=_int64)
-    return t if device.type == "cpu" else t.to(device)
+    return t if device.type == "cpu" else to_device(t, device)
 
 
 def select_rows(t, idx) -> torch.Tensor:
@@ -136,5 +151,5 @@ def stack_leaves(records, desc, value_of, nodes) -> torch.Tensor:
                 return index_tensor(vals, device)
             except OverflowError:  # pragma: no cover - torch.tensor rejects these at record time
                 pass
-        return torch.tensor(vals, dtype=dtype, device=device)
+        return to_device(torch.tensor(vals, dtype=dtype), device)
     return torch.stack([r[0] if r[0] is not None else value_of(nd) for r, nd in zip(records, nodes)])

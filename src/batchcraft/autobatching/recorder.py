@@ -32,7 +32,7 @@ from batchcraft.autobatching.mode import outside_mode as _outside_mode
 from batchcraft.autobatching.plan import plan_rows
 from batchcraft.autobatching.signature import (SCALAR_TYPES, SIGNATURES, SigInfo, flatten, rebuild,
                                                holds_these_shared, shared_descriptor)
-from batchcraft.autobatching.threadstate import op_state
+from batchcraft.autobatching.threadstate import factory_device, op_state, with_factory_device
 from batchcraft.errors import AutobatchError, StepLimitError, UnsupportedOperationError
 
 _Lazy = LazyTensor
@@ -122,6 +122,9 @@ def scalar_spec(v, dtype, device):
     spec = _SCALAR_SPECS.get((dtype, device))
     if spec is None:
         dev = _CPU if device is None else torch.device(device)
+        if dev.type != "cpu" and dev.index is None:  # "cuda" -> "cuda:0", the device its tensors report
+            with torch._C.DisableTorchFunction():
+                dev = torch.empty(0, device=dev).device
         spec = _SCALAR_SPECS[(dtype, device)] = (dtype, dev, desc_id(((), dtype, dev)))
     return spec
 
@@ -167,6 +170,9 @@ class RecorderBase:
         self.keepalive: list = []
         self.input_leaves: dict = {}
         self.hooked: set = set()
+        # a DeviceContext below the recording mode (torch.set_default_device): factory calls
+        # of instance code get its device= as in eager
+        self.factory_device = factory_device()
 
     # -- protocol used by lazy values --------------------------------------------------------
     def note_shape(self) -> None:
@@ -320,6 +326,8 @@ class RecorderBase:
     # -- factory calls seen by the recording mode ---------------------------------------------
     def mode_call(self, func, args, kwargs):
         """A torch call seen by the recording mode (any arguments)."""
+        if self.factory_device is not None:
+            kwargs = with_factory_device(func, kwargs, self.factory_device)
         if (func is _torch_tensor and len(args) == 1 and type(args[0]) in _PY_SCALARS
                 and (not kwargs or kwargs.keys() <= _SCALAR_KW)
                 and (type(args[0]) is not int or -_I64 <= args[0] < _I64)):  # else: fails now, here

@@ -45,10 +45,12 @@ def birnn_padded(model, sentences) -> list[torch.Tensor]:
     """
     if not sentences:
         return []
-    lengths = torch.tensor([len(s) for s in sentences])
-    ids = torch.zeros(len(sentences), int(lengths.max()), dtype=torch.long)
+    dev = next(model.parameters()).device
+    lengths = torch.tensor([len(s) for s in sentences], device="cpu")  # pack_padded_sequence wants them on the CPU
+    ids = torch.zeros(len(sentences), int(lengths.max()), dtype=torch.long, device="cpu")
     for i, s in enumerate(sentences):
-        ids[i, : len(s)] = torch.tensor(s.word_ids)
+        ids[i, : len(s)] = torch.tensor(s.word_ids, device="cpu")
+    ids = ids.to(dev)
     x = model.embed(ids)  # (B, T, word_dim); outside autobatch a static block is a plain call
     packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
     out, _ = _shared_lstm(model)(packed)
