@@ -6,8 +6,8 @@
 #      a default CUDA device, the differential fuzzer on CUDA; cuDNN frontend plans vs PyTorch);
 #   3. benchmarks/gpu_autobatch.py: the suite, eager vs batchcraft vs hand-batched;
 #   4. benchmarks/gpu_microbatch.py: cuDNN plans under workspace budgets vs cudnn.benchmark.
-# Each step has its own time limit and writes its log/JSON under $OUT (default ./gpu-out); a failing
-# step does not stop the next. Fetch the wheels first (README of the device tool):
+# Each step has its own time limit and writes its log/JSON under $OUT (default ./gpu-out; the logs end
+# up in $OUT/logs.tgz); a failing step does not stop the next. Fetch the wheels first (README of the device tool):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #       -d .whl greenlet==3.5.6 conllu==6.0.0 nvidia-cudnn-frontend==1.32.0
 # Usage: OUT=/some/dir bash benchmarks/gpu_check.sh [fuzz examples per core (60)]
@@ -50,3 +50,5 @@ step gpu_autobatch 170 $PY benchmarks/gpu_autobatch.py --sentences 128 --sizes s
 step gpu_microbatch 110 $PY benchmarks/gpu_microbatch.py --models alexnet,resnet18 --batch-size 128 \
   --image-size 224 --time-limit-s 50 --out "$OUT/gpu_microbatch.json"
 echo "total ${SECONDS}s" | tee -a "$OUT/steps.txt"
+# the logs as one file (a lent machine returns at most 8 files)
+(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)

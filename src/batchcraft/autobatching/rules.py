@@ -433,6 +433,44 @@ def _lower_unsqueeze(func, args, kwargs, lw):
     return f"{lw.expr(args[0])}.unsqueeze({d + 1})"
 
 
+def _lower_squeeze(func, args, kwargs, lw):
+    """``x.squeeze(d)`` as ``x.squeeze(d + 1)`` (as :func:`rule_squeeze`, written out once)."""
+    if not lw.batched[0] or any(lw.batched[1:]) or set(kwargs) - {"dim"}:
+        return None
+    d = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    shape = lw.shapes[0]
+    if d is None:
+        dims = tuple(i + 1 for i, s in enumerate(shape) if s == 1)
+    elif type(d) is int and shape:
+        dims = (d % len(shape) + 1,)
+    elif type(d) in (tuple, list) and shape and all(type(x) is int for x in d):
+        dims = tuple(i % len(shape) + 1 for i in d)
+    else:
+        return None
+    e = lw.expr(args[0])
+    for dd in sorted(dims, reverse=True):
+        e = f"{e}.squeeze({dd})"
+    return e
+
+
+def _lower_seq(func, args, kwargs, lw):
+    """``torch.cat`` / ``stack`` of a list: dim shifted, shared members expanded to the batch (as
+    :func:`rule_seq_dim`, written out once)."""
+    seq = args[0] if args else None
+    if (not isinstance(seq, (list, tuple)) or len(seq) != len(lw.batched) or len(args) > 2
+            or set(kwargs) - {"dim"}):
+        return None
+    d = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if type(d) is not int:
+        return None
+    stack = func is torch.stack or getattr(func, "__name__", "") == "stack"
+    nd = (d + 1 if d >= 0 else d) if stack else _shift(d, len(lw.shapes[0]))
+    for j, b in enumerate(lw.batched):
+        if not b:
+            lw.wrap(j, lambda e, s=tuple(lw.shapes[j]): f"{e}.expand((n,) + {s!r})")
+    return lw.call(func, [list(seq), nd], {})
+
+
 def _lower_getitem(func, args, kwargs, lw):
     if len(lw.batched) != 1 or not _is_plain_index(args[1]):
         return None
@@ -490,7 +528,8 @@ _register(_torch_funcs("sum", "mean", "std", "var", "all", "any") + _tensor_meth
 _register(_torch_funcs("max", "min") + _tensor_methods("max", "min"), Rule("max", make_dim_rule(1), _dim_lowering(1),
                                                                            ragged="reduce"))
 _BATCHED_OTHER_OK.update([torch.gather, torch.Tensor.gather])
-_register([torch.cat, torch.concat, torch.concatenate, torch.stack], Rule("seq", rule_seq_dim, ragged="seq"))
+_register([torch.cat, torch.concat, torch.concatenate, torch.stack], Rule("seq", rule_seq_dim, _lower_seq,
+                                                                         ragged="seq"))
 _register(_tensor_methods("view", "reshape", "expand") + [torch.reshape],
           Rule("shape", rule_shape_args(True), _lower_shape_args(True)))
 _register(_tensor_methods("repeat"), Rule("repeat", rule_shape_args(False), _lower_shape_args(False)))
@@ -499,7 +538,7 @@ _register([torch.t, torch.Tensor.t], Rule("t", rule_t))
 _register([torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes],
           Rule("transpose", rule_transpose, ragged="transpose"))
 _register([torch.flatten, torch.Tensor.flatten], Rule("flatten", rule_flatten))
-_register([torch.squeeze, torch.Tensor.squeeze], Rule("squeeze", rule_squeeze, ragged="squeeze"))
+_register([torch.squeeze, torch.Tensor.squeeze], Rule("squeeze", rule_squeeze, _lower_squeeze, ragged="squeeze"))
 _register([torch.unsqueeze, torch.Tensor.unsqueeze], Rule("unsqueeze", rule_unsqueeze, _lower_unsqueeze,
                                                           ragged="unsqueeze"))
 _register([torch.Tensor.__getitem__], Rule("getitem", rule_getitem, _lower_getitem, ragged="getitem"))
