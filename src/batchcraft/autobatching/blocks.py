@@ -23,12 +23,13 @@ from torch import nn
 
 from batchcraft.autobatching import _native, cells as _cells, stack
 from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.devices import with_factory_device
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.program import Program, Step
 from batchcraft.autobatching.signature import (LEAF, RAGGED, SCALAR_TYPES, SIGNATURES, SigInfo, flatten,
                                                rebuild, shared_descriptor)
-from batchcraft.autobatching.threadstate import op_state, with_factory_device
+from batchcraft.autobatching.threadstate import op_state
 from batchcraft.errors import AutobatchError
 
 _current = stack.current
@@ -336,11 +337,14 @@ class StaticBlock:
             self._fingerprint = fp
 
     def _fingerprint_now(self):
+        # traces hold the device= their factory calls got from a default device (devices.py):
+        # another default device traces again
+        fdev = getattr(_current(), "factory_device", None)
         if self.module is None:
-            return None
+            return fdev
         tensors = tuple((id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
                         for t in list(self.module.parameters()) + list(self.module.buffers()))
-        return tensors + tuple(m.training for m in self.module.modules())
+        return tensors + tuple(m.training for m in self.module.modules()) + (fdev,)
 
     # -- tracing -----------------------------------------------------------------------------------
     def _run_body(self, tracer, args, kwargs):

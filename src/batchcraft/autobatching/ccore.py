@@ -19,7 +19,7 @@ from batchcraft.autobatching.gather import stack_leaves, to_device
 from batchcraft.autobatching.patches import SharedPatch
 from batchcraft.autobatching.recorder import RecorderBase, scalar_spec
 from batchcraft.autobatching.signature import SIGNATURES, rebuild
-from batchcraft.autobatching.threadstate import device_constructors
+from batchcraft.autobatching.devices import device_constructors
 from batchcraft.errors import AutobatchError
 
 _c = _native.core
@@ -77,9 +77,13 @@ class CRecorder(_c.Recorder, RecorderBase):
         self.ragged_on = 1 if options.ragged else 0
         self.leaf_cache: dict = {}
         self.mode = _c.Mode(self)
-        # a default device applies: factory calls go to mode_call, which adds device= (C paths make CPU leaves)
-        self.factory_funcs = device_constructors() if self.factory_device is not None else None
         self.fast_calls = FAST_FACTORIES if self.factory_device is None else None
+
+    def set_factory_device(self, device) -> None:
+        # a default device applies: factory calls go to mode_call, which adds device= (the C
+        # paths make CPU leaves), torch.tensor(scalar) on it once per dtype (then in C)
+        self.factory_device = device
+        self.factory_funcs = device_constructors() if device is not None else None
 
     # -- signatures into the C table ---------------------------------------------------------------
     def _sig_entry(self, info):
@@ -122,7 +126,10 @@ class CRecorder(_c.Recorder, RecorderBase):
                 nodes, values, is_float = scalars
                 t = torch.frombuffer(values, dtype=torch.float64 if is_float else torch.int64)
                 if t.dtype != dtype:
-                    t = t.to(dtype=dtype)
+                    if dtype.is_floating_point or dtype.is_complex or dtype is torch.bool:
+                        t = t.to(dtype=dtype)
+                    else:  # a narrower integer: eager's range check (a cast would wrap 300 to 44 in int8)
+                        t = torch.tensor(t.tolist(), dtype=dtype)
                 t = to_device(t, device)
                 buf = len(self.buffers)
                 self.buffers.append(t)

@@ -32,7 +32,8 @@ from batchcraft.autobatching.mode import outside_mode as _outside_mode
 from batchcraft.autobatching.plan import plan_rows
 from batchcraft.autobatching.signature import (SCALAR_TYPES, SIGNATURES, SigInfo, flatten, rebuild,
                                                holds_these_shared, shared_descriptor)
-from batchcraft.autobatching.threadstate import factory_device, op_state, with_factory_device
+from batchcraft.autobatching.devices import factory_device, with_factory_device
+from batchcraft.autobatching.threadstate import op_state
 from batchcraft.errors import AutobatchError, StepLimitError, UnsupportedOperationError
 
 _Lazy = LazyTensor
@@ -171,8 +172,13 @@ class RecorderBase:
         self.input_leaves: dict = {}
         self.hooked: set = set()
         # a DeviceContext below the recording mode (torch.set_default_device): factory calls
-        # of instance code get its device= as in eager
-        self.factory_device = factory_device()
+        # of instance code get its device= as in eager (devices.py)
+        self.device_changed = False  # instance code called torch.set_default_device
+        self.set_factory_device(factory_device())
+
+    def set_factory_device(self, device) -> None:
+        """The device factory calls without ``device=`` use from now on (None: torch's own)."""
+        self.factory_device = device
 
     # -- protocol used by lazy values --------------------------------------------------------
     def note_shape(self) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from batchcraft.autobatching.attrs import FAST_MODULE_GETATTR
 from batchcraft.autobatching.cells import FAST_CELLS
+from batchcraft.autobatching.devices import SET_DEFAULT_DEVICE, factory_device, global_context, set_global_context
 from batchcraft.autobatching.dispatch import FAST_DISPATCH
 from batchcraft.autobatching.modstate import resolve_module_state
 from batchcraft.autobatching import core as _core
@@ -182,7 +183,7 @@ class Runtime:
         gc.disable()
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
             _functional.intercept_function_apply(True)
-            with attrs, cells, dispatch, retention:
+            with attrs, cells, dispatch, retention, SET_DEFAULT_DEVICE:
                 return self._run(instances, t_start)
         finally:
             try:
@@ -266,6 +267,8 @@ class Runtime:
             g.gr_context = ctx.copy()  # instances see the caller's context variables
             fibers.append(g)
         states = [main_state.copy() for _ in range(n)]
+        main_dctx = global_context()
+        dctx = [main_dctx] * n  # each fiber's torch.set_default_device context (devices.py)
         outputs: list[Any] = [None] * n
         phases = [0] * n
         steps = [0] * n
@@ -278,6 +281,9 @@ class Runtime:
                     rec.instance, rec.phase, rec.inst_steps = i, phases[i], steps[i]
                     fs = states[i]
                     fs.enter(main_state)
+                    if rec.device_changed:  # some fiber set a default device: this one's is its own
+                        set_global_context(dctx[i])
+                        rec.set_factory_device(factory_device())
                     try:
                         if started[i]:
                             res = fibers[i].switch()
@@ -295,6 +301,9 @@ class Runtime:
                         fs.leave(main_state)
                         raise
                     fs.leave(main_state)
+                    if rec.device_changed:
+                        dctx[i] = global_context()
+                        set_global_context(main_dctx)
                     phases[i], steps[i] = rec.phase, rec.inst_steps
                     if fibers[i].dead:
                         outputs[i] = res
@@ -311,12 +320,16 @@ class Runtime:
             for j, f in enumerate(fibers):  # unwind fibers left suspended by an error
                 if started[j] and not f.dead:
                     states[j].enter(main_state)
+                    if rec.device_changed:
+                        set_global_context(dctx[j])
                     try:
                         f.throw(greenlet.GreenletExit)
                     except BaseException:
                         pass
                     states[j].leave(main_state)
                 states[j].close()
+            if rec.device_changed:
+                set_global_context(main_dctx)
         return outputs
 
     def _check_pending(self):

@@ -13,8 +13,6 @@ mode, inference mode, autocast); it is part of every signature, and groups run u
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 _grad = torch.is_grad_enabled
@@ -47,47 +45,6 @@ def _autocast_devices() -> tuple:
 
 
 AUTOCAST_DEVICES = _autocast_devices()
-
-
-def factory_device() -> torch.device | None:
-    """The device that factory calls without ``device=`` make tensors on, if it is not the CPU.
-
-    ``torch.set_default_device("cuda")`` and ``with torch.device("cuda"):`` push a
-    ``DeviceContext`` torch-function mode, which adds ``device=`` to factory calls. The
-    recording mode sits above it and makes per-instance factory leaves itself, so it must add
-    the same keyword (the innermost ``DeviceContext`` on the stack wins, as in eager).
-    """
-    try:
-        from torch.utils._device import DeviceContext
-    except ImportError:  # pragma: no cover - torch < 2.0
-        return None
-    for i in range(_tf_len() - 1, -1, -1):
-        m = _tf_at(i)
-        if isinstance(m, DeviceContext):
-            dev = torch.device(m.device)
-            if dev.type == "cpu":
-                return None
-            with _NoTF():  # "cuda" -> "cuda:0": the device the tensors it makes report
-                return torch.empty(0, device=dev).device
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def device_constructors() -> frozenset:
-    """The torch functions ``DeviceContext`` adds ``device=`` to (torch's own set)."""
-    try:
-        from torch.utils._device import _device_constructors
-    except ImportError:  # pragma: no cover - torch < 2.0
-        return frozenset()
-    return frozenset(_device_constructors())
-
-
-def with_factory_device(func, kwargs: dict, device) -> dict:
-    """``kwargs`` of ``func`` with ``device=`` added where a ``DeviceContext`` would add it."""
-    if kwargs.get("device") is None and func in device_constructors():
-        kwargs = dict(kwargs)
-        kwargs["device"] = device
-    return kwargs
 
 
 def autocast_enabled_any() -> bool:
