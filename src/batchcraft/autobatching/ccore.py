@@ -15,11 +15,11 @@ import torch
 
 from batchcraft.autobatching import _native
 from batchcraft.autobatching.descs import DESCS, desc_id
+from batchcraft.autobatching.devices import device_constructors
 from batchcraft.autobatching.gather import stack_leaves, to_device
 from batchcraft.autobatching.patches import SharedPatch
 from batchcraft.autobatching.recorder import RecorderBase, scalar_spec
 from batchcraft.autobatching.signature import SIGNATURES, rebuild
-from batchcraft.autobatching.devices import device_constructors
 from batchcraft.errors import AutobatchError
 
 _c = _native.core

@@ -40,12 +40,17 @@ def factory_device() -> torch.device | None:
     for i in range(_tf_len() - 1, -1, -1):
         m = _tf_at(i)
         if isinstance(m, DeviceContext):
-            dev = torch.device(m.device)
-            if dev.type == "cpu" or dev.index is not None:
-                return dev
-            with torch._C.DisableTorchFunction():  # "cuda" -> "cuda:0": the device its tensors report
-                return torch.empty(0, device=dev).device
+            return concrete_device(m.device)
     return None
+
+
+def concrete_device(device) -> torch.device:
+    """``device`` as the tensors made on it report it: ``"cuda"`` -> ``cuda:0`` (the current one)."""
+    dev = torch.device(device)
+    if dev.type == "cpu" or dev.index is not None:
+        return dev
+    with torch._C.DisableTorchFunction():
+        return torch.empty(0, device=dev).device
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,4 +105,4 @@ _recording_set_default_device.__doc__ = _set_default_device.__doc__
 #: entered around a recording call (process-wide, other threads see the same behaviour)
 SET_DEFAULT_DEVICE = SharedPatch(torch, "set_default_device", _recording_set_default_device)
 
-__all__ = ["factory_device", "device_constructors", "with_factory_device", "SET_DEFAULT_DEVICE"]
+__all__ = ["factory_device", "concrete_device", "device_constructors", "with_factory_device", "SET_DEFAULT_DEVICE"]

@@ -26,13 +26,13 @@ from batchcraft.autobatching import buffers as _buffers
 from batchcraft.autobatching import cells as _cells
 from batchcraft.autobatching import functional as _functional
 from batchcraft.autobatching.descs import DESCS, desc_id
+from batchcraft.autobatching.devices import concrete_device, factory_device, with_factory_device
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.mode import outside_mode as _outside_mode
 from batchcraft.autobatching.plan import plan_rows
 from batchcraft.autobatching.signature import (SCALAR_TYPES, SIGNATURES, SigInfo, flatten, rebuild,
                                                holds_these_shared, shared_descriptor)
-from batchcraft.autobatching.devices import factory_device, with_factory_device
 from batchcraft.autobatching.threadstate import op_state
 from batchcraft.errors import AutobatchError, StepLimitError, UnsupportedOperationError
 
@@ -122,10 +122,7 @@ def scalar_spec(v, dtype, device):
         dtype = torch.int64 if t is int else (torch.bool if t is bool else torch.get_default_dtype())
     spec = _SCALAR_SPECS.get((dtype, device))
     if spec is None:
-        dev = _CPU if device is None else torch.device(device)
-        if dev.type != "cpu" and dev.index is None:  # "cuda" -> "cuda:0", the device its tensors report
-            with torch._C.DisableTorchFunction():
-                dev = torch.empty(0, device=dev).device
+        dev = _CPU if device is None else concrete_device(device)  # "cuda" -> cuda:0, as its tensors say
         spec = _SCALAR_SPECS[(dtype, device)] = (dtype, dev, desc_id(((), dtype, dev)))
     return spec
 
