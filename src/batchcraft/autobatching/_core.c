@@ -639,7 +639,7 @@ typedef struct {
     PyObject *views;       /* dict id(base) -> list of weakrefs */
     PyObject *checked;     /* set of blocks whose fingerprint was checked this call */
     PyObject *factory_funcs; /* None, or the functions the Python mode_call gives a default device= */
-    PyObject *factory_device; /* None, or the device of a DeviceContext below the mode (not the CPU) */
+    PyObject *factory_device; /* None, or the device of the innermost DeviceContext on the mode stack */
     PyObject *dev_dids;    /* dict device -> dict dtype -> did of torch.tensor(scalar) leaves (filled by Python) */
     PyObject *dict;
 } RecObject;
