@@ -1,8 +1,11 @@
-"""``nn.Module.__getattr__`` in C while the C core records (autobatching/attrs.py).
+"""Module attribute reads through class-level ``ModuleAttr`` descriptors while the C core records
+(autobatching/attrs.py).
 
 Includes the cases a helper's hostile tests found against the earlier ``__dict__``-copy design:
 ``torch.func.functional_call``, ``del``/``None``/``add_module``/``_modules`` writes during the
-call, and ``torch.save`` during the call.
+call, and ``torch.save`` during the call; and, for the descriptors, subclasses with their own
+``__getattr__``, class-level lookups, instance attributes that shadow a submodule, other threads
+reading the same class during a call, and class attributes set by the user during a call.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class Net(nn.Module):
         self.seen = []
 
     def forward(self, x):
-        self.seen.append(type(nn.Module.__dict__["__getattr__"]).__name__)
+        self.seen.append(type(vars(Net).get("a")).__name__)
         return self.a(x) * self.w
 
 
@@ -44,8 +47,9 @@ def test_installed_only_while_the_c_core_records_and_restored_after_errors(core)
     out = autobatch(net, core=core)(xs)
     for o, x in zip(out, xs):
         torch.testing.assert_close(o, net(x))
-    assert set(net.seen[:3]) == ({"ModuleGetattr"} if core == "c" else {"function"})
-    assert nn.Module.__getattr__ is ORIGINAL and "a" not in vars(net)
+    assert set(net.seen[:3]) == ({"ModuleAttr"} if core == "c" else {"NoneType"})
+    assert nn.Module.__getattr__ is ORIGINAL and "a" not in vars(net) and "a" not in vars(Net)
+    assert not any(type(v).__name__ == "ModuleAttr" for v in vars(nn.Linear).values())
 
     def boom(x):
         net.a(x)
@@ -53,10 +57,10 @@ def test_installed_only_while_the_c_core_records_and_restored_after_errors(core)
 
     with pytest.raises(Exception, match="boom"):
         autobatch(boom, core=core)(xs)
-    assert nn.Module.__getattr__ is ORIGINAL
+    assert nn.Module.__getattr__ is ORIGINAL and "a" not in vars(Net)
     net.seen.clear()
     autobatch(net, core=core, fast_attributes=False)(xs)
-    assert set(net.seen) == {"function"}
+    assert set(net.seen) == {"NoneType"}
 
 
 @needs_c
@@ -170,4 +174,103 @@ def test_concurrent_calls_share_one_installation():
         t.start()
     for t in ts:
         t.join()
-    assert not errors and nn.Module.__getattr__ is ORIGINAL
+    assert not errors and nn.Module.__getattr__ is ORIGINAL and "a" not in vars(Net)
+
+
+class Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+
+
+class OwnGetattr(Base):
+    def __getattr__(self, name):
+        if name == "inner":
+            return "own"
+        return super().__getattr__(name)
+
+
+@needs_c
+def test_a_subclass_with_its_own_getattr_keeps_it():
+    base, own = Base(), OwnGetattr()
+    seen = {}
+
+    def f(x):
+        seen["patched"] = type(vars(Base).get("inner")).__name__
+        seen["base"], seen["own"] = base.inner is base._modules["inner"], own.inner
+        return base.inner(x)
+
+    autobatch(f, core="c")([torch.zeros(2)])
+    assert seen == {"patched": "ModuleAttr", "base": True, "own": "own"}
+    assert "inner" not in vars(Base)
+
+
+@needs_c
+def test_class_lookups_and_shadowing_instance_attributes_are_as_in_eager():
+    m = Base()
+    seen = {}
+
+    def f(x):
+        seen["class_hasattr"] = hasattr(Base, "inner")
+        try:
+            Base.inner
+        except AttributeError as exc:
+            seen["class_error"] = "inner" in str(exc)
+        object.__setattr__(m, "inner", "shadow")  # instance __dict__ comes before the class
+        seen["shadow"] = m.inner
+        del m.__dict__["inner"]
+        seen["back"] = m.inner is m._modules["inner"]
+        try:
+            m.missing
+        except AttributeError as exc:
+            seen["missing"] = str(exc)
+        return x
+
+    autobatch(f, core="c")([torch.zeros(1)])
+    assert seen == {"class_hasattr": False, "class_error": True, "shadow": "shadow", "back": True,
+                    "missing": "'Base' object has no attribute 'missing'"}
+
+
+@needs_c
+def test_a_class_attribute_set_during_the_call_is_left_as_set():
+    m = Base()
+
+    def f(x):
+        Base.inner = "mine"  # replaces the descriptor; in eager too the class attribute comes first
+        return m.inner
+
+    try:
+        out = autobatch(f, core="c")([torch.zeros(1)])
+        assert out == ["mine"] and vars(Base)["inner"] == "mine"
+    finally:
+        if "inner" in vars(Base):
+            del Base.inner
+
+
+@needs_c
+def test_another_thread_reading_the_same_class_during_a_call_sees_eager_values():
+    torch.manual_seed(0)
+    nets = [Net(), Net()]
+    stop = threading.Event()
+    wrong = []
+
+    def reader():
+        other = nets[1]
+        while not stop.is_set():
+            if other.a is not other._modules["a"] or other.w is not other._parameters["w"]:
+                wrong.append(1)
+            try:
+                other.nothing
+            except AttributeError as exc:
+                if str(exc) != "'Net' object has no attribute 'nothing'":
+                    wrong.append(str(exc))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for _ in range(20):
+            autobatch(nets[0], core="c")([torch.randn(2) for _ in range(3)])
+    finally:
+        stop.set()
+        t.join()
+    assert not wrong and "a" not in vars(Net)

@@ -1924,75 +1924,115 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
     return r;
 }
 
-/* nn.Module.__getattr__ in C, the same lookups in the same order as torch's Python version
-   (instance __dict__ -> _parameters, _buffers, _modules; else its AttributeError message): while a
-   call records, attrs.FAST_MODULE_GETATTR installs it as nn.Module.__getattr__ */
+/* the dict names nn.Module.__getattr__ searches (ModuleAttr below) */
 static PyObject *s_key_params = NULL, *s_key_buffers = NULL, *s_key_modules = NULL;
 
-static PyObject *py_module_getattr(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "module_getattr(self, name)"); return NULL; }
-    PyObject *self = args[0], *name = args[1];
-    if (!s_key_params) {
-        s_key_params = PyUnicode_InternFromString("_parameters");
-        s_key_buffers = PyUnicode_InternFromString("_buffers");
-        s_key_modules = PyUnicode_InternFromString("_modules");
-        if (!s_key_params || !s_key_buffers || !s_key_modules) return NULL;
-    }
-    PyObject **dp = _PyObject_GetDictPtr(self);
-    PyObject *d = dp ? *dp : NULL;
-    if (d) {
-        PyObject *keys[3] = {s_key_params, s_key_buffers, s_key_modules};
-        Py_INCREF(d);
-        for (int i = 0; i < 3; i++) {
-            PyObject *t = PyDict_GetItemWithError(d, keys[i]);
-            if (!t) { if (PyErr_Occurred()) { Py_DECREF(d); return NULL; } continue; }
-            Py_INCREF(t);
-            int c = PySequence_Contains(t, name);
-            if (c < 0) { Py_DECREF(t); Py_DECREF(d); return NULL; }
-            if (c) { PyObject *r = PyObject_GetItem(t, name); Py_DECREF(t); Py_DECREF(d); return r; }
-            Py_DECREF(t);
-        }
-        Py_DECREF(d);
-    }
-    PyObject *tn = PyType_GetName(Py_TYPE(self));
-    if (!tn) return NULL;
-    PyErr_Format(PyExc_AttributeError, "'%U' object has no attribute '%S'", tn, name);
-    Py_DECREF(tn);
-    return NULL;
-}
-
-/* ModuleGetattr: a method descriptor around py_module_getattr (a plain builtin set on a class is
-   not bound to the instance) */
-typedef struct { PyObject_HEAD vectorcallfunc vectorcall; } ModuleGetattrObject;
-
-static PyObject *modgetattr_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    if (kwnames && PyTuple_GET_SIZE(kwnames)) { PyErr_SetString(PyExc_TypeError, "__getattr__ takes no keywords"); return NULL; }
-    return py_module_getattr(NULL, args, PyVectorcall_NARGS(nargsf));
-}
-
-/* tp_descr_get of the C callables set on classes (ModuleGetattr, BlockCall): bound to the instance
+/* tp_descr_get of the C callables set on classes (BlockCall): bound to the instance
    like a Python function */
 static PyObject *bind_to_instance(PyObject *self, PyObject *obj, PyObject *type) {
     if (obj == NULL || obj == Py_None) { Py_INCREF(self); return self; }
     return PyMethod_New(self, obj);
 }
 
-static PyObject *modgetattr_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    ModuleGetattrObject *self = (ModuleGetattrObject *)type->tp_alloc(type, 0);
-    if (self) self->vectorcall = (vectorcallfunc)modgetattr_vectorcall;
+/* ModuleAttr: a non-data descriptor set on an nn.Module subclass for one submodule / parameter /
+   buffer name while a call records (attrs.py). Python 3.11's attribute lookup on a class with
+   __getattr__ formats and clears an AttributeError before calling __getattr__ (about 1 µs a
+   read); found on the class, the name skips that: the descriptor does nn.Module.__getattr__'s
+   lookups (_parameters, _buffers, _modules, in that order) on the live dicts. The instance
+   __dict__ still comes first (non-data descriptor). A miss, or an instance whose type's
+   __getattr__ is not `guard` (nn.Module's own), raises a bare AttributeError, and the type's
+   __getattr__ then runs as without the descriptor. */
+typedef struct { PyObject_HEAD PyObject *name; PyObject *guard; } ModuleAttrObject;
+
+static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None) {
+        PyErr_Format(PyExc_AttributeError, "type object '%s' has no attribute '%U'",
+                     type && PyType_Check(type) ? ((PyTypeObject *)type)->tp_name : "?", self->name);
+        return NULL;
+    }
+    static PyObject *s_getattr = NULL;
+    if (!s_getattr && !(s_getattr = PyUnicode_InternFromString("__getattr__"))) return NULL;
+    if (_PyType_Lookup(Py_TYPE(obj), s_getattr) != self->guard) goto miss;
+    if (!s_key_params) {
+        s_key_params = PyUnicode_InternFromString("_parameters");
+        s_key_buffers = PyUnicode_InternFromString("_buffers");
+        s_key_modules = PyUnicode_InternFromString("_modules");
+        if (!s_key_params || !s_key_buffers || !s_key_modules) return NULL;
+    }
+    PyObject **dp = _PyObject_GetDictPtr(obj);
+    PyObject *d = dp ? *dp : NULL;
+    if (!d) goto miss;
+    PyObject *keys[3] = {s_key_params, s_key_buffers, s_key_modules};
+    Py_INCREF(d);
+    for (int i = 0; i < 3; i++) {
+        PyObject *t = PyDict_GetItemWithError(d, keys[i]);
+        if (!t) { if (PyErr_Occurred()) { Py_DECREF(d); return NULL; } continue; }
+        if (PyDict_CheckExact(t)) {  /* the common case: no Python-level __contains__ to call */
+            PyObject *r = PyDict_GetItemWithError(t, self->name);
+            if (r) { Py_INCREF(r); Py_DECREF(d); return r; }
+            if (PyErr_Occurred()) { Py_DECREF(d); return NULL; }
+            continue;
+        }
+        Py_INCREF(t);
+        int c = PySequence_Contains(t, self->name);
+        if (c < 0) { Py_DECREF(t); Py_DECREF(d); return NULL; }
+        if (c) { PyObject *r = PyObject_GetItem(t, self->name); Py_DECREF(t); Py_DECREF(d); return r; }
+        Py_DECREF(t);
+    }
+    Py_DECREF(d);
+miss:
+    PyErr_SetObject(PyExc_AttributeError, self->name);
+    return NULL;
+}
+
+static int modattr_traverse(ModuleAttrObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->name); Py_VISIT(self->guard);
+    return 0;
+}
+
+static int modattr_clear(ModuleAttrObject *self) {
+    Py_CLEAR(self->name); Py_CLEAR(self->guard);
+    return 0;
+}
+
+static void modattr_dealloc(ModuleAttrObject *self) {
+    PyObject_GC_UnTrack(self);
+    modattr_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *modattr_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    PyObject *name, *guard;
+    if (!PyArg_ParseTuple(args, "UO:ModuleAttr", &name, &guard)) return NULL;
+    ModuleAttrObject *self = (ModuleAttrObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    Py_INCREF(name); PyUnicode_InternInPlace(&name); self->name = name;
+    Py_INCREF(guard); self->guard = guard;
     return (PyObject *)self;
 }
 
-static PyTypeObject ModuleGetattrType = {
+static PyObject *modattr_repr(ModuleAttrObject *self) {
+    return PyUnicode_FromFormat("<batchcraft module attribute %R>", self->name);
+}
+
+static PyMemberDef modattr_members[] = {
+    {"name", T_OBJECT, offsetof(ModuleAttrObject, name), READONLY, "the attribute name"},
+    {NULL},
+};
+
+static PyTypeObject ModuleAttrType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "batchcraft.autobatching._core.ModuleGetattr",
-    .tp_basicsize = sizeof(ModuleGetattrObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_vectorcall_offset = offsetof(ModuleGetattrObject, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_descr_get = bind_to_instance,
-    .tp_new = modgetattr_new,
-    .tp_doc = "nn.Module.__getattr__ in C: the same lookups (_parameters, _buffers, _modules) and error.",
+    .tp_name = "batchcraft.autobatching._core.ModuleAttr",
+    .tp_basicsize = sizeof(ModuleAttrObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)modattr_traverse,
+    .tp_clear = (inquiry)modattr_clear,
+    .tp_dealloc = (destructor)modattr_dealloc,
+    .tp_descr_get = (descrgetfunc)modattr_get,
+    .tp_new = modattr_new,
+    .tp_repr = (reprfunc)modattr_repr,
+    .tp_members = modattr_members,
+    .tp_doc = "ModuleAttr(name, guard): nn.Module.__getattr__'s lookup of one name, as a class attribute.",
 };
 
 /* 1 when torch-function modes are enabled and the innermost one is recorder `rec`'s mode (what a
@@ -2240,8 +2280,6 @@ static PyMethodDef module_methods[] = {
     {"setup_lazy", py_setup_lazy, METH_VARARGS, "setup_lazy(LazyTensor, methods, inplace)"},
     {"clear_signatures", py_clear_signatures, METH_NOARGS, "Forget every fast signature entry."},
     {"table_size", py_table_size, METH_NOARGS, "Entries in the fast signature table."},
-    {"module_getattr", (PyCFunction)(void (*)(void))py_module_getattr, METH_FASTCALL,
-     "nn.Module.__getattr__ in C (the same lookups and error)."},
     {"fast_tensor", (PyCFunction)(void (*)(void))py_fast_tensor, METH_FASTCALL | METH_KEYWORDS,
      "torch.tensor while a call records: scalar leaves made without torch's mode dispatch."},
     {NULL}
@@ -2253,7 +2291,7 @@ static struct PyModuleDef coremodule = {PyModuleDef_HEAD_INIT, "_core",
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyThread_tss_create(&g_tss) != 0) return NULL;
     if (PyType_Ready(&LazyBaseType) < 0 || PyType_Ready(&LazyMethodType) < 0 || PyType_Ready(&RecorderType) < 0
-        || PyType_Ready(&ModeType) < 0 || PyType_Ready(&BlockCallType) < 0 || PyType_Ready(&ModuleGetattrType) < 0) return NULL;
+        || PyType_Ready(&ModeType) < 0 || PyType_Ready(&BlockCallType) < 0 || PyType_Ready(&ModuleAttrType) < 0) return NULL;
 #define INTERN(var, s) do { var = PyUnicode_InternFromString(s); if (!var) return NULL; } while (0)
     INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
@@ -2267,6 +2305,6 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_INCREF(&RecorderType); PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType);
     Py_INCREF(&ModeType); PyModule_AddObject(m, "Mode", (PyObject *)&ModeType);
     Py_INCREF(&BlockCallType); PyModule_AddObject(m, "BlockCall", (PyObject *)&BlockCallType);
-    Py_INCREF(&ModuleGetattrType); PyModule_AddObject(m, "ModuleGetattr", (PyObject *)&ModuleGetattrType);
+    Py_INCREF(&ModuleAttrType); PyModule_AddObject(m, "ModuleAttr", (PyObject *)&ModuleAttrType);
     return m;
 }

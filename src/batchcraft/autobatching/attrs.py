@@ -1,30 +1,136 @@
-"""Submodule and parameter reads in C while a call records (``fast_attributes=True``, C core).
+"""Submodule, parameter and buffer reads without Python's ``__getattr__`` detour (``fast_attributes=True``, C core).
 
-``nn.Module`` keeps submodules, parameters and buffers in dicts that ordinary attribute lookup
-does not search, so every ``self.cell`` in instance code ends in ``nn.Module.__getattr__``, a
-Python function: 1.5-1.7 µs a read on this machine, two per TreeLSTM node. While a call records,
-:data:`FAST_MODULE_GETATTR` (a :class:`~batchcraft.autobatching.patches.SharedPatch`) sets ``nn.Module.__getattr__`` to the C core's ``ModuleGetattr``, which
-does the same lookups in the same order on the live dicts (``_parameters``, ``_buffers``,
-``_modules``) and raises the same ``AttributeError``: 0.9 µs a read. Nothing is copied or cached,
-so every way of changing a module during the call (``functional_call``, ``del``, ``add_module``,
-writes into ``_parameters``) is seen exactly as in eager. Subclasses with their own
-``__getattr__`` are unaffected (theirs comes first in the MRO; ``super().__getattr__`` reaches
-the C one). Nested and concurrent calls share one installation, removed when the last ends.
+``nn.Module`` keeps submodules, parameters and buffers in dicts that ordinary attribute lookup does
+not search, so every ``self.cell`` in instance code ends in ``nn.Module.__getattr__``. On Python
+3.11 the way there is the expensive part: the interpreter's lookup first formats an
+``AttributeError`` ("'TreeLSTM' object has no attribute 'cell'"), clears it, and only then calls
+``__getattr__`` -- about 1 µs a read inside a recording call, two reads per TreeLSTM node.
 
-An earlier version copied the entries into each module's ``__dict__`` (0.1 µs a read); a
-helper's hostile tests showed it silently wrong under ``torch.func.functional_call`` (which writes
-``_parameters`` directly) and after ``del``, ``add_module`` or ``torch.save`` during the call.
+While a call records, :func:`for_call` puts one :class:`ModuleAttr` descriptor (C core) on the
+class of each module the function reaches, per name of its parameters, buffers and submodules
+(only names the class and its bases do not define). The lookup then finds the name on the class
+and the descriptor does ``nn.Module.__getattr__``'s own lookups, in its order, on the live dicts:
+nothing is copied or cached, so ``functional_call``, ``del``, ``add_module`` and writes into
+``_parameters`` during the call are seen exactly as in eager. A non-data descriptor, it comes after
+the instance ``__dict__`` (as ``__getattr__`` does); on a miss, on the class itself, or on an
+instance of a subclass with its own ``__getattr__``, it raises a bare ``AttributeError`` and the
+type's ``__getattr__`` runs as it would without it (same result, same error message).
+
+Each class attribute costs about 1 µs to set and to remove (a leaf class has few subclasses whose
+caches Python invalidates). Earlier versions set ``nn.Module.__getattr__`` itself to a C function
+(about 160 µs a call: Python updates the slots of every ``nn.Module`` subclass in the process, 353
+here, on set and on restore, and it saved nothing on 3.11's formatted error) and, before that,
+copied entries into each module's ``__dict__`` (wrong under ``functional_call``, ``del``,
+``add_module`` and ``torch.save`` during the call, found by a helper's hostile tests).
+
+Nested and concurrent calls share installations (a count per class and name); the last call to
+leave removes the descriptor, unless someone replaced it meanwhile.
 """
 
 from __future__ import annotations
 
+import threading
+
 from torch import nn
 
 from batchcraft.autobatching import _native
-from batchcraft.autobatching.patches import SharedPatch
+from batchcraft.autobatching.modstate import roots
 
-#: enter/exit around a recording call (a no-op without the C core)
-FAST_MODULE_GETATTR = SharedPatch(nn.Module, "__getattr__",
-                                  _native.core.ModuleGetattr() if _native.core is not None else None)
+#: ``nn.Module``'s own ``__getattr__``: classes (and instances' types) with another one keep theirs
+MODULE_GETATTR = nn.Module.__dict__["__getattr__"]
 
-__all__ = ["FAST_MODULE_GETATTR"]
+#: at most this many modules are walked per call to find classes and names (a larger model's
+#: further modules read their attributes the ordinary way)
+MAX_MODULES = 512
+
+_lock = threading.Lock()
+_installed: dict = {}  # (class, name) -> [holders, descriptor]
+
+
+def _defined_on(cls, name: str) -> bool:
+    return any(name in vars(k) for k in cls.__mro__)
+
+
+def plan(fn) -> list:
+    """``[(class, name), ...]``: the module classes ``fn`` reaches (:func:`modstate.roots`) with
+    ``nn.Module.__getattr__`` as their ``__getattr__``, and the names of their instances'
+    parameters, buffers and submodules that the class does not define."""
+    pairs, seen_mods, seen_pairs, ok_cls = [], set(), set(), {}
+    budget = MAX_MODULES
+    for root in roots(fn):
+        for m in root.modules():
+            if id(m) in seen_mods:
+                continue
+            seen_mods.add(id(m))
+            budget -= 1
+            if budget < 0:
+                return pairs
+            cls = type(m)
+            ok = ok_cls.get(cls)
+            if ok is None:
+                ok = ok_cls[cls] = getattr(cls, "__getattr__", None) is MODULE_GETATTR
+            if not ok:
+                continue
+            d = m.__dict__
+            for table in (d.get("_parameters"), d.get("_buffers"), d.get("_modules")):
+                if type(table) is not dict:
+                    continue
+                for name in table:
+                    key = (cls, name)
+                    if (key not in seen_pairs and type(name) is str and name.isidentifier()
+                            and not name.startswith("__") and not _defined_on(cls, name)):
+                        seen_pairs.add(key)
+                        pairs.append(key)
+    return pairs
+
+
+class ClassAttrs:
+    """Context manager: the :class:`ModuleAttr` descriptors of ``pairs`` on their classes."""
+
+    __slots__ = ("pairs", "entered")
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+        self.entered: list = []
+
+    def __enter__(self) -> "ClassAttrs":
+        make = _native.core.ModuleAttr
+        with _lock:
+            for key in self.pairs:
+                e = _installed.get(key)
+                if e is None:
+                    cls, name = key
+                    if _defined_on(cls, name):  # defined since the plan was made: theirs stays
+                        continue
+                    d = make(name, MODULE_GETATTR)
+                    try:
+                        setattr(cls, name, d)
+                    except (TypeError, AttributeError):  # a class that refuses attributes
+                        continue
+                    e = _installed[key] = [0, d]
+                e[0] += 1
+                self.entered.append(key)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        with _lock:
+            for key in self.entered:
+                e = _installed[key]
+                e[0] -= 1
+                if e[0] == 0:
+                    del _installed[key]
+                    cls, name = key
+                    if vars(cls).get(name) is e[1]:
+                        delattr(cls, name)
+            self.entered = []
+        return False
+
+
+def for_call(fn) -> ClassAttrs | None:
+    """The descriptors for one call of ``fn``; None without the C core."""
+    if _native.core is None:
+        return None
+    return ClassAttrs(plan(fn))
+
+
+__all__ = ["for_call", "plan", "ClassAttrs", "MODULE_GETATTR", "MAX_MODULES"]

@@ -23,7 +23,7 @@ import warnings
 from torch import nn
 
 
-def _roots(fn) -> list:
+def roots(fn) -> list:
     """Modules ``fn`` reaches directly: itself, a bound method's object, a partial's arguments,
     the cells of its closure, the globals its code names (and the functions of its module
     among them, followed the same way)."""
@@ -62,7 +62,7 @@ def resolve_module_state(fn, rec, lazy_type, interleaved: bool) -> list[str]:
     """Replace the lazy values of recorder ``rec`` on ``fn``'s modules by ``rec.resolve(value)``;
     return what was replaced (``"Type.name"``). ``interleaved``: the call had value waits."""
     replaced, seen = [], set()
-    for root in _roots(fn):
+    for root in roots(fn):
         for m in root.modules():
             if id(m) in seen:
                 continue
@@ -81,4 +81,4 @@ def resolve_module_state(fn, rec, lazy_type, interleaved: bool) -> list[str]:
     return replaced
 
 
-__all__ = ["resolve_module_state"]
+__all__ = ["resolve_module_state", "roots"]

@@ -30,8 +30,9 @@ class Options:
         packed_order (bool): depth scheduler: order the nodes of recurrences longest instance
             first, so that each step reads the previous step's state as a view (``order.py``).
         compile_blocks (bool): run static blocks' batched programs through ``torch.compile``.
-        fast_attributes (bool): C core: ``nn.Module.__getattr__`` runs in C during the call
-            (same lookups and errors; see ``attrs.py``).
+        fast_attributes (bool): C core: during the call, the classes of the modules ``fn`` reaches
+            hold a C descriptor per submodule / parameter / buffer name doing
+            ``nn.Module.__getattr__``'s lookups (same values and errors; see ``attrs.py``).
         fast_factories (bool): C core: ``torch.tensor`` is replaced process-wide during the call
             by a C function that makes scalar leaves without torch's mode dispatch (opt-in: other
             threads and torch-function modes see a different ``torch.tensor`` object meanwhile).

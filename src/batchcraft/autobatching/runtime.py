@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import greenlet
 import torch
 
-from batchcraft.autobatching.attrs import FAST_MODULE_GETATTR
+from batchcraft.autobatching import attrs as _attrs
 from batchcraft.autobatching.cells import FAST_CELLS
 from batchcraft.autobatching.devices import SET_DEFAULT_DEVICE, factory_device, global_context, set_global_context
 from batchcraft.autobatching.dispatch import FAST_DISPATCH
@@ -173,7 +173,8 @@ class Runtime:
         t_start = _perf()
         # Recording allocates many small objects; cyclic GC passes over them cost more than the
         # recording itself, and the graph has no cycles to collect. Re-enabled on exit.
-        attrs = FAST_MODULE_GETATTR if self.options.fast_attributes and self.rec.core == "c" else nullcontext()
+        attrs = (_attrs.for_call(self.fn) if self.options.fast_attributes and self.rec.core == "c" else None) \
+            or nullcontext()  # attrs.py
         cells = FAST_CELLS if self.options.fast_modules else nullcontext()  # cells.py
         dispatch = FAST_DISPATCH if self.options.fast_modules else nullcontext()  # dispatch.py
         measured = getattr(self.executor.kernels, "n_measured", 0)
