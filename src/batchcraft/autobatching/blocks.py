@@ -330,7 +330,8 @@ class StaticBlock:
         return info
 
     def _check_fingerprint(self) -> None:
-        fp = self._fingerprint_now()
+        with torch._C.DisableTorchFunction():  # plain reads of parameters: not through the recorder's mode
+            fp = self._fingerprint_now()
         if fp != self._fingerprint:
             SIGNATURES.drop_func(self)
             self.ragged_ok.clear()

@@ -17,6 +17,8 @@ hooks. The Python core is the reference the fuzzer compares the C core against.
 
 from __future__ import annotations
 
+import functools
+
 from collections import defaultdict
 from weakref import ref as _weakref
 
@@ -126,6 +128,15 @@ def scalar_spec(v, dtype, device):
         spec = _SCALAR_SPECS[(dtype, device)] = (dtype, dev, desc_id(((), dtype, dev)))
     return spec
 
+
+
+@functools.cache
+def _static_block_type():
+    # imported on first use (blocks imports this module); an import statement in the hot path
+    # costs a formatted AttributeError per call on Python 3.11 (the `__path__` probe)
+    from batchcraft.autobatching.blocks import StaticBlock
+
+    return StaticBlock
 
 class _PendingGradFn:
     """``grad_fn`` of a lazy value that requires grad: its node has not run yet."""
@@ -498,9 +509,7 @@ class RecorderBase:
 
     def run_concrete(self, func, args, kwargs):
         """A call without lazy arguments: run it now; tensors it returns become per-instance leaves."""
-        from batchcraft.autobatching.blocks import StaticBlock
-
-        if isinstance(func, StaticBlock):
+        if isinstance(func, _static_block_type()):
             func = func.fn
         with torch._C.DisableTorchFunction():
             out = func(*args, **kwargs)
