@@ -78,7 +78,7 @@ INDEX = ("perm_tensor", "index_select", "gather", "scalar_broadcast", "inst_inde
 SHAPE = ("reshape_t", "expand_mean", "view_squeeze", "repeat_view", "permute3", "flatten", "transpose_mm")
 DTYPE = ("double", "to_double", "half_round_trip_free", "type_as")
 SEQ = ("x_at_M", "x_mean", "attention", "masked_rows", "x_row_k")
-CELL = ("gru", "lstm", "rnn_tanh")
+CELL = ("gru", "lstm", "rnn_tanh", "lstm_block", "lstm_block_keep", "gru_block")  # *_block: chains.py
 BRANCH_COND = ("k_gt", "sum_gt", "any_gt", "item_int", "argmax_table", "inst_c")
 MISC = ("einsum", "outer", "dot", "layer_norm", "normalize", "conv1d", "T_prop", "zeros_created", "int_ops",
         "where_inst", "nested_block", "same_output_twice", "dropout_eval", "cross_entropy", "shared_buffer",
@@ -215,6 +215,10 @@ class Params(nn.Module):
         with torch.no_grad():
             self.bn_eval.running_mean.uniform_(-0.5, 0.5)
             self.bn_eval.running_var.uniform_(0.5, 2.0)
+        # cell static blocks (after the others: their seeds stay as they were): per-step chains
+        # of these run as one recurrent-layer call where chains.py proves it equivalent
+        self.lstm_b = static_block(nn.LSTMCell(d, d))
+        self.gru_b = static_block(nn.GRUCell(d, d))
         self.autocast_used = False
         self.autocast_off = False  # float32 reference runs of the harness (test_fuzz._assert_close)
         self.blocks: dict = {}
@@ -489,6 +493,18 @@ def _cell(name, h, inst, P):
     if name == "rnn_tanh":
         for t in range(x.shape[0]):
             h = P.rnn(x[t], h)
+        return h
+    if name in ("lstm_block", "lstm_block_keep"):
+        c = torch.zeros_like(h)
+        cs = []
+        for t in range(x.shape[0]):
+            h, c = P.lstm_b(x[t], (h, c))
+            if name == "lstm_block_keep":
+                cs.append(c)  # every step's c is read: the chain cannot be one layer call
+        return h + c + sum(cs) * 0.5 if cs else h + c
+    if name == "gru_block":
+        for t in range(x.shape[0]):
+            h = P.gru_b(x[t], h)
         return h
     raise AssertionError(name)
 

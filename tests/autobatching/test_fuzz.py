@@ -110,18 +110,20 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
     program makes live there, as in a user's ``torch.set_default_device`` program."""
     from contextlib import nullcontext
 
-    from batchcraft.autobatching import order
+    from batchcraft.autobatching import chains, order
 
-    min_nodes = order.MIN_NODES
-    order.MIN_NODES = 2
+    min_nodes, min_chain = order.MIN_NODES, chains.MIN_NODES
+    order.MIN_NODES = chains.MIN_NODES = 2  # the fuzzer's few instances reach both
     try:
         for core in cores or [CORES[0]]:
             with torch.device(device) if device is not None else nullcontext():
                 f = _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragged, hoist, kernels,
                                packed_order)
             COUNTS[f"programs_{core}"] = COUNTS.get(f"programs_{core}", 0) + 1
+            fused = sum(v for k, v in f.stats.groups_by_rule.items() if k.startswith("fused_"))
+            COUNTS["fused_chain_calls"] = COUNTS.get("fused_chain_calls", 0) + fused
     finally:
-        order.MIN_NODES = min_nodes
+        order.MIN_NODES, chains.MIN_NODES = min_nodes, min_chain
     return f
 
 

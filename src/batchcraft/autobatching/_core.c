@@ -115,6 +115,10 @@ static PyObject *py_pop(PyObject *m, PyObject *noargs) {
 /* ------------------------------------------------------------------------------------------ */
 /* LazyBase                                                                                   */
 /* ------------------------------------------------------------------------------------------ */
+/* live lazy objects per (node, slot < 4) of a C recorder (chains.py asks whether a cell state is
+   still reachable from Python); defined after RecObject */
+static void live_add(PyObject *rec, Py_ssize_t node, int slot, int d);
+
 typedef struct {
     PyObject_HEAD
     PyObject *rec;
@@ -132,6 +136,7 @@ static int lazy_traverse(LazyObject *self, visitproc visit, void *arg) {
 }
 
 static int lazy_clear(LazyObject *self) {
+    if (self->rec) live_add(self->rec, self->node, self->slot, -1);
     Py_CLEAR(self->rec);
     Py_CLEAR(self->base);
     return 0;
@@ -147,9 +152,11 @@ static void lazy_dealloc(LazyObject *self) {
 static int lazy_init(LazyObject *self, PyObject *args, PyObject *kw) {
     PyObject *rec; Py_ssize_t node; int slot, did;
     if (!PyArg_ParseTuple(args, "Onii", &rec, &node, &slot, &did)) return -1;
+    if (self->rec) live_add(self->rec, self->node, self->slot, -1);
     Py_INCREF(rec);
     Py_XSETREF(self->rec, rec);
     self->node = node; self->slot = slot; self->did = did;
+    live_add(rec, node, slot, 1);
     return 0;
 }
 
@@ -158,16 +165,45 @@ static inline LazyObject *new_lazy(PyObject *rec, Py_ssize_t node, int slot, int
     if (!x) return NULL;
     Py_INCREF(rec);
     x->rec = rec; x->node = node; x->slot = slot; x->did = did; x->base = NULL;
+    live_add(rec, node, slot, 1);
     return x;
 }
 
 static PyMemberDef lazy_members[] = {
     {"rec", T_OBJECT, offsetof(LazyObject, rec), READONLY, "owning recorder"},
-    {"node", T_PYSSIZET, offsetof(LazyObject, node), 0, "node index"},
-    {"slot", T_INT, offsetof(LazyObject, slot), 0, "output slot"},
     {"did", T_INT, offsetof(LazyObject, did), 0, "descriptor id"},
     {"base", T_OBJECT, offsetof(LazyObject, base), 0, "the value this one is a view of"},
     {NULL}
+};
+
+static PyObject *lazy_get_node(LazyObject *self, void *c) { return PyLong_FromSsize_t(self->node); }
+static PyObject *lazy_get_slot(LazyObject *self, void *c) { return PyLong_FromLong(self->slot); }
+
+/* re-pointing a handle (functional.repoint) moves its count to the new (node, slot) */
+static int lazy_set_node(LazyObject *self, PyObject *v, void *c) {
+    if (!v) { PyErr_SetString(PyExc_AttributeError, "cannot delete node"); return -1; }
+    Py_ssize_t n = PyLong_AsSsize_t(v);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (self->rec) live_add(self->rec, self->node, self->slot, -1);
+    self->node = n;
+    if (self->rec) live_add(self->rec, self->node, self->slot, 1);
+    return 0;
+}
+
+static int lazy_set_slot(LazyObject *self, PyObject *v, void *c) {
+    if (!v) { PyErr_SetString(PyExc_AttributeError, "cannot delete slot"); return -1; }
+    long n = PyLong_AsLong(v);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (self->rec) live_add(self->rec, self->node, self->slot, -1);
+    self->slot = (int)n;
+    if (self->rec) live_add(self->rec, self->node, self->slot, 1);
+    return 0;
+}
+
+static PyGetSetDef lazy_getset[] = {
+    {"node", (getter)lazy_get_node, (setter)lazy_set_node, "node index", NULL},
+    {"slot", (getter)lazy_get_slot, (setter)lazy_set_slot, "output slot", NULL},
+    {NULL},
 };
 
 #define IS_LAZY(o) (Py_TYPE(o) == g_LazyType)
@@ -407,6 +443,7 @@ static PyTypeObject LazyBaseType = {
     .tp_init = (initproc)lazy_init,
     .tp_new = PyType_GenericNew,
     .tp_members = lazy_members,
+    .tp_getset = lazy_getset,
     .tp_methods = lazy_methods,
     .tp_as_number = &lazy_as_number,
     .tp_as_mapping = &lazy_as_mapping,
@@ -620,6 +657,7 @@ typedef struct {
     int32_t *sid, *depth, *phase, *inst, *in_count, *lens_start, *loc_buf, *loc_row, *leaf_idx;
     int64_t *in_start;
     uint64_t *rgbits;
+    uint64_t *live;        /* per node: 16-bit counts of live lazy objects of slots 0-3 (0xFFFF: sticky) */
     /* inputs */
     IVec in_node, in_slot, lens;
     /* leaves */
@@ -644,6 +682,18 @@ typedef struct {
     PyObject *dict;
 } RecObject;
 
+static void live_add(PyObject *rec, Py_ssize_t node, int slot, int d) {
+    if (!rec || !PyObject_TypeCheck(rec, &RecorderType)) return;
+    RecObject *r = (RecObject *)rec;
+    if (node < 0 || node >= r->n || slot < 0 || slot > 3 || !r->live) return;
+    int sh = slot * 16;
+    uint64_t c = (r->live[node] >> sh) & 0xFFFFull;
+    if (c == 0xFFFFull) return;  /* saturated: counted as live for good */
+    if (d > 0) c++;
+    else if (c > 0) c--;
+    r->live[node] = (r->live[node] & ~(0xFFFFull << sh)) | (c << sh);
+}
+
 static int rec_traverse(RecObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->leaf_obj); Py_VISIT(self->leaf_py); Py_VISIT(self->pending_leaves);
     Py_VISIT(self->runtime); Py_VISIT(self->views); Py_VISIT(self->checked); Py_VISIT(self->dict);
@@ -663,7 +713,7 @@ static void rec_dealloc(RecObject *self) {
     rec_clear_refs(self);
     PyMem_Free(self->sid); PyMem_Free(self->depth); PyMem_Free(self->phase); PyMem_Free(self->inst);
     PyMem_Free(self->in_count); PyMem_Free(self->lens_start); PyMem_Free(self->loc_buf);
-    PyMem_Free(self->loc_row); PyMem_Free(self->leaf_idx); PyMem_Free(self->in_start); PyMem_Free(self->rgbits);
+    PyMem_Free(self->loc_row); PyMem_Free(self->leaf_idx); PyMem_Free(self->in_start); PyMem_Free(self->rgbits); PyMem_Free(self->live);
     PyMem_Free(self->in_node.v); PyMem_Free(self->in_slot.v); PyMem_Free(self->lens.v); PyMem_Free(self->leaf_did.v);
     for (Py_ssize_t i = 0; i < self->bk_n; i++) PyMem_Free(self->bk[i].nodes.v);
     PyMem_Free(self->bk); PyMem_Free(self->bk_tab);
@@ -700,7 +750,7 @@ static int rec_reserve(RecObject *self) {
     Py_ssize_t nc = self->cap ? self->cap * 2 : 1024;
     GROW(sid, int32_t); GROW(depth, int32_t); GROW(phase, int32_t); GROW(inst, int32_t); GROW(in_count, int32_t);
     GROW(lens_start, int32_t); GROW(loc_buf, int32_t); GROW(loc_row, int32_t); GROW(leaf_idx, int32_t);
-    GROW(in_start, int64_t); GROW(rgbits, uint64_t);
+    GROW(in_start, int64_t); GROW(rgbits, uint64_t); GROW(live, uint64_t);
     self->cap = nc;
     return 0;
 }
@@ -781,7 +831,7 @@ static Py_ssize_t append_node(RecObject *self, int sid, uint64_t rg_mask, const 
     Py_ssize_t node = self->n++;
     self->sid[node] = sid; self->depth[node] = depth + 1; self->phase[node] = phase; self->inst[node] = self->instance;
     self->rgbits[node] = bits; self->in_start[node] = start; self->in_count[node] = (int32_t)nleaves;
-    self->loc_buf[node] = -1; self->loc_row[node] = -1; self->leaf_idx[node] = -1;
+    self->loc_buf[node] = -1; self->loc_row[node] = -1; self->leaf_idx[node] = -1; self->live[node] = 0;
     if (nlens > 0) {
         self->lens_start[node] = (int32_t)self->lens.n;
         if (ivec_push(&self->lens, nlens) < 0) return -1;
@@ -1061,7 +1111,7 @@ static PyObject *rec_add_leaf(RecObject *self, PyObject *const *args, Py_ssize_t
     Py_ssize_t node = self->n++;
     self->sid[node] = 0; self->depth[node] = 0; self->phase[node] = -1; self->inst[node] = self->instance;
     self->rgbits[node] = rg ? 1 : 0; self->in_start[node] = self->in_node.n; self->in_count[node] = 0;
-    self->loc_buf[node] = -1; self->loc_row[node] = -1; self->lens_start[node] = -1;
+    self->loc_buf[node] = -1; self->loc_row[node] = -1; self->lens_start[node] = -1; self->live[node] = 0;
     self->leaf_idx[node] = (int32_t)self->leaf_did.n;
     if (ivec_push(&self->leaf_did, did) < 0) return NULL;
     if (PyList_Append(self->leaf_obj, args[0]) < 0 || PyList_Append(self->leaf_py, args[1]) < 0) return NULL;
@@ -1572,6 +1622,71 @@ static PyObject *rec_place(RecObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* chains(nodes, x_slot, h_slot, c_slot) -> per node, the position of its predecessor in `nodes`
+   (-1: a chain head), or None when the nodes are not chains that one recurrent-layer call can run
+   (chains.py). Node i continues node p when its state inputs are p's outputs (h = slot 0, c =
+   slot 1; c_slot -1 for one-state cells). Refused: a node twice, an x input from the nodes, a
+   state split between a node and elsewhere, two successors, and (two-state cells) a c output of
+   a non-final node read by any other recorded input or held by a live lazy value: the layer call
+   returns only the last c of each chain. */
+static PyObject *rec_chains(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "chains(nodes, x_slot, h_slot, c_slot)"); return NULL; }
+    IVec nodes;
+    if (nodes_from(args[0], &nodes) < 0) return NULL;
+    int xs = (int)PyLong_AsLong(args[1]), hs = (int)PyLong_AsLong(args[2]), cs = (int)PyLong_AsLong(args[3]);
+    if (PyErr_Occurred()) { PyMem_Free(nodes.v); return NULL; }
+    Py_ssize_t n = nodes.n;
+    int need = xs > hs ? xs : hs;
+    if (cs > need) need = cs;
+    int32_t *pos = (int32_t *)PyMem_Malloc((self->n + 1) * sizeof(int32_t));
+    int32_t *pred = (int32_t *)PyMem_Malloc((n + 1) * sizeof(int32_t));
+    int32_t *nsucc = (int32_t *)PyMem_Calloc(n + 1, sizeof(int32_t));
+    int32_t *readers = (int32_t *)PyMem_Calloc(n + 1, sizeof(int32_t));
+    PyObject *out = NULL;
+    if (!pos || !pred || !nsucc || !readers) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t k = 0; k < self->n; k++) pos[k] = -1;
+    int ok = 1;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        Py_ssize_t nd = nodes.v[i];
+        if (nd < 0 || nd >= self->n || pos[nd] >= 0 || self->in_count[nd] <= need) ok = 0;
+        else pos[nd] = (int32_t)i;
+    }
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        Py_ssize_t b = self->in_start[nodes.v[i]];
+        if (pos[self->in_node.v[b + xs]] >= 0) { ok = 0; break; }
+        Py_ssize_t ph = self->in_node.v[b + hs];
+        if (pos[ph] >= 0) {
+            if (self->in_slot.v[b + hs] != 0) { ok = 0; break; }
+            if (cs >= 0 && (self->in_node.v[b + cs] != ph || self->in_slot.v[b + cs] != 1)) { ok = 0; break; }
+            pred[i] = pos[ph];
+            if (++nsucc[pred[i]] > 1) { ok = 0; break; }
+        } else {
+            pred[i] = -1;
+            if (cs >= 0 && pos[self->in_node.v[b + cs]] >= 0) { ok = 0; break; }
+        }
+    }
+    if (ok && cs >= 0) {
+        for (Py_ssize_t q = 0; q < self->in_node.n; q++) {
+            int32_t p = self->in_node.v[q];
+            if (self->in_slot.v[q] == 1 && p >= 0 && p < self->n && pos[p] >= 0) readers[pos[p]]++;
+        }
+        for (Py_ssize_t i = 0; ok && i < n; i++) {
+            if (!nsucc[i]) continue;
+            if (readers[i] != 1 || ((self->live[nodes.v[i]] >> 16) & 0xFFFFull) != 0) ok = 0;
+        }
+    }
+    if (!ok) { Py_INCREF(Py_None); out = Py_None; goto done; }
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromLong(pred[i]);
+        if (!v) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, v);
+    }
+done:
+    PyMem_Free(pos); PyMem_Free(pred); PyMem_Free(nsucc); PyMem_Free(readers); PyMem_Free(nodes.v);
+    return out;
+}
+
 /* ---- accessors for the Python slow paths ------------------------------------------------------- */
 static int check_node(RecObject *self, Py_ssize_t nd) {
     if (nd < 0 || nd >= self->n) { PyErr_Format(PyExc_IndexError, "node %zd out of range", nd); return -1; }
@@ -1758,6 +1873,8 @@ static PyMethodDef rec_methods[] = {
     {"record_block", (PyCFunction)(void (*)(void))rec_record_block, METH_FASTCALL, "record_block(block, args, kwargs)"},
     {"take_buckets", (PyCFunction)rec_take_buckets, METH_NOARGS, "remove and return the pending buckets"},
     {"plan_group", (PyCFunction)(void (*)(void))rec_plan_group, METH_FASTCALL, "gather plans of a group"},
+    {"chains", (PyCFunction)(void (*)(void))rec_chains, METH_FASTCALL,
+     "chains(nodes, x_slot, h_slot, c_slot) -> predecessor positions (-1: head), or None (chains.py)"},
     {"place", (PyCFunction)(void (*)(void))rec_place, METH_FASTCALL, "place(nodes, buf, base)"},
     {"plan_slots", (PyCFunction)(void (*)(void))rec_plan_slots, METH_FASTCALL, "plans of some single slots"},
     {"input_depths", (PyCFunction)(void (*)(void))rec_input_depths, METH_FASTCALL, "depths of pending inputs"},

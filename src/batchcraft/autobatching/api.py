@@ -53,8 +53,8 @@ class AutoBatched:
 
 def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, max_steps: int | None = None,
               max_pending: int | None = None, core: str = "auto", ragged: bool = True, hoist: bool = True,
-              kernels: str = "auto", arenas: bool = True, packed_order: bool = True, compile_blocks: bool = False,
-              fast_attributes: bool = True, fast_factories: bool = False, fast_modules: bool = True,
+              kernels: str = "auto", arenas: bool = True, packed_order: bool = True,
+              fuse_recurrences: bool = True, compile_blocks: bool = False, fast_attributes: bool = True, fast_factories: bool = False, fast_modules: bool = True,
               retain_memory: bool = True) -> AutoBatched:
     """Return a callable that runs per-instance ``fn`` over many instances in batches.
 
@@ -86,6 +86,10 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
         packed_order (bool): depth scheduler: the nodes of a recurrence (a cell called once per
             step) run longest instance first, as in a packed sequence, so each step reads the
             previous step's state as a view instead of gathering it. Default: True.
+        fuse_recurrences (bool): depth scheduler, C core: all per-step chains of a recurrent cell
+            block (``static_block(nn.LSTMCell(...))``, ``GRUCell``, ``RNNCell``) in a flush run as
+            one packed ``nn.LSTM``-kind layer call, where the recording proves it equivalent
+            (``chains.py``; ACRoBat/DyNet run one batched cell per step). Default: True.
         compile_blocks (bool): run static blocks' programs through ``torch.compile`` (off: on the
             CPU it costs seconds per signature and was slower at the suite's sizes).
         fast_attributes (bool): C core: while the call records, ``self.cell`` (a submodule,
@@ -144,7 +148,8 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
         raise TypeError(f"autobatch: fn must be callable, got {type(fn).__name__}")
     return AutoBatched(fn, Options(scheduler=scheduler, fibers=fibers, max_steps=max_steps, max_pending=max_pending,
                                    core=core, ragged=ragged, hoist=hoist, kernels=kernels, arenas=arenas,
-                                   packed_order=packed_order, compile_blocks=compile_blocks, fast_attributes=fast_attributes,
+                                   packed_order=packed_order, fuse_recurrences=fuse_recurrences,
+                                   compile_blocks=compile_blocks, fast_attributes=fast_attributes,
                                    fast_factories=fast_factories, fast_modules=fast_modules,
                                    retain_memory=retain_memory))
 

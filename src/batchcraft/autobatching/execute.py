@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from batchcraft.autobatching import chains as _chains
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching.descs import row_bytes
 from batchcraft.autobatching.gather import index_tensor, keep_requires_grad, take, take_all
@@ -243,6 +244,32 @@ class Executor:
         else:
             kname = next(iter(runner.rules), "op")
         kinds[kname] = kinds.get(kname, 0) + 1
+
+    # -- fused recurrences (chains.py) --------------------------------------------------------------
+    def run_chains(self, unit) -> None:
+        """Run every chain of one cell signature as one recurrent-layer call (:mod:`chains`)."""
+        rec = self.rec
+        st = self.stats
+        t0 = _perf()
+        rows, sizes, last, heads = _chains.packed(unit.chains)
+        spec, info = unit.spec, unit.info
+        with run_under(PLAIN):
+            (px,) = rec.plan_slots(rows, (spec.x,))
+            ps = rec.plan_slots(heads, spec.states)
+        bufs = rec.buffers
+        with run_under(info.state):
+            x = take(bufs, px)
+            states = [take(bufs, p) for p in ps]
+            t1 = _perf()
+            outs = _chains.run(spec, x, states, sizes, last)
+        buf = len(bufs)
+        bufs.extend(outs)
+        rec.place(rows, buf, 0)
+        st.gather_s += t1 - t0
+        st.kernel_s += _perf() - t1
+        st.batched_calls += 1
+        name = "fused_" + spec.kind
+        st.groups_by_rule[name] = st.groups_by_rule.get(name, 0) + 1
 
     # -- the last resort: node by node -------------------------------------------------------------
     def _all_inputs(self, ins, plans):

@@ -29,6 +29,9 @@ class Options:
         arenas (bool): write the outputs of one kind of group into shared buffers (inference).
         packed_order (bool): depth scheduler: order the nodes of recurrences longest instance
             first, so that each step reads the previous step's state as a view (``order.py``).
+        fuse_recurrences (bool): depth scheduler, C core: the per-step chains of a recurrent cell
+            block (``static_block(nn.LSTMCell)``, GRU, RNN) run as one packed recurrent-layer call
+            where the trace proves it equivalent (``chains.py``).
         compile_blocks (bool): run static blocks' batched programs through ``torch.compile``.
         fast_attributes (bool): C core: during the call, the classes of the modules ``fn`` reaches
             hold a C descriptor per submodule / parameter / buffer name doing
@@ -55,6 +58,7 @@ class Options:
     kernels: str = "auto"
     arenas: bool = True
     packed_order: bool = True
+    fuse_recurrences: bool = True
     compile_blocks: bool = False
     fast_attributes: bool = True
     fast_factories: bool = False
@@ -70,7 +74,7 @@ class Options:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
-        for name in ("fibers", "ragged", "hoist", "arenas", "packed_order", "compile_blocks", "fast_attributes", "fast_factories",
+        for name in ("fibers", "ragged", "hoist", "arenas", "packed_order", "fuse_recurrences", "compile_blocks", "fast_attributes", "fast_factories",
                      "fast_modules", "retain_memory"):
             v = getattr(self, name)
             if not isinstance(v, bool):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from batchcraft.autobatching import chains as _chains
 from batchcraft.autobatching.order import packed_order
 
 _perf = time.perf_counter
@@ -28,14 +29,25 @@ class DepthScheduler:
         t0 = _perf()
         groups = rec.take_buckets()
         groups.sort(key=lambda kv: (kv[0][0], kv[0][1]))
+        if executor.options.fuse_recurrences and hasattr(rec, "chains") and not rec.hooks:
+            schedule, groups = _chains.plan(rec, groups)  # chains.py: per-step chains as one layer call
+        else:
+            schedule = None
         if executor.options.packed_order:
             packed_order(rec, groups)
         hoists = executor.plan_hoists(groups)
         stats.schedule_s += _perf() - t0
         executor.begin(groups)
         try:
-            for key, nodes in groups:
-                executor.run_group(key, nodes, hoists.get((key[0], key[2])))
+            if schedule is None:
+                for key, nodes in groups:
+                    executor.run_group(key, nodes, hoists.get((key[0], key[2])))
+            else:
+                for item in schedule:
+                    if item[0] == "group":
+                        executor.run_group(item[1], item[2], hoists.get((item[1][0], item[1][2])))
+                    else:
+                        executor.run_chains(item[1])
         finally:
             executor.end()
 

@@ -1,0 +1,251 @@
+"""Fused recurrences: a cell's per-step chains run as one recurrent-layer call (issue 14 item 7).
+
+A recurrent cell called once per time step (BiRNN's ``h, c = self.fwd(x, (h, c))`` with
+``self.fwd = static_block(nn.LSTMCell(...))``) records one node per step; the depth scheduler
+runs the t-th steps of all instances as one group, so a sentence of 40 words costs 40 groups per
+direction, each a small matrix multiply and a dozen elementwise kernels. When the trace proves
+it equivalent, all chains of that cell in a flush run instead as **one** packed
+``torch._VF.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` call, the kernel ``nn.LSTM`` and its
+kind run (oneDNN on the CPU, cuDNN on a GPU), with the chains laid out as a packed sequence
+(longest first, as ``pack_sequence`` orders them).
+
+What has to hold, checked per flush (:func:`plan`):
+
+1. the signature's program is exactly a cell step (:func:`spec_of`): the input projection
+   ``F.linear(x, W_ih, b_ih)`` and the gates of :mod:`cells` with ``W_hh, b_hh``, per instance on
+   1-D rows (``unsqueeze(0)`` / ``squeeze(0)`` around it, as ``nn.LSTMCell.forward`` does for
+   unbatched input), parameters shared, no autocast;
+2. its nodes form chains (``Recorder.chains`` in the C core): a node's state inputs are the
+   outputs of at most one other node of the signature, no node has two successors, no ``x`` comes
+   from the chain;
+3. (LSTM) the layer returns every step's ``h`` but only the *last* ``c`` of a chain: every other
+   ``c`` must be dead -- read by no recorded operation but its successor and held by no live lazy
+   value (the C core counts the lazy objects of each output);
+4. every ``x`` and every chain's initial state is computed before the signature's first group.
+
+Anything else keeps the per-step groups. Values agree with the per-step groups within float32
+rounding (the same products, summed in the layer's order); gradients flow through the layer. The
+``c`` rows of non-final steps hold NaN (they are never read, by 3.). Only with the C recorder and
+the depth scheduler; statistics count each fused call under ``groups_by_rule["fused_<kind>"]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from batchcraft.autobatching import cells as _cells
+from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.signature import LEAF, SIGNATURES
+
+#: signatures with fewer nodes in a flush keep their per-step groups
+MIN_NODES = 8
+
+_KINDS = {  # gates function -> (kind, number of states, layer function)
+    _cells.lstm_gates: ("lstm", 2, torch._VF.lstm),
+    _cells.gru_gates: ("gru", 1, torch._VF.gru),
+    _cells.rnn_tanh_gates: ("rnn_tanh", 1, torch._VF.rnn_tanh),
+    _cells.rnn_relu_gates: ("rnn_relu", 1, torch._VF.rnn_relu),
+}
+
+
+_NONE = (type(None), None)  # how signature.flatten writes a None argument
+
+
+class ChainSpec:
+    """A cell-step program: which inputs are ``x`` and the states, and the layer's parameters."""
+
+    __slots__ = ("kind", "n_states", "layer", "x", "states", "params", "has_biases")
+
+    def __init__(self, kind, n_states, layer, x, states, params, has_biases):
+        self.kind, self.n_states, self.layer = kind, n_states, layer
+        self.x, self.states, self.params, self.has_biases = x, states, params, has_biases
+
+
+def _dim0(step, name) -> bool:
+    """``step`` is ``name(<tensor>, 0)`` with nothing else."""
+    if step.name != name or step.struct[1] is not None:
+        return False
+    items = step.struct[0][1] if type(step.struct[0]) is tuple and len(step.struct[0]) == 2 else None
+    return items is not None and len(items) == 2 and items[0] is LEAF and items[1] == (int, 0) and len(step.refs) == 1
+
+
+def spec_of(prog) -> ChainSpec | None:
+    """The :class:`ChainSpec` of ``prog`` when it is one cell step on 1-D rows (cached), else None."""
+    cache = prog.lowered
+    if "chain_spec" in cache:
+        return cache["chain_spec"]
+    spec = None
+    try:
+        spec = _match(prog)
+    finally:
+        cache["chain_spec"] = spec
+    return spec
+
+
+def _match(prog):
+    if prog.n_ragged or prog.n_in < 2:
+        return None
+    src = {}  # ("val", k, 0) of an unsqueeze/squeeze -> what it wraps
+    linear = gates = None
+    for st in prog.steps:
+        if _dim0(st, "unsqueeze") and st.refs[0][0] == "in":
+            if len(DESCS[st.dids[0]][0]) != 1:
+                return None
+            src[("val", st.index, 0)] = st.refs[0]
+        elif _dim0(st, "squeeze") and st.refs[0][0] == "val":
+            src[("val", st.index, 0)] = st.refs[0]
+        elif st.func is F.linear and linear is None and gates is None:
+            linear = st
+        elif st.func in _KINDS and linear is not None and gates is None:
+            gates = st
+        else:
+            return None
+    if linear is None or gates is None:
+        return None
+    kind, n_states, layer = _KINDS[gates.func]
+    consts = lambda st, n: [r[1] for r in st.refs[n:]] if all(r[0] == "const" for r in st.refs[n:]) else None  # noqa: E731
+    lin_w, gate_w = consts(linear, 1), consts(gates, 1 + n_states)
+    if lin_w is None or gate_w is None or len(lin_w) != len(gate_w) or len(lin_w) not in (1, 2):
+        return None
+    if linear.struct[1] is not None or gates.struct[1] is not None:
+        return None
+    lin_items = linear.struct[0][1]
+    gate_items = gates.struct[0][1]
+    # bias given (a tensor) or absent / None for both; nothing but tensors and None positionally
+    if len(lin_items) > 3 or any(it is not LEAF and it != _NONE for it in lin_items):
+        return None
+    if len(gate_items) > 3 + n_states or any(it is not LEAF and it != _NONE for it in gate_items):
+        return None
+    if (len(lin_w) == 2) != (len([it for it in gate_items if it is LEAF]) == 3 + n_states):
+        return None
+    # x and the states reach the step through unsqueeze(0) (per-instance rows are 1-D), the
+    # outputs leave through squeeze(0): nn.LSTMCell.forward's form for unbatched input
+    x_ref = src.get(linear.refs[0])
+    if x_ref is None or x_ref[0] != "in" or gates.refs[0] != ("val", linear.index, 0):
+        return None
+    states = []
+    for r in gates.refs[1:1 + n_states]:
+        r = src.get(r)
+        if r is None or r[0] != "in":
+            return None
+        states.append(r[1])
+    ins = [x_ref[1], *states]
+    if len(set(ins)) != len(ins) or prog.n_in != len(ins):
+        return None
+    outs = [src.get(r) if r in src and r[0] == "val" and prog.steps[r[1]].name == "squeeze" else None
+            for r in prog.out_refs]
+    if outs != [("val", gates.index, s) for s in range(n_states)]:
+        return None
+    params = [lin_w[0], gate_w[0]] + ([lin_w[1], gate_w[1]] if len(lin_w) == 2 else [])
+    if any(not isinstance(p, torch.Tensor) or p.dim() != (2 if i < 2 else 1) for i, p in enumerate(params)):
+        return None
+    return ChainSpec(kind, n_states, layer, x_ref[1], tuple(states), params, len(lin_w) == 2)
+
+
+class Chains:
+    """One fused call: the chains (lists of nodes, each in step order) of one signature."""
+
+    __slots__ = ("info", "spec", "chains")
+
+    def __init__(self, info, spec, chains):
+        self.info, self.spec, self.chains = info, spec, chains
+
+
+def plan(rec, groups):
+    """Which signatures of this flush run as one layer call.
+
+    Args:
+        rec: the recorder (C core: ``chains``, ``input_depths``).
+        groups (list): ``[(key, nodes), ...]`` in run order, key = ``(phase, depth, sid)``.
+    Returns:
+        ``(schedule, rest)``: ``schedule`` lists ``("group", key, nodes)`` and ``("chains",
+        Chains)`` items in run order (a fused signature at its first group's place); ``rest`` the
+        groups that still run per step.
+    """
+    by_sig: dict = {}
+    for i, (key, _) in enumerate(groups):
+        by_sig.setdefault((key[0], key[2]), []).append(i)
+    fused: dict = {}
+    for (_, sid), idxs in by_sig.items():
+        if len(idxs) < 2:
+            continue
+        info = SIGNATURES.by_sid[sid]
+        if info.state[2] is not None or info.ragged:
+            continue
+        prog = info.program
+        spec = spec_of(prog) if prog is not None else None
+        if spec is None:
+            continue
+        nodes = [nd for i in idxs for nd in groups[i][1]]
+        if len(nodes) < MIN_NODES:
+            continue
+        pred = rec.chains(nodes, spec.x, spec.states[0], spec.states[1] if spec.n_states == 2 else -1)
+        if pred is None:
+            continue
+        mind, deep = rec.input_depths(nodes, prog.n_in)
+        if deep[spec.x] >= mind:
+            continue
+        heads = [nd for nd, p in zip(nodes, pred) if p < 0]
+        _, deep_h = rec.input_depths(heads, prog.n_in)
+        if any(deep_h[s] >= mind for s in spec.states):
+            continue
+        succ = {p: i for i, p in enumerate(pred) if p >= 0}
+        chains = []
+        for i, p in enumerate(pred):
+            if p < 0:
+                chain = [nodes[i]]
+                while i in succ:
+                    i = succ[i]
+                    chain.append(nodes[i])
+                chains.append(chain)
+        fused[idxs[0]] = Chains(info, spec, chains)
+        for i in idxs[1:]:
+            fused[i] = None
+    if not fused:
+        return [("group", k, n) for k, n in groups], groups
+    schedule, rest = [], []
+    for i, (key, nodes) in enumerate(groups):
+        if i in fused:
+            if fused[i] is not None:
+                schedule.append(("chains", fused[i]))
+        else:
+            schedule.append(("group", key, nodes))
+            rest.append((key, nodes))
+    return schedule, rest
+
+
+def packed(chains):
+    """Packed-sequence layout: ``(nodes in row order, batch sizes, row of each chain's last step,
+    heads in chain order)``, chains longest first (ties in recording order)."""
+    order = sorted(chains, key=len, reverse=True)
+    rows, sizes = [], []
+    for t in range(len(order[0])):
+        step = [c[t] for c in order if len(c) > t]
+        sizes.append(len(step))
+        rows += step
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    last = [offsets[len(c) - 1] + j for j, c in enumerate(order)]
+    return rows, sizes, last, [c[0] for c in order]
+
+
+def run(spec, x, states, sizes, last):
+    """The layer call: ``x`` (N, in) packed rows, ``states`` per state (B, H) in chain order ->
+    the per-step outputs, each (N, H) (LSTM: ``c`` rows of non-final steps are NaN)."""
+    batch_sizes = torch.tensor(sizes, dtype=torch.int64)  # on the CPU, as PackedSequence keeps it
+    hx = [s.unsqueeze(0) for s in states]
+    res = spec.layer(x, batch_sizes, hx if spec.n_states == 2 else hx[0], spec.params, spec.has_biases,
+                     1, 0.0, False, False)
+    h = res[0]
+    if spec.n_states == 1:
+        return [h]
+    idx = torch.tensor(last, dtype=torch.int64, device=h.device)
+    c = torch.full_like(h, math.nan).index_copy(0, idx, res[2][0])
+    return [h, c]
+
+
+__all__ = ["plan", "spec_of", "packed", "run", "Chains", "ChainSpec", "MIN_NODES"]

@@ -1,0 +1,253 @@
+"""Per-step chains of a recurrent cell block run as one recurrent-layer call (autobatching/chains.py).
+
+Each test checks values (and, where autograd is on, gradients) against eager, and whether the
+chains were fused: they must be exactly when the recording proves it equivalent (every non-final
+``c`` dead, states and inputs ready before the first step, no branching), never otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from batchcraft import autobatch
+from batchcraft.autobatching import _native, chains, static_block
+from equivalence import assert_matches_eager
+
+needs_c = pytest.mark.skipif(not _native.available, reason="the C core was not built")
+
+
+def _fused(f) -> int:
+    return sum(v for k, v in f.stats.groups_by_rule.items() if k.startswith("fused_"))
+
+
+def _seqs(lengths, dim=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, dim, generator=g) for n in lengths]
+
+
+LENGTHS = (4, 9, 1, 6, 9, 3, 7, 2)
+
+
+@needs_c
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_cell_block_over_sequences_is_one_layer_call_with_eager_values_and_gradients(kind, bias):
+    torch.manual_seed(0)
+    if kind == "lstm":
+        cell = nn.LSTMCell(6, 5, bias=bias)
+    elif kind == "gru":
+        cell = nn.GRUCell(6, 5, bias=bias)
+    else:
+        cell = nn.RNNCell(6, 5, bias=bias, nonlinearity=kind[4:])
+    step = static_block(cell)
+    w = torch.nn.Parameter(torch.randn(6))
+
+    def rnn(xs):
+        h = torch.zeros(5)
+        c = torch.zeros(5)
+        hs = []
+        for x in xs:
+            if kind == "lstm":
+                h, c = step(x * w, (h, c))
+            else:
+                h = step(x * w, h)
+            hs.append(h)
+        return torch.stack(hs), (c if kind == "lstm" else h)
+
+    f = assert_matches_eager(rnn, _seqs(LENGTHS), list(cell.parameters()) + [w], atol=1e-5)
+    assert f.stats.groups_by_rule.get(f"fused_{kind}") == 1 and f.stats.fallbacks == 0
+    with torch.no_grad():
+        g = assert_matches_eager(rnn, _seqs(LENGTHS, seed=1), [])
+    assert g.stats.groups_by_rule.get(f"fused_{kind}") == 1
+
+
+def _lstm_model():
+    torch.manual_seed(1)
+    cell = nn.LSTMCell(6, 5)
+    return cell, static_block(cell)
+
+
+@needs_c
+def test_a_cell_state_kept_by_instance_code_is_not_fused_away():
+    cell, step = _lstm_model()
+
+    def rnn(xs):
+        h = c = torch.zeros(5)
+        cs = []
+        for x in xs:
+            h, c = step(x, (h, c))
+            cs.append(c)  # every step's c is returned: the layer call could not give them
+        return h, torch.stack(cs)
+
+    with torch.no_grad():
+        f = assert_matches_eager(rnn, _seqs(LENGTHS), [])
+    assert _fused(f) == 0
+
+
+@needs_c
+def test_a_cell_state_read_by_another_operation_is_not_fused_away():
+    cell, step = _lstm_model()
+
+    def rnn(xs):
+        h = c = torch.zeros(5)
+        total = torch.zeros(5)
+        for x in xs:
+            h, c = step(x, (h, c))
+            total = total + torch.tanh(c)
+        return h, total
+
+    with torch.no_grad():
+        f = assert_matches_eager(rnn, _seqs(LENGTHS), [])
+    assert _fused(f) == 0
+
+
+@needs_c
+def test_only_the_last_cell_state_is_read_and_that_is_fused():
+    cell, step = _lstm_model()
+
+    def rnn(xs):
+        h = c = torch.zeros(5)
+        for x in xs:
+            h, c = step(x, (h, c))
+        return h * 2, c.sum()
+
+    f = assert_matches_eager(rnn, _seqs(LENGTHS), list(cell.parameters()))
+    assert f.stats.groups_by_rule.get("fused_lstm") == 1
+
+
+@needs_c
+def test_branching_states_and_fed_back_inputs_keep_the_per_step_groups():
+    torch.manual_seed(2)
+    cell = nn.GRUCell(5, 5)
+    step = static_block(cell)
+
+    def tree(xs):  # one state feeds two cells: not a chain
+        h0 = torch.zeros(5)
+        a = step(xs[0], h0)
+        b = step(xs[1], h0)
+        return step(xs[2], a) + step(xs[3], b)
+
+    def feedback(xs):  # the next input is the previous output: not ready before the chain
+        h = torch.zeros(5)
+        x = xs[0]
+        for _ in range(len(xs)):
+            h = step(x, h)
+            x = torch.tanh(h)
+        return h
+
+    seqs = _seqs((4, 4, 4, 5, 6, 4, 7, 4, 4, 5), dim=5)
+    for fn in (tree, feedback):
+        f = assert_matches_eager(fn, seqs, list(cell.parameters()))
+        assert _fused(f) == 0, fn.__name__
+
+
+@needs_c
+def test_chains_split_by_value_waits_continue_from_the_last_state():
+    cell, step = _lstm_model()
+
+    def rnn(xs):
+        h = c = torch.zeros(5)
+        for t, x in enumerate(xs):
+            h, c = step(x, (h, c))
+            if t % 3 == 2 and float(h.sum()) > 1e6:  # a value wait every third step (never true)
+                break
+        return h, c
+
+    with torch.no_grad():
+        f = assert_matches_eager(rnn, _seqs((10, 7, 12, 3, 9, 11, 8, 6)), [])
+    assert _fused(f) >= 1 and f.stats.syncs >= 2
+
+
+@needs_c
+def test_the_initial_state_made_by_another_block_in_the_same_flush():
+    torch.manual_seed(3)
+    init = static_block(nn.Linear(6, 10))
+    cell = nn.LSTMCell(6, 5)
+    step = static_block(cell)
+
+    def rnn(xs):
+        h, c = init(xs[0]).chunk(2)
+        for x in xs:
+            h, c = step(x, (h, c))
+        return h
+
+    f = assert_matches_eager(rnn, _seqs(LENGTHS), list(cell.parameters()) + list(init.parameters()))
+    assert f.stats.groups_by_rule.get("fused_lstm") == 1
+
+
+@needs_c
+def test_the_option_and_the_python_core_keep_the_per_step_groups():
+    cell, step = _lstm_model()
+
+    def rnn(xs):
+        h = c = torch.zeros(5)
+        for x in xs:
+            h, c = step(x, (h, c))
+        return h
+
+    with torch.no_grad():
+        for opts in ({"fuse_recurrences": False}, {"core": "python"}, {"scheduler": "agenda"}):
+            f = assert_matches_eager(rnn, _seqs(LENGTHS), [], **opts)
+            assert _fused(f) == 0, opts
+
+
+def test_spec_of_recognises_only_a_plain_cell_step():
+    from batchcraft.autobatching.signature import SIGNATURES
+
+    torch.manual_seed(4)
+    mod = nn.LSTMCell(3, 2)
+    plain = static_block(mod)
+
+    @static_block
+    def scaled(x, state):  # an extra operation after the cell: not a plain step
+        h, c = torch.lstm_cell(x.unsqueeze(0), (state[0].unsqueeze(0), state[1].unsqueeze(0)),
+                               mod.weight_ih, mod.weight_hh)
+        return h.squeeze(0) * 2, c.squeeze(0)
+
+    def fn(x):
+        s = (torch.zeros(2), torch.zeros(2))
+        return plain(x, s)[0], scaled(x, s)[0]
+
+    with torch.no_grad():
+        autobatch(fn)([torch.randn(3) for _ in range(3)])
+    progs = {info.func: info.program for info in SIGNATURES.by_sid if info is not None and info.program is not None}
+    assert chains.spec_of(progs[scaled]) is None
+    s = chains.spec_of(progs[mod.__dict__["_batchcraft_block"]])
+    assert s is not None and s.kind == "lstm" and (s.x, s.states) == (0, (1, 2)) and s.has_biases
+
+
+@needs_c
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 8), min_size=1, max_size=9),
+       keep=st.sampled_from(["none", "last", "all", "some"]), wait_every=st.sampled_from([0, 2, 5]),
+       grad=st.booleans())
+def test_random_chains_match_eager(lengths, keep, wait_every, grad):
+    torch.manual_seed(len(lengths))
+    cell = nn.LSTMCell(4, 3)
+    step = static_block(cell)
+
+    def rnn(xs):
+        h = c = torch.zeros(3)
+        kept = []
+        for t, x in enumerate(xs):
+            h, c = step(x, (h, c))
+            if keep == "all" or (keep == "some" and t % 2):
+                kept.append(c)
+            if wait_every and t % wait_every == wait_every - 1 and float(h.sum()) > 1e6:
+                break
+        if keep == "last":
+            kept.append(c)
+        return h, kept
+
+    seqs = _seqs(lengths, dim=4, seed=sum(lengths))
+    if grad:
+        f = assert_matches_eager(rnn, seqs, list(cell.parameters()))
+    else:
+        with torch.no_grad():
+            f = assert_matches_eager(rnn, seqs, [])
+    if keep in ("all", "some") and any(n > 1 + (keep == "some") for n in lengths):
+        assert _fused(f) == 0 or wait_every  # (a wait can leave single-step flushes: nothing to refuse)
