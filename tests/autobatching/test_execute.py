@@ -7,7 +7,7 @@ import torch
 
 from batchcraft import autobatch, static_block
 
-from equivalence import assert_matches_eager
+from equivalence import CORES, assert_matches_eager
 
 
 def _children_program(cell):
@@ -243,3 +243,32 @@ def test_packed_order_leaves_tree_cells_and_small_signatures_alone():
     first = groups[2][1]
     assert first[:20] == [k * 10 + 5 for k in range(0, 40, 2)]  # two steps: first
     assert first[20:] == [k * 10 + 5 for k in range(1, 40, 2)]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_groups_with_big_rows_run_in_their_largest_inputs_source_order(core):
+    # MV-RNN's pattern: per-node matrices (4 KiB rows and more) read out of their producers' row
+    # order; the consumer group then runs in its largest argument's source order (its gather
+    # needs no permutation), with eager's values and gradients
+    from batchcraft.autobatching import execute
+
+    torch.manual_seed(7)
+    mix = static_block(torch.nn.Linear(32, 32))
+    w = torch.nn.Parameter(torch.randn(32))
+
+    def fn(inst):
+        a, b = inst
+        ma, mb = torch.tanh(mix(a)), torch.tanh(mix(b))   # one group: rows a0, b0, a1, b1, ...
+        return (mb * w).sum(0) + (ma * w).sum(0) * 2      # one group reads rows b0, a0, b1, a1, ...
+
+    insts = [(torch.randn(32, 32), torch.randn(32, 32)) for _ in range(6)]
+    f = assert_matches_eager(fn, insts, list(mix.parameters()) + [w], core=core)
+    assert f.stats.groups_reordered >= 1
+    limit = execute.ORDER_MIN_ROW_BYTES
+    try:
+        execute.ORDER_MIN_ROW_BYTES = 1 << 40
+        with torch.no_grad():
+            g = assert_matches_eager(fn, insts, [], core=core)
+        assert g.stats.groups_reordered == 0
+    finally:
+        execute.ORDER_MIN_ROW_BYTES = limit

@@ -1687,6 +1687,53 @@ done:
     return out;
 }
 
+/* order_by_input(nodes, j) -> the nodes sorted by where their j-th input lives (buffer, row), or
+   None when they already are or an input has no location yet. A group's nodes are independent,
+   so any order computes the same values; in this one the j-th argument's gather reads each
+   source buffer's rows in order (a view or one index_select per buffer, no permutation). */
+typedef struct { int64_t key; int32_t node; } OrdItem;
+
+static int ord_cmp(const void *a, const void *b) {
+    const OrdItem *x = (const OrdItem *)a, *y = (const OrdItem *)b;
+    if (x->key != y->key) return x->key < y->key ? -1 : 1;
+    return x->node < y->node ? -1 : (x->node > y->node);
+}
+
+static PyObject *rec_order_by_input(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "order_by_input(nodes, j)"); return NULL; }
+    IVec nodes;
+    if (nodes_from(args[0], &nodes) < 0) return NULL;
+    int j = (int)PyLong_AsLong(args[1]);
+    if (j < 0 && PyErr_Occurred()) { PyMem_Free(nodes.v); return NULL; }
+    Py_ssize_t n = nodes.n;
+    OrdItem *it = (OrdItem *)PyMem_Malloc((n + 1) * sizeof(OrdItem));
+    if (!it) { PyMem_Free(nodes.v); return PyErr_NoMemory(); }
+    int sorted = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t nd = nodes.v[i];
+        if (nd < 0 || nd >= self->n || j >= self->in_count[nd]) goto none;
+        Py_ssize_t q = self->in_start[nd] + j;
+        Py_ssize_t p = self->in_node.v[q];
+        if (self->loc_buf[p] < 0) goto none;
+        it[i].key = ((int64_t)(self->loc_buf[p] + self->in_slot.v[q]) << 32) | (uint32_t)self->loc_row[p];
+        it[i].node = (int32_t)nd;
+        if (i && it[i].key < it[i - 1].key) sorted = 0;
+    }
+    if (sorted) goto none;
+    qsort(it, (size_t)n, sizeof(OrdItem), ord_cmp);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromLong(it[i].node);
+        if (!v) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, v);
+    }
+    PyMem_Free(it); PyMem_Free(nodes.v);
+    return out;
+none:
+    PyMem_Free(it); PyMem_Free(nodes.v);
+    Py_RETURN_NONE;
+}
+
 /* ---- accessors for the Python slow paths ------------------------------------------------------- */
 static int check_node(RecObject *self, Py_ssize_t nd) {
     if (nd < 0 || nd >= self->n) { PyErr_Format(PyExc_IndexError, "node %zd out of range", nd); return -1; }
@@ -1875,6 +1922,8 @@ static PyMethodDef rec_methods[] = {
     {"plan_group", (PyCFunction)(void (*)(void))rec_plan_group, METH_FASTCALL, "gather plans of a group"},
     {"chains", (PyCFunction)(void (*)(void))rec_chains, METH_FASTCALL,
      "chains(nodes, x_slot, h_slot, c_slot) -> predecessor positions (-1: head), or None (chains.py)"},
+    {"order_by_input", (PyCFunction)(void (*)(void))rec_order_by_input, METH_FASTCALL,
+     "order_by_input(nodes, j) -> nodes sorted by their j-th input's (buffer, row), or None"},
     {"place", (PyCFunction)(void (*)(void))rec_place, METH_FASTCALL, "place(nodes, buf, base)"},
     {"plan_slots", (PyCFunction)(void (*)(void))rec_plan_slots, METH_FASTCALL, "plans of some single slots"},
     {"input_depths", (PyCFunction)(void (*)(void))rec_input_depths, METH_FASTCALL, "depths of pending inputs"},

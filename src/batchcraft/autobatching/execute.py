@@ -38,6 +38,10 @@ _perf = time.perf_counter
 #: ARENA_MAX_BYTES: copying big rows twice costs more than the gathers it saves (MV-RNN h128)
 ARENA_MAX_ROW_BYTES = 8192
 ARENA_MAX_BYTES = 64 << 20
+#: a group whose largest per-instance input has rows of at least this size runs its nodes in that
+#: input's source order (``Recorder.order_by_input``): its gather then reads each source buffer's
+#: rows in order, with no permutation copy (MV-RNN's word matrices: 16-64 KiB a row)
+ORDER_MIN_ROW_BYTES = 4096
 
 
 class _NoLazy:
@@ -128,6 +132,18 @@ class Executor:
         return first, off
 
     # -- one group -------------------------------------------------------------------------------
+    @staticmethod
+    def _order_slot(info, prog) -> int:
+        """The per-instance input whose source order a group follows (:data:`ORDER_MIN_ROW_BYTES`),
+        or -1: the largest one, when its rows are big enough for copies to matter."""
+        j = prog.lowered.get("order_slot")
+        if j is None:
+            sizes = [row_bytes((d,)) for d in info.in_dids[:prog.n_in]]
+            big = max(sizes, default=0)
+            j = sizes.index(big) if big >= ORDER_MIN_ROW_BYTES and len(sizes) == prog.n_in else -1
+            prog.lowered["order_slot"] = j
+        return j
+
     def runner_of(self, info) -> Runner:
         prog = program_of(info)
         r = prog.lowered.get(self.kernels)
@@ -172,6 +188,13 @@ class Executor:
         t0 = _perf()
         runner = self.runner_of(info)
         prog = runner.program
+        if hoisted is None and prog.n_ragged == 0:
+            j = self._order_slot(info, prog)
+            if j >= 0:  # big rows: read the largest argument in its sources' row order
+                ordered = rec.order_by_input(nodes, j)
+                if ordered is not None:
+                    nodes = ordered
+                    st.groups_reordered += 1
         # gathers too run under the recorded state: a gather under the caller's no_grad (a flush
         # inside a no_grad block) would cut the autograd history of rows recorded with grad on
         with run_under(PLAIN):  # leaves stacked here are shared by later groups: keep their history
@@ -330,4 +353,4 @@ class Executor:
         return args
 
 
-__all__ = ["Executor", "program_of", "ARENA_MAX_ROW_BYTES", "ARENA_MAX_BYTES", "LEAF"]
+__all__ = ["Executor", "program_of", "ARENA_MAX_ROW_BYTES", "ARENA_MAX_BYTES", "ORDER_MIN_ROW_BYTES", "LEAF"]

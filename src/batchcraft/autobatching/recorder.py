@@ -935,6 +935,19 @@ class PyRecorder(RecorderBase):
                     deep[j] = d
         return mind, deep
 
+    def order_by_input(self, nodes, j: int):
+        """``nodes`` sorted by where their ``j``-th input lives (buffer, row); None when they already
+        are or an input has no location yet (the C core's ``order_by_input``)."""
+        keys = []
+        for nd in nodes:
+            p, slot = self.ins[nd][j]
+            if self.loc_buf[p] < 0:
+                return None
+            keys.append((self.loc_buf[p] + slot, self.loc_row[p], nd))
+        if all(a[:2] <= b[:2] for a, b in zip(keys, keys[1:])):
+            return None
+        return [k[2] for k in sorted(keys)]
+
     def place(self, nodes, buf: int, base: int) -> None:
         """The outputs of ``nodes`` are rows ``base, base+1, ...`` of buffers ``buf, buf+1, ...``."""
         loc_buf, loc_row = self.loc_buf, self.loc_row

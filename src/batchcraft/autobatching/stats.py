@@ -20,7 +20,10 @@ class RunStats:
         eager_reasons (dict[str, int]): those operations by name.
         syncs (int): times pending work was executed because instance code needed a value.
         peak_pending (int): most nodes waiting at once (the recorded graph's size bound).
-        groups_by_rule (dict[str, int]): batched calls per kind (block, ragged_block, rule names).
+        groups_by_rule (dict[str, int]): batched calls per kind (block, ragged_block, rule names;
+            ``fused_lstm`` etc.: a recurrent cell's chains as one layer call, ``chains.py``).
+        groups_reordered (int): groups run in their largest input's source order (big rows:
+            ``execute.ORDER_MIN_ROW_BYTES``).
         record_s, schedule_s, gather_s, kernel_s (float): seconds spent recording instance code,
             ordering groups, gathering per-instance arguments, and in batched programs.
         kernels_measured (int): matrix-multiply shape classes whose kernel was measured during
@@ -43,6 +46,7 @@ class RunStats:
     syncs: int = 0
     peak_pending: int = 0
     groups_by_rule: dict = field(default_factory=dict)
+    groups_reordered: int = 0
     record_s: float = 0.0
     schedule_s: float = 0.0
     gather_s: float = 0.0
