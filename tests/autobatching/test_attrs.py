@@ -274,3 +274,83 @@ def test_another_thread_reading_the_same_class_during_a_call_sees_eager_values()
         stop.set()
         t.join()
     assert not wrong and "a" not in vars(Net)
+
+
+class Defaults:
+    proj = None
+    norm = None
+
+
+class WithProj(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x) if self.proj is not None else x
+
+
+class MixedIn(WithProj, Defaults):  # MRO: MixedIn, WithProj, Defaults, Module: Defaults.proj wins
+    pass
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_class_attribute_from_a_later_mixin_still_wins_as_in_eager(core):
+    # hostile helper (stop 30, reliability #63): a descriptor on WithProj hid Defaults.proj from MixedIn
+    torch.manual_seed(0)
+    base, mixed = WithProj(), MixedIn()
+
+    def fn(x):
+        return base(x) + mixed(x), type(mixed).proj is None
+
+    xs = [torch.randn(4) for _ in range(3)]
+    for got, ref in zip(autobatch(fn, core=core)(xs), [fn(x) for x in xs]):
+        torch.testing.assert_close(got[0], ref[0])
+        assert got[1] is ref[1] is True
+    assert "proj" not in vars(WithProj)
+
+
+@needs_c
+def test_a_subclass_made_during_the_call_sees_its_later_mixin():
+    # checked at its first lookup (ModuleAttr.verified): the descriptor on WithProj is installed
+    class Fresh(WithProj):  # no subclass with a later mixin exists yet: it gets the descriptor
+        pass
+
+    torch.manual_seed(1)
+    base = Fresh()
+    seen = {}
+
+    def fn(x):
+        cls = type("Late", (Fresh, Defaults), {})  # a new class during the call
+        late = cls.__new__(cls)
+        late.__dict__.update(base.__dict__)  # (modules cannot be built inside instance code)
+        seen["installed"] = type(vars(Fresh).get("proj")).__name__
+        seen["late"], seen["class"] = late.proj, type(late).proj
+        return base(x)
+
+    autobatch(fn, core="c")([torch.randn(4) for _ in range(2)])
+    assert seen == {"installed": "ModuleAttr", "late": None, "class": None}
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_bare_module_container_gets_no_descriptor(core):
+    # hostile helper (stop 30, reliability #63): the descriptor went on nn.Module itself, which
+    # every module class reaches before a mixin listed after nn.Module
+    class Net(nn.Module, Defaults):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.extra = nn.Module()
+            self.extra.add_module("norm", nn.LayerNorm(4))
+
+        def forward(self, x):
+            y = self.lin(x)
+            y = self.norm(y) if self.norm is not None else y
+            return self.extra.norm(y)
+
+    torch.manual_seed(2)
+    net = Net()
+    xs = [torch.randn(4) for _ in range(3)]
+    for got, ref in zip(autobatch(net, core=core)(xs), [net(x) for x in xs]):
+        torch.testing.assert_close(got, ref)
+    assert "norm" not in vars(nn.Module)

@@ -2100,20 +2100,53 @@ static PyObject *bind_to_instance(PyObject *self, PyObject *obj, PyObject *type)
     return PyMethod_New(self, obj);
 }
 
-/* ModuleAttr: a non-data descriptor set on an nn.Module subclass for one submodule / parameter /
-   buffer name while a call records (attrs.py). Python 3.11's attribute lookup on a class with
-   __getattr__ formats and clears an AttributeError before calling __getattr__ (about 1 µs a
-   read); found on the class, the name skips that: the descriptor does nn.Module.__getattr__'s
-   lookups (_parameters, _buffers, _modules, in that order) on the live dicts. The instance
-   __dict__ still comes first (non-data descriptor). A miss, or an instance whose type's
-   __getattr__ is not `guard` (nn.Module's own), raises a bare AttributeError, and the type's
-   __getattr__ then runs as without the descriptor. */
-typedef struct { PyObject_HEAD PyObject *name; PyObject *guard; } ModuleAttrObject;
+/* ModuleAttr: a non-data descriptor set on an nn.Module subclass `owner` for one submodule /
+   parameter / buffer name while a call records (attrs.py). Python 3.11's attribute lookup on a
+   class with __getattr__ formats and clears an AttributeError before calling __getattr__ (about
+   1 µs a read); found on the class, the name skips that: the descriptor does
+   nn.Module.__getattr__'s lookups (_parameters, _buffers, _modules, in that order) on the live
+   dicts. The instance __dict__ still comes first (non-data descriptor). A type that reaches the
+   descriptor but has `name` further along its MRO (a mixin after `owner`) gets that definition, as
+   without the descriptor; `verified` holds the types known to have none (owner and its subclasses
+   when installed; others are checked once). A miss, or a type whose __getattr__ is not `guard`
+   (nn.Module's own), raises a bare AttributeError, and the type's __getattr__ then runs. */
+typedef struct { PyObject_HEAD PyObject *name; PyObject *guard; PyObject *owner; PyObject *verified; } ModuleAttrObject;
+
+/* the first definition of `name` after `owner` in type t's MRO (borrowed), or NULL */
+static PyObject *modattr_after(ModuleAttrObject *self, PyTypeObject *t) {
+    PyObject *mro = t->tp_mro;
+    if (!mro || !PyTuple_Check(mro)) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(mro), i = 0;
+    while (i < n && PyTuple_GET_ITEM(mro, i) != self->owner) i++;
+    for (i++; i < n; i++) {
+        PyObject *d = ((PyTypeObject *)PyTuple_GET_ITEM(mro, i))->tp_dict;
+        PyObject *v = d ? PyDict_GetItemWithError(d, self->name) : NULL;
+        if (v) return v;
+        if (PyErr_Occurred()) return NULL;
+    }
+    return NULL;
+}
 
 static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *type) {
+    PyTypeObject *t = (obj == NULL || obj == Py_None) ? (type && PyType_Check(type) ? (PyTypeObject *)type : NULL)
+                                                      : Py_TYPE(obj);
+    if (t && (PyObject *)t != self->owner) {
+        int known = PySet_Contains(self->verified, (PyObject *)t);
+        if (known < 0) return NULL;
+        if (!known) {
+            PyObject *later = modattr_after(self, t);
+            if (later) {  /* what the lookup finds without the descriptor */
+                descrgetfunc f = Py_TYPE(later)->tp_descr_get;
+                if (f) return f(later, (obj == Py_None) ? NULL : obj, (PyObject *)t);
+                Py_INCREF(later);
+                return later;
+            }
+            if (PyErr_Occurred()) return NULL;
+            if (PySet_Add(self->verified, (PyObject *)t) < 0) return NULL;
+        }
+    }
     if (obj == NULL || obj == Py_None) {
-        PyErr_Format(PyExc_AttributeError, "type object '%s' has no attribute '%U'",
-                     type && PyType_Check(type) ? ((PyTypeObject *)type)->tp_name : "?", self->name);
+        PyErr_Format(PyExc_AttributeError, "type object '%s' has no attribute '%U'", t ? t->tp_name : "?", self->name);
         return NULL;
     }
     static PyObject *s_getattr = NULL;
@@ -2131,19 +2164,19 @@ static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *ty
     PyObject *keys[3] = {s_key_params, s_key_buffers, s_key_modules};
     Py_INCREF(d);
     for (int i = 0; i < 3; i++) {
-        PyObject *t = PyDict_GetItemWithError(d, keys[i]);
-        if (!t) { if (PyErr_Occurred()) { Py_DECREF(d); return NULL; } continue; }
-        if (PyDict_CheckExact(t)) {  /* the common case: no Python-level __contains__ to call */
-            PyObject *r = PyDict_GetItemWithError(t, self->name);
+        PyObject *tb = PyDict_GetItemWithError(d, keys[i]);
+        if (!tb) { if (PyErr_Occurred()) { Py_DECREF(d); return NULL; } continue; }
+        if (PyDict_CheckExact(tb)) {  /* the common case: no Python-level __contains__ to call */
+            PyObject *r = PyDict_GetItemWithError(tb, self->name);
             if (r) { Py_INCREF(r); Py_DECREF(d); return r; }
             if (PyErr_Occurred()) { Py_DECREF(d); return NULL; }
             continue;
         }
-        Py_INCREF(t);
-        int c = PySequence_Contains(t, self->name);
-        if (c < 0) { Py_DECREF(t); Py_DECREF(d); return NULL; }
-        if (c) { PyObject *r = PyObject_GetItem(t, self->name); Py_DECREF(t); Py_DECREF(d); return r; }
-        Py_DECREF(t);
+        Py_INCREF(tb);
+        int c = PySequence_Contains(tb, self->name);
+        if (c < 0) { Py_DECREF(tb); Py_DECREF(d); return NULL; }
+        if (c) { PyObject *r = PyObject_GetItem(tb, self->name); Py_DECREF(tb); Py_DECREF(d); return r; }
+        Py_DECREF(tb);
     }
     Py_DECREF(d);
 miss:
@@ -2152,12 +2185,12 @@ miss:
 }
 
 static int modattr_traverse(ModuleAttrObject *self, visitproc visit, void *arg) {
-    Py_VISIT(self->name); Py_VISIT(self->guard);
+    Py_VISIT(self->name); Py_VISIT(self->guard); Py_VISIT(self->owner); Py_VISIT(self->verified);
     return 0;
 }
 
 static int modattr_clear(ModuleAttrObject *self) {
-    Py_CLEAR(self->name); Py_CLEAR(self->guard);
+    Py_CLEAR(self->name); Py_CLEAR(self->guard); Py_CLEAR(self->owner); Py_CLEAR(self->verified);
     return 0;
 }
 
@@ -2168,12 +2201,15 @@ static void modattr_dealloc(ModuleAttrObject *self) {
 }
 
 static PyObject *modattr_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    PyObject *name, *guard;
-    if (!PyArg_ParseTuple(args, "UO:ModuleAttr", &name, &guard)) return NULL;
+    PyObject *name, *guard, *owner, *verified;
+    if (!PyArg_ParseTuple(args, "UOO!O!:ModuleAttr", &name, &guard, &PyType_Type, &owner, &PySet_Type, &verified))
+        return NULL;
     ModuleAttrObject *self = (ModuleAttrObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     Py_INCREF(name); PyUnicode_InternInPlace(&name); self->name = name;
     Py_INCREF(guard); self->guard = guard;
+    Py_INCREF(owner); self->owner = owner;
+    Py_INCREF(verified); self->verified = verified;
     return (PyObject *)self;
 }
 
@@ -2198,7 +2234,7 @@ static PyTypeObject ModuleAttrType = {
     .tp_new = modattr_new,
     .tp_repr = (reprfunc)modattr_repr,
     .tp_members = modattr_members,
-    .tp_doc = "ModuleAttr(name, guard): nn.Module.__getattr__'s lookup of one name, as a class attribute.",
+    .tp_doc = "ModuleAttr(name, guard, owner, verified): nn.Module.__getattr__'s lookup of one name, as a class attribute.",
 };
 
 /* 1 when torch-function modes are enabled and the innermost one is recorder `rec`'s mode (what a

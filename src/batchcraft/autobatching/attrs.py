@@ -14,7 +14,11 @@ nothing is copied or cached, so ``functional_call``, ``del``, ``add_module`` and
 ``_parameters`` during the call are seen exactly as in eager. A non-data descriptor, it comes after
 the instance ``__dict__`` (as ``__getattr__`` does); on a miss, on the class itself, or on an
 instance of a subclass with its own ``__getattr__``, it raises a bare ``AttributeError`` and the
-type's ``__getattr__`` runs as it would without it (same result, same error message).
+type's ``__getattr__`` runs as it would without it (same result, same error message). A class
+whose subclasses (or that itself) would find the name further along their MRO (a mixin listed
+after it: ``class Model(Base, Defaults)``) gets no descriptor, nor does ``nn.Module`` itself or a
+class with more than :data:`MAX_SUBCLASSES` subclasses; a subclass created during the call is
+checked at its first lookup (a hostile helper's finds, reliability #63).
 
 Each class attribute costs about 1 µs to set and to remove (a leaf class has few subclasses whose
 caches Python invalidates). Earlier versions set ``nn.Module.__getattr__`` itself to a C function
@@ -47,8 +51,42 @@ _lock = threading.Lock()
 _installed: dict = {}  # (class, name) -> [holders, descriptor]
 
 
+#: classes with more subclasses than this (in the process) get no descriptors: checking them all
+#: would cost more than the reads save
+MAX_SUBCLASSES = 64
+
+
 def _defined_on(cls, name: str) -> bool:
     return any(name in vars(k) for k in cls.__mro__)
+
+
+def _subclasses(cls) -> list | None:
+    """``cls`` and its subclasses (recursively), or None when there are too many."""
+    out, todo, seen = [cls], [cls], {cls}
+    while todo:
+        for sub in type.__subclasses__(todo.pop()):
+            if sub not in seen:
+                seen.add(sub)
+                out.append(sub)
+                todo.append(sub)
+                if len(out) > MAX_SUBCLASSES:
+                    return None
+    return out
+
+
+def _verified(cls, name: str) -> set | None:
+    """The types that reach a descriptor on ``cls`` and define ``name`` nowhere after ``cls`` in
+    their MRO (a mixin listed after it would win in eager), or None when one does (then no
+    descriptor: the types are checked again at lookup, see ``ModuleAttr``, but a data descriptor
+    further along would lose to the instance ``__dict__``)."""
+    subs = _subclasses(cls)
+    if subs is None:
+        return None
+    for sub in subs:
+        mro = sub.__mro__
+        if any(name in vars(k) for k in mro[mro.index(cls) + 1:]):
+            return None
+    return set(subs)
 
 
 def plan(fn) -> list:
@@ -67,8 +105,8 @@ def plan(fn) -> list:
                 return pairs
             cls = type(m)
             ok = ok_cls.get(cls)
-            if ok is None:
-                ok = ok_cls[cls] = getattr(cls, "__getattr__", None) is MODULE_GETATTR
+            if ok is None:  # (never nn.Module itself: every module class would reach it)
+                ok = ok_cls[cls] = cls is not nn.Module and getattr(cls, "__getattr__", None) is MODULE_GETATTR
             if not ok:
                 continue
             d = m.__dict__
@@ -102,7 +140,10 @@ class ClassAttrs:
                     cls, name = key
                     if _defined_on(cls, name):  # defined since the plan was made: theirs stays
                         continue
-                    d = make(name, MODULE_GETATTR)
+                    verified = _verified(cls, name)
+                    if verified is None:
+                        continue
+                    d = make(name, MODULE_GETATTR, cls, verified)
                     try:
                         setattr(cls, name, d)
                     except (TypeError, AttributeError):  # a class that refuses attributes
@@ -133,4 +174,4 @@ def for_call(fn) -> ClassAttrs | None:
     return ClassAttrs(plan(fn))
 
 
-__all__ = ["for_call", "plan", "ClassAttrs", "MODULE_GETATTR", "MAX_MODULES"]
+__all__ = ["for_call", "plan", "ClassAttrs", "MODULE_GETATTR", "MAX_MODULES", "MAX_SUBCLASSES"]
