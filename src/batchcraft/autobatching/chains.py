@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from batchcraft.autobatching import cells as _cells
 from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.gather import index_tensor
 from batchcraft.autobatching.signature import LEAF, SIGNATURES
 
 #: signatures with fewer nodes in a flush keep their per-step groups
@@ -243,7 +244,7 @@ def run(spec, x, states, sizes, last):
     h = res[0]
     if spec.n_states == 1:
         return [h]
-    idx = torch.tensor(last, dtype=torch.int64, device=h.device)
+    idx = index_tensor(last, h.device)  # pinned and non-blocking on a GPU: no host wait (gather.py)
     c = torch.full_like(h, math.nan).index_copy(0, idx, res[2][0])
     return [h, c]
 
