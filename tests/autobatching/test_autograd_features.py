@@ -166,3 +166,25 @@ def test_batchnorm_in_eval_mode_reads_running_statistics(core):
     bn.eval()
     xs = [torch.randn(k, 3) for k in (1, 4, 2)]
     assert_matches_eager(bn, xs, list(bn.parameters()), core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_positive_under_no_grad_returns_the_value_itself_as_in_eager(core):
+    # the long fuzz run (stop 30, reliability #70): `with torch.no_grad(): h = +h` is h itself in
+    # eager, autograd history included; batched it was a no_grad copy with part of the gradient
+    torch.manual_seed(0)
+    cell = torch.nn.GRUCell(1, 1)
+
+    def fn(x):
+        h = torch.tanh(x.sum(0))
+        for t in range(x.shape[0]):
+            h = cell(x[t], h)
+        with torch.no_grad():
+            h = +h
+            h = torch.positive(h)
+        return h
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, 1, generator=g) for n in (1, 2, 3)]
+    assert_matches_eager(fn, xs, list(cell.parameters()), core=core, fibers=False)
+    assert_matches_eager(fn, xs, list(cell.parameters()), core=core)

@@ -15,7 +15,7 @@ from torch import nn
 
 from batchcraft import autobatch
 from batchcraft.autobatching import _native, chains, static_block
-from equivalence import assert_matches_eager
+from equivalence import CORES, assert_matches_eager
 
 needs_c = pytest.mark.skipif(not _native.available, reason="the C core was not built")
 
@@ -251,3 +251,28 @@ def test_random_chains_match_eager(lengths, keep, wait_every, grad):
             f = assert_matches_eager(rnn, seqs, [])
     if keep in ("all", "some") and any(n > 1 + (keep == "some") for n in lengths):
         assert _fused(f) == 0 or wait_every  # (a wait can leave single-step flushes: nothing to refuse)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("block", [True, False])
+def test_iterating_sequences_of_many_distinct_lengths(core, block):
+    # new-user helper (stop 30, reliability #69): `for x in emb(ids)` makes one source buffer per
+    # instance and step; the C planner refused a gather from more than 256 ("too many sources")
+    torch.manual_seed(5)
+    emb = nn.Embedding(50, 4)
+    cell = nn.LSTMCell(4, 3)
+    step = static_block(nn.LSTMCell(4, 3)) if block else cell
+
+    def rnn(ids):
+        h = c = torch.zeros(3)
+        hs = []
+        for x in emb(ids):
+            h, c = step(x, (h, c))
+            hs.append(h)
+        return torch.stack(hs)
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 50, (n,), generator=g) for n in range(3, 40)]  # 37 lengths, 777 steps
+    with torch.no_grad():
+        f = assert_matches_eager(rnn, seqs, [], core=core)
+    assert (_fused(f) == 1) == (block and core == "c")

@@ -1441,18 +1441,29 @@ static PyObject *plan_rows(const int32_t *bufs, const int64_t *rows, Py_ssize_t 
         if (inorder) return Py_BuildValue("(siLn)", "view", b0, (long long)r0, n);
         return Py_BuildValue("(siN)", "index", b0, bytes_of(rows, n));
     }
-    /* several sources: pieces in order of first appearance, then a permutation */
-    int32_t srcs[256]; Py_ssize_t counts[256]; int ns = 0;
+    /* several sources (any number: a per-instance sequence iterated with `for x in seq` makes one
+       buffer per instance and step): pieces in order of first appearance, then a permutation */
+    Py_ssize_t cap = 16;
+    int32_t *srcs = (int32_t *)PyMem_Malloc(cap * sizeof(int32_t));
+    Py_ssize_t *counts = (Py_ssize_t *)PyMem_Malloc(cap * sizeof(Py_ssize_t));
+    int ns = 0, last = -1;
     int32_t *which = (int32_t *)PyMem_Malloc(n * sizeof(int32_t));
-    if (!which) return PyErr_NoMemory();
+    if (!which || !srcs || !counts) { PyMem_Free(which); PyMem_Free(srcs); PyMem_Free(counts); return PyErr_NoMemory(); }
     for (i = 0; i < n; i++) {
-        int s = -1;
-        for (int q = 0; q < ns; q++) if (srcs[q] == bufs[i]) { s = q; break; }
+        int s = (last >= 0 && srcs[last] == bufs[i]) ? last : -1;  /* runs of one source are common */
+        for (int q = 0; s < 0 && q < ns; q++) if (srcs[q] == bufs[i]) s = q;
         if (s < 0) {
-            if (ns == 256) { PyMem_Free(which); PyErr_SetString(PyExc_ValueError, "too many sources"); return NULL; }
+            if (ns == cap) {
+                cap *= 2;
+                int32_t *ns_ = (int32_t *)PyMem_Realloc(srcs, cap * sizeof(int32_t));
+                if (ns_) srcs = ns_;
+                Py_ssize_t *nc_ = ns_ ? (Py_ssize_t *)PyMem_Realloc(counts, cap * sizeof(Py_ssize_t)) : NULL;
+                if (nc_) counts = nc_;
+                if (!ns_ || !nc_) { PyMem_Free(which); PyMem_Free(srcs); PyMem_Free(counts); return PyErr_NoMemory(); }
+            }
             srcs[ns] = bufs[i]; counts[ns] = 0; s = ns++;
         }
-        which[i] = s; counts[s]++;
+        which[i] = s; counts[s]++; last = s;
     }
     int64_t **prow = (int64_t **)PyMem_Malloc(ns * sizeof(int64_t *));
     Py_ssize_t *fill = (Py_ssize_t *)PyMem_Calloc(ns, sizeof(Py_ssize_t));
@@ -1475,6 +1486,7 @@ static PyObject *plan_rows(const int32_t *bufs, const int64_t *rows, Py_ssize_t 
     PyObject *res = identity ? Py_BuildValue("(sNO)", "multi", pieces, Py_None)
                              : Py_BuildValue("(sNN)", "multi", pieces, bytes_of(perm, n));
     PyMem_Free(prow); PyMem_Free(fill); PyMem_Free(offs); PyMem_Free(perm); PyMem_Free(which);
+    PyMem_Free(srcs); PyMem_Free(counts);
     return res;
 }
 

@@ -130,6 +130,10 @@ def scalar_spec(v, dtype, device):
 
 
 
+#: operations that return their (non-bool) input object itself
+_IDENTITY = frozenset({torch.positive, torch.Tensor.positive, torch.Tensor.__pos__})
+
+
 @functools.cache
 def _static_block_type():
     # imported on first use (blocks imports this module); an import statement in the hot path
@@ -398,6 +402,11 @@ class RecorderBase:
     def general(self, func, args, kwargs):
         """:meth:`record_general`, also returning the SigInfo used (None: no node was recorded)."""
         _refuse(func)
+        if func in _IDENTITY and len(args) == 1 and not kwargs and type(args[0]) is self.lazy_type \
+                and args[0].rec is self and DESCS[args[0].did][1] is not torch.bool:
+            # torch.positive returns its input itself (not a copy, not a view): with its autograd
+            # history also under no_grad, as in eager (a fuzzer find, reliability #70)
+            return args[0], None
         if kwargs and kwargs.get("out") is not None:
             raise UnsupportedOperationError(
                 f"{getattr(func, '__name__', func)}(..., out=...) inside batchcraft.autobatch is not supported",
