@@ -200,10 +200,12 @@ class FiberState:
 
     def leave(self, main: "FiberState") -> None:
         """After the fiber yielded or finished: capture its state, make ``main``'s current."""
-        if self._in_guard is None and _tf_len() == len(main.modes) and _grad() is main.grad \
+        modes = main.modes
+        n = len(modes)
+        if self._in_guard is None and _tf_len() == n and _grad() is main.grad \
                 and _inference() is main.inference and _default_dtype() is main.dtype \
                 and (main.autocast is None and not autocast_enabled_any()) \
-                and all(_tf_at(i) is m for i, m in enumerate(main.modes)):
+                and (n == 0 or (_tf_at(0) is modes[0] if n == 1 else all(_tf_at(i) is m for i, m in enumerate(modes)))):
             # the fiber left the state as the scheduler's (the common case): nothing to restore
             self.grad, self.inference, self.autocast = main.grad, main.inference, None
             self.dtype, self.modes = main.dtype, main.modes
