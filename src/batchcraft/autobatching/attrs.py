@@ -74,12 +74,11 @@ def _subclasses(cls) -> list | None:
     return out
 
 
-def _verified(cls, name: str) -> set | None:
+def _verified(cls, name: str, subs: list | None) -> set | None:
     """The types that reach a descriptor on ``cls`` and define ``name`` nowhere after ``cls`` in
     their MRO (a mixin listed after it would win in eager), or None when one does (then no
     descriptor: the types are checked again at lookup, see ``ModuleAttr``, but a data descriptor
-    further along would lose to the instance ``__dict__``)."""
-    subs = _subclasses(cls)
+    further along would lose to the instance ``__dict__``). ``subs``: :func:`_subclasses` of ``cls``."""
     if subs is None:
         return None
     for sub in subs:
@@ -133,6 +132,7 @@ class ClassAttrs:
 
     def __enter__(self) -> "ClassAttrs":
         make = _native.core.ModuleAttr
+        subclasses: dict = {}  # one walk per class, not per name
         with _lock:
             for key in self.pairs:
                 e = _installed.get(key)
@@ -140,7 +140,9 @@ class ClassAttrs:
                     cls, name = key
                     if _defined_on(cls, name):  # defined since the plan was made: theirs stays
                         continue
-                    verified = _verified(cls, name)
+                    if cls not in subclasses:
+                        subclasses[cls] = _subclasses(cls)
+                    verified = _verified(cls, name, subclasses[cls])
                     if verified is None:
                         continue
                     d = make(name, MODULE_GETATTR, cls, verified)

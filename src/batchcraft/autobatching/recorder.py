@@ -17,8 +17,6 @@ hooks. The Python core is the reference the fuzzer compares the C core against.
 
 from __future__ import annotations
 
-import functools
-
 from collections import defaultdict
 from weakref import ref as _weakref
 
@@ -129,18 +127,9 @@ def scalar_spec(v, dtype, device):
     return spec
 
 
-
 #: operations that return their (non-bool) input object itself
 _IDENTITY = frozenset({torch.positive, torch.Tensor.positive, torch.Tensor.__pos__})
 
-
-@functools.cache
-def _static_block_type():
-    # imported on first use (blocks imports this module); an import statement in the hot path
-    # costs a formatted AttributeError per call on Python 3.11 (the `__path__` probe)
-    from batchcraft.autobatching.blocks import StaticBlock
-
-    return StaticBlock
 
 class _PendingGradFn:
     """``grad_fn`` of a lazy value that requires grad: its node has not run yet."""
@@ -518,7 +507,7 @@ class RecorderBase:
 
     def run_concrete(self, func, args, kwargs):
         """A call without lazy arguments: run it now; tensors it returns become per-instance leaves."""
-        if isinstance(func, _static_block_type()):
+        if isinstance(func, _StaticBlock):  # (no import statement here: on 3.11 each costs a formatted error)
             func = func.fn
         with torch._C.DisableTorchFunction():
             out = func(*args, **kwargs)

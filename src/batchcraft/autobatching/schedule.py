@@ -32,22 +32,19 @@ class DepthScheduler:
         if executor.options.fuse_recurrences and hasattr(rec, "chains") and not rec.hooks:
             schedule, groups = _chains.plan(rec, groups)  # chains.py: per-step chains as one layer call
         else:
-            schedule = None
+            schedule = [("group", key, nodes) for key, nodes in groups]
         if executor.options.packed_order:
             packed_order(rec, groups)
         hoists = executor.plan_hoists(groups)
         stats.schedule_s += _perf() - t0
         executor.begin(groups)
         try:
-            if schedule is None:
-                for key, nodes in groups:
-                    executor.run_group(key, nodes, hoists.get((key[0], key[2])))
-            else:
-                for item in schedule:
-                    if item[0] == "group":
-                        executor.run_group(item[1], item[2], hoists.get((item[1][0], item[1][2])))
-                    else:
-                        executor.run_chains(item[1])
+            for item in schedule:
+                if item[0] == "group":
+                    key = item[1]
+                    executor.run_group(key, item[2], hoists.get((key[0], key[2])))
+                else:
+                    executor.run_chains(item[1])
         finally:
             executor.end()
 
