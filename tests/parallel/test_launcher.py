@@ -192,9 +192,10 @@ def test_launch_under_local_rank_pins_disjoint_cores(tmp_path):
 @needs_two
 @pytest.mark.slow
 def test_under_real_torchrun_the_ranks_split_the_cores(tmp_path):
+    # one os.write per rank: both ranks share torchrun's stdout, and print's pieces interleave there
     (tmp_path / "show.py").write_text("import json, os, torch\n"
-                                      "print('SEEN', json.dumps([os.environ['LOCAL_RANK'], sorted(os.sched_getaffinity(0)),"
-                                      " torch.get_num_threads()]), flush=True)\n")
+                                      "os.write(1, ('SEEN ' + json.dumps([os.environ['LOCAL_RANK'], sorted(os.sched_getaffinity(0)),"
+                                      " torch.get_num_threads()]) + '\\n').encode())\n")
     (tmp_path / "cfg.json").write_text(json.dumps({"parallel_config": {"instances": 1, "intra_op_threads": 2}}))
     batchcraft = str(Path(sys.executable).with_name("batchcraft"))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
