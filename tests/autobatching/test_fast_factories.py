@@ -1,9 +1,12 @@
-"""``torch.tensor`` while the C core records with ``fast_factories=True`` (ccore.FAST_FACTORIES):
-the same results as the mode path. Opt-in because the replacement is process-wide."""
+"""``torch.tensor`` while the C core records with ``fast_factories=True`` (the default;
+ccore.FAST_FACTORIES): the same results as the mode path, and every reader other than the
+recording thread with its mode innermost sees the real ``torch.tensor`` object (reliability #36)."""
 
 from __future__ import annotations
 
 import threading
+import types
+from unittest import mock
 
 import pytest
 import torch
@@ -25,15 +28,16 @@ def test_installed_only_while_a_call_records_and_removed_after_errors():
             raise ValueError("boom")
         return x * torch.tensor(2.0)
 
-    autobatch(f, core="c", fast_factories=True)([torch.ones(2)])
-    assert seen == [True] and torch.tensor is ORIGINAL
+    autobatch(f, core="c")([torch.ones(2)])  # the default
+    assert seen == [True] and torch.tensor is ORIGINAL and type(torch) is types.ModuleType
     with pytest.raises(Exception, match="boom"):
         autobatch(f, core="c", fast_factories=True)([torch.full((2,), 20.0)])
-    assert torch.tensor is ORIGINAL
+    assert torch.tensor is ORIGINAL and type(torch) is types.ModuleType
     autobatch(f, core="python", fast_factories=True)([torch.ones(2)])
     assert seen[-1] is False  # the Python core does not install it
-    autobatch(f, core="c")([torch.ones(2)])
-    assert seen[-1] is False  # opt-in: not installed by default
+    autobatch(f, core="c", fast_factories=False)([torch.ones(2)])
+    assert seen[-1] is False
+    assert vars(torch)["tensor"] is ORIGINAL
 
 
 @pytest.mark.parametrize("kw", [{}, {"dtype": torch.float64}, {"device": "cpu"}, {"dtype": torch.bool},
@@ -110,3 +114,112 @@ def test_concurrent_calls_share_one_installation():
     assert not errors and len(results) == 40
     assert all(torch.equal(r, torch.full((2,), 3.0)) for r in results)
     assert torch.tensor is ORIGINAL
+
+
+def test_a_mode_in_another_thread_that_tests_func_is_torch_tensor_still_matches():
+    # reliability #36: with torch.tensor replaced process-wide, such a mode in an unrelated thread
+    # stopped matching; now only the recording thread reads the fast function
+    matched, during = [], []
+    go, done = threading.Event(), threading.Event()
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            matched.append(func is ORIGINAL)
+            return func(*args, **(kwargs or {}))
+
+    def other():
+        go.wait(10)
+        during.append(torch.tensor is ORIGINAL)
+        with Count():
+            for i in range(50):
+                torch.tensor(i)
+        done.set()
+
+    def f(x):
+        go.set()
+        done.wait(10)
+        return x * torch.tensor(2.0)
+
+    t = threading.Thread(target=other)
+    t.start()
+    out = autobatch(f, core="c")([torch.ones(1), torch.ones(1)])
+    t.join()
+    assert during == [True] and len(matched) == 50 and all(matched)
+    assert all(torch.equal(o, torch.tensor([2.0])) for o in out)
+
+
+def test_a_mode_of_the_instance_code_gets_the_real_torch_tensor_as_func():
+    funcs = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            funcs.append(func)
+            return func(*args, **(kwargs or {}))
+
+    def f(x):
+        with Spy():
+            inside = torch.tensor is ORIGINAL  # a mode of the user's is innermost
+            a = torch.tensor(1.5)
+        return x + a, inside
+
+    out = autobatch(f, core="c")([torch.zeros(1)])
+    assert out[0][1] is True and funcs and funcs[0] is ORIGINAL
+    torch.testing.assert_close(out[0][0], torch.tensor([1.5]))
+
+
+def test_mock_patch_of_torch_tensor_around_and_inside_the_call():
+    made = []
+
+    def fake(v, **kw):
+        made.append(v)
+        return ORIGINAL(v, **kw) * 10
+
+    def f(x):
+        return x * torch.tensor(2.0)
+
+    with mock.patch.object(torch, "tensor", fake):  # spans the call: instance code sees the patch
+        out = autobatch(f, core="c")([torch.ones(1)])
+    assert made == [2.0] and torch.equal(out[0], torch.tensor([20.0])) and torch.tensor is ORIGINAL
+
+    def g(x):
+        with mock.patch.object(torch, "tensor", fake):  # set while recording
+            a = torch.tensor(3.0)
+        return x * a * torch.tensor(1.0)
+
+    out = autobatch(g, core="c")([torch.ones(1)])
+    assert made[-1] == 3.0 and torch.equal(out[0], torch.tensor([30.0]))
+    assert torch.tensor is ORIGINAL and vars(torch)["tensor"] is ORIGINAL and type(torch) is types.ModuleType
+
+
+def test_torch_device_context_still_knows_torch_tensor_after_calls():
+    from torch.utils._device import _device_constructors
+
+    def f(x):
+        return x + torch.tensor(1.0)
+
+    autobatch(f, core="c")([torch.zeros(1)])
+    assert ORIGINAL in _device_constructors()
+    with torch.device("meta"):
+        assert torch.tensor(1.0).device.type == "meta"  # DeviceContext still adds device= to it
+        out = autobatch(f, core="c")([torch.zeros(1, device="meta")])
+    assert out[0].device.type == "meta"
+
+
+def test_a_module_of_another_class_is_left_alone():
+    from batchcraft.autobatching.patches import ModuleClassPatch
+
+    class Mine(types.ModuleType):
+        pass
+
+    cls = type("module", (types.ModuleType,), {"__slots__": ()})
+    mod = Mine("m")
+    patch = ModuleClassPatch(mod, cls)
+    with patch:
+        assert type(mod) is Mine and not patch.active
+    plain = types.ModuleType("p")
+    patch = ModuleClassPatch(plain, cls)
+    with patch:
+        with patch:  # nested holders share one installation
+            assert type(plain) is not types.ModuleType and patch.active
+        assert patch.active
+    assert type(plain) is types.ModuleType and not patch.active

@@ -673,6 +673,7 @@ typedef struct {
     Py_ssize_t max_steps, max_pending;  /* -1: none */
     Py_ssize_t ops_recorded, n_pending;
     int ragged_on;
+    int fast_factories;    /* RecordingAttr hands this thread fast_tensor while this recorder's mode is on top */
     PyObject *runtime;
     PyObject *views;       /* dict id(base) -> list of weakrefs */
     PyObject *checked;     /* set of blocks whose fingerprint was checked this call */
@@ -1913,6 +1914,7 @@ static PyMemberDef rec_members[] = {
     {"n_pending", T_PYSSIZET, offsetof(RecObject, n_pending), READONLY, "nodes waiting"},
     {"n_nodes", T_PYSSIZET, offsetof(RecObject, n), READONLY, "nodes recorded (leaves included)"},
     {"ragged_on", T_INT, offsetof(RecObject, ragged_on), 0, "ragged block keys enabled"},
+    {"fast_factories", T_INT, offsetof(RecObject, fast_factories), 0, "torch.tensor reads give fast_tensor in this recorder's thread"},
     {"runtime", T_OBJECT, offsetof(RecObject, runtime), 0, "owning runtime"},
     {"views", T_OBJECT, offsetof(RecObject, views), READONLY, "id(base) -> weakrefs of its views"},
     {"checked_blocks", T_OBJECT, offsetof(RecObject, checked), READONLY, "blocks checked this call"},
@@ -2300,6 +2302,100 @@ static PyObject *py_fast_tensor(PyObject *m, PyObject *const *args, size_t nargs
     return PyObject_Vectorcall(g_torch_tensor, args, nargsf, kwnames);
 }
 
+/* ---- RecordingAttr: one module attribute seen differently by the recording thread ------------
+   A data descriptor on a ModuleType subclass that ccore.FAST_FACTORIES makes `torch`'s class while
+   calls record: `torch.tensor` reads the module's own dict as usual, except that in a thread whose
+   C recorder has fast_factories on and whose recording mode is the innermost torch-function mode,
+   an unchanged entry reads as `fast`. Other threads, a mode of the user's on top (also when torch
+   looks the function up to hand it to that mode), DisableTorchFunction, and any value set after
+   install (mock.patch) see the module's dict: `func is torch.tensor` holds for them. */
+typedef struct { PyObject_HEAD PyObject *name, *original, *fast; } RecAttrObject;
+
+static PyObject *recattr_get(RecAttrObject *self, PyObject *obj, PyObject *type) {
+    if (!obj) { Py_INCREF(self); return (PyObject *)self; }
+    PyObject *d = PyModule_Check(obj) ? PyModule_GetDict(obj) : NULL;  /* borrowed */
+    PyObject *v = d ? PyDict_GetItemWithError(d, self->name) : NULL;
+    if (!v) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, self->name);  /* module __getattr__ next */
+        return NULL;
+    }
+    if (v == self->original) {
+        PyObject *rec = current_rec();
+        if (rec && PyObject_TypeCheck(rec, &RecorderType) && ((RecObject *)rec)->fast_factories) {
+            int top = rec_mode_on_top(rec);
+            if (top < 0) return NULL;
+            if (top) v = self->fast;
+        }
+    }
+    Py_INCREF(v);
+    return v;
+}
+
+static int recattr_set(RecAttrObject *self, PyObject *obj, PyObject *value) {
+    PyObject *d = PyModule_Check(obj) ? PyModule_GetDict(obj) : NULL;
+    if (!d) { PyErr_SetString(PyExc_TypeError, "RecordingAttr: not a module"); return -1; }
+    if (value) return PyDict_SetItem(d, self->name, value);
+    if (PyDict_DelItem(d, self->name) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_KeyError)) { PyErr_Clear(); PyErr_SetObject(PyExc_AttributeError, self->name); }
+        return -1;
+    }
+    return 0;
+}
+
+static int recattr_traverse(RecAttrObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->name); Py_VISIT(self->original); Py_VISIT(self->fast);
+    return 0;
+}
+
+static int recattr_clear(RecAttrObject *self) {
+    Py_CLEAR(self->name); Py_CLEAR(self->original); Py_CLEAR(self->fast);
+    return 0;
+}
+
+static void recattr_dealloc(RecAttrObject *self) {
+    PyObject_GC_UnTrack(self);
+    recattr_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *recattr_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    PyObject *name, *original, *fast;
+    if (!PyArg_ParseTuple(args, "UOO:RecordingAttr", &name, &original, &fast)) return NULL;
+    RecAttrObject *self = (RecAttrObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    Py_INCREF(name); PyUnicode_InternInPlace(&name); self->name = name;
+    Py_INCREF(original); self->original = original;
+    Py_INCREF(fast); self->fast = fast;
+    return (PyObject *)self;
+}
+
+static PyObject *recattr_repr(RecAttrObject *self) {
+    return PyUnicode_FromFormat("<batchcraft recording attribute %R>", self->name);
+}
+
+static PyMemberDef recattr_members[] = {
+    {"name", T_OBJECT, offsetof(RecAttrObject, name), READONLY, "the attribute name"},
+    {"original", T_OBJECT, offsetof(RecAttrObject, original), READONLY, "the value every other reader sees"},
+    {"fast", T_OBJECT, offsetof(RecAttrObject, fast), READONLY, "the value the recording thread sees"},
+    {NULL},
+};
+
+static PyTypeObject RecAttrType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._core.RecordingAttr",
+    .tp_basicsize = sizeof(RecAttrObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)recattr_traverse,
+    .tp_clear = (inquiry)recattr_clear,
+    .tp_dealloc = (destructor)recattr_dealloc,
+    .tp_descr_get = (descrgetfunc)recattr_get,
+    .tp_descr_set = (descrsetfunc)recattr_set,
+    .tp_new = recattr_new,
+    .tp_repr = (reprfunc)recattr_repr,
+    .tp_members = recattr_members,
+    .tp_doc = "RecordingAttr(name, original, fast): a module attribute that reads as `fast` in a thread recording with fast_factories.",
+};
+
 static int require_setup(void) {
     if (!g_ready) { PyErr_SetString(PyExc_RuntimeError, "batchcraft C core used before setup() (import ccore)"); return -1; }
     return 0;
@@ -2505,7 +2601,8 @@ static struct PyModuleDef coremodule = {PyModuleDef_HEAD_INIT, "_core",
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyThread_tss_create(&g_tss) != 0) return NULL;
     if (PyType_Ready(&LazyBaseType) < 0 || PyType_Ready(&LazyMethodType) < 0 || PyType_Ready(&RecorderType) < 0
-        || PyType_Ready(&ModeType) < 0 || PyType_Ready(&BlockCallType) < 0 || PyType_Ready(&ModuleAttrType) < 0) return NULL;
+        || PyType_Ready(&ModeType) < 0 || PyType_Ready(&BlockCallType) < 0 || PyType_Ready(&ModuleAttrType) < 0
+        || PyType_Ready(&RecAttrType) < 0) return NULL;
 #define INTERN(var, s) do { var = PyUnicode_InternFromString(s); if (!var) return NULL; } while (0)
     INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
@@ -2520,5 +2617,6 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_INCREF(&ModeType); PyModule_AddObject(m, "Mode", (PyObject *)&ModeType);
     Py_INCREF(&BlockCallType); PyModule_AddObject(m, "BlockCall", (PyObject *)&BlockCallType);
     Py_INCREF(&ModuleAttrType); PyModule_AddObject(m, "ModuleAttr", (PyObject *)&ModuleAttrType);
+    Py_INCREF(&RecAttrType); PyModule_AddObject(m, "RecordingAttr", (PyObject *)&RecAttrType);
     return m;
 }

@@ -54,7 +54,7 @@ class AutoBatched:
 def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, max_steps: int | None = None,
               max_pending: int | None = None, core: str = "auto", ragged: bool = True, hoist: bool = True,
               kernels: str = "auto", arenas: bool = True, packed_order: bool = True,
-              fuse_recurrences: bool = True, compile_blocks: bool = False, fast_attributes: bool = True, fast_factories: bool = False, fast_modules: bool = True,
+              fuse_recurrences: bool = True, compile_blocks: bool = False, fast_attributes: bool = True, fast_factories: bool = True, fast_modules: bool = True,
               retain_memory: bool = True) -> AutoBatched:
     """Return a callable that runs per-instance ``fn`` over many instances in batches.
 
@@ -96,12 +96,13 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
             parameter or buffer read) is found on the module's class by a C descriptor doing
             ``nn.Module.__getattr__``'s lookups, instead of through Python 3.11's formatted-and-
             dropped ``AttributeError`` and ``__getattr__`` (about 1 µs a read). Default: True.
-        fast_factories (bool): C core: while the call records, ``torch.tensor`` is replaced
-            process-wide by a C function that makes ``torch.tensor(python scalar)`` leaves without
-            torch's dispatch to the recording mode (1.9 -> 0.6 µs a call). Opt-in, because other
-            threads and torch-function modes see another ``torch.tensor`` object meanwhile (a mode
-            testing ``func is torch.tensor`` stops matching; ``torch.device``'s constructor set,
-            if first built then, would miss it). Default: False.
+        fast_factories (bool): C core: while the call records, ``torch``'s class is a module
+            subclass whose ``torch.tensor`` reads, in the recording thread with the recording
+            mode innermost, as a C function that makes ``torch.tensor(python scalar)`` leaves
+            without torch's dispatch to the mode (about 1 µs -> 0.3 µs a call). Every other
+            reader (other threads, a torch-function mode of the user's, code under
+            ``DisableTorchFunction``) gets the real ``torch.tensor`` object; ``type(torch)`` is
+            not ``types.ModuleType`` meanwhile. Default: True.
         fast_modules (bool): while the call records, ``nn.LSTMCell``, ``nn.GRUCell`` and
             ``nn.RNNCell`` called on this call's per-instance values record their input
             projection and gates directly instead of running torch's Python ``forward`` (two

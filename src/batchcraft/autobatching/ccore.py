@@ -11,13 +11,15 @@ in C. The Python core remains the reference the fuzzer compares this one against
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from batchcraft.autobatching import _native
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.devices import device_constructors
 from batchcraft.autobatching.gather import stack_leaves, to_device
-from batchcraft.autobatching.patches import SharedPatch
+from batchcraft.autobatching.patches import ModuleClassPatch
 from batchcraft.autobatching.recorder import RecorderBase, scalar_spec
 from batchcraft.autobatching.signature import SIGNATURES, rebuild
 from batchcraft.errors import AutobatchError
@@ -58,13 +60,23 @@ def _setup() -> None:
 
 _setup()
 
-#: While calls record with ``fast_factories=True``, ``torch.tensor`` is the C core's
-#: ``fast_tensor``. torch dispatches a factory call to the innermost torch-function mode through
-#: Python-level machinery (about 1 µs per ``torch.tensor(word_id)`` here); ``fast_tensor`` makes the
-#: same scalar leaf directly when this thread's recorder is active and its mode is the innermost
-#: enabled one, and otherwise calls the real ``torch.tensor`` (other threads, other modes,
-#: ``DisableTorchFunction``, any non-scalar call).
-FAST_FACTORIES = SharedPatch(torch, "tensor", _c.fast_tensor)
+def _recording_torch_class() -> type:
+    """``torch``'s class while calls record: ``torch.tensor`` as a :class:`_core.RecordingAttr`."""
+    # torch's own cache of factory functions, filled before any read can see fast_tensor
+    device_constructors()
+    return type("module", (types.ModuleType,),
+                {"__slots__": (), "__module__": "batchcraft.autobatching.ccore",
+                 "tensor": _c.RecordingAttr("tensor", torch.tensor, _c.fast_tensor)})
+
+
+#: While calls record (``fast_factories=True``, the default), ``torch``'s class is a ModuleType
+#: subclass whose ``tensor`` descriptor reads as the C core's ``fast_tensor`` in a thread whose
+#: recorder's mode is the innermost torch-function mode, and as the module's own entry for every
+#: other reader (other threads, a mode of the user's on top, values set meanwhile). torch
+#: dispatches a factory call to the innermost mode through Python-level machinery (about 1 µs
+#: per ``torch.tensor(word_id)`` here); ``fast_tensor`` makes the same scalar leaf directly and
+#: otherwise calls the real ``torch.tensor`` (non-scalar calls, ``DisableTorchFunction``).
+FAST_FACTORIES = ModuleClassPatch(torch, _recording_torch_class())
 
 
 class CRecorder(_c.Recorder, RecorderBase):
@@ -77,12 +89,15 @@ class CRecorder(_c.Recorder, RecorderBase):
         self.ragged_on = 1 if options.ragged else 0
         self.leaf_cache: dict = {}
         self.mode = _c.Mode(self)
-        self.fast_calls = FAST_FACTORIES if self.factory_device is None else None
+        self.fast_factories = 1 if options.fast_factories and self.factory_device is None else 0
+        self.fast_calls = FAST_FACTORIES if options.fast_factories else None
 
     def set_factory_device(self, device) -> None:
         # a default device applies: factory calls go to mode_call, which adds device= (the C
         # paths make CPU leaves), torch.tensor(scalar) on it once per dtype (then in C)
         self.factory_device = device
+        if device is not None:
+            self.fast_factories = 0  # the mode's path adds device= as torch's DeviceContext would
         self.factory_funcs = device_constructors() if device is not None else None
 
     # -- signatures into the C table ---------------------------------------------------------------

@@ -36,9 +36,8 @@ class Options:
         fast_attributes (bool): C core: during the call, the classes of the modules ``fn`` reaches
             hold a C descriptor per submodule / parameter / buffer name doing
             ``nn.Module.__getattr__``'s lookups (same values and errors; see ``attrs.py``).
-        fast_factories (bool): C core: ``torch.tensor`` is replaced process-wide during the call
-            by a C function that makes scalar leaves without torch's mode dispatch (opt-in: other
-            threads and torch-function modes see a different ``torch.tensor`` object meanwhile).
+        fast_factories (bool): C core: while the call records, ``torch.tensor`` reads as the C
+            core's ``fast_tensor`` in the recording thread only (``ccore.FAST_FACTORIES``).
         fast_modules (bool): while the call records, ``nn.LSTMCell`` / ``GRUCell`` / ``RNNCell``
             called on this call's lazy values record projection + gates directly (``cells.py``),
             and ``torch.nn.functional``'s Python functions reach the recorder without torch's
@@ -61,7 +60,7 @@ class Options:
     fuse_recurrences: bool = True
     compile_blocks: bool = False
     fast_attributes: bool = True
-    fast_factories: bool = False
+    fast_factories: bool = True
     fast_modules: bool = True
     retain_memory: bool = True
 

@@ -1,13 +1,15 @@
-"""One attribute swapped process-wide while calls record, shared by nested and concurrent calls.
+"""Process-wide changes held while calls record, shared by nested and concurrent calls.
 
-Used for ``nn.Module.__getattr__`` (attrs.py) and, opt-in, ``torch.tensor`` (ccore.py): the first
-call to enter installs the replacement, the last to leave restores the original; an attribute
-someone else changed in between is left as they set it.
+:class:`SharedPatch` swaps one attribute; :class:`ModuleClassPatch` gives a module a subclass of
+``ModuleType`` (whose data descriptors then see reads of the module's attributes: ``torch.tensor``
+in ccore.py). The first call to enter installs, the last to leave restores; what someone else
+changed in between is left as they set it.
 """
 
 from __future__ import annotations
 
 import threading
+import types
 
 
 class SharedPatch:
@@ -46,4 +48,41 @@ class SharedPatch:
         return False
 
 
-__all__ = ["SharedPatch"]
+class ModuleClassPatch:
+    """Context manager: ``module.__class__`` is ``cls`` while at least one holder is inside.
+
+    Only a module whose class is exactly ``types.ModuleType`` is changed (another class means a
+    library of the user's owns it: the patch then does nothing, and :attr:`active` stays False).
+
+    Args:
+        module: the module (e.g. ``torch``).
+        cls: a subclass of ``types.ModuleType`` adding no slots.
+    """
+
+    __slots__ = ("module", "cls", "depth", "lock", "active")
+
+    def __init__(self, module, cls):
+        self.module, self.cls = module, cls
+        self.depth = 0
+        self.active = False
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> "ModuleClassPatch":
+        with self.lock:
+            if self.depth == 0 and type(self.module) is types.ModuleType:
+                self.module.__class__ = self.cls
+                self.active = True
+            self.depth += 1
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                if type(self.module) is self.cls:
+                    self.module.__class__ = types.ModuleType
+                self.active = False
+        return False
+
+
+__all__ = ["SharedPatch", "ModuleClassPatch"]

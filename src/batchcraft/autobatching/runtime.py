@@ -203,7 +203,7 @@ class Runtime:
         rec = self.rec
         stack.push(rec)
         mode = rec.mode
-        # opt-in: the C core's torch.tensor while recording (process-wide; see ccore.FAST_FACTORIES)
+        # the C core's torch.tensor for the recording thread (see ccore.FAST_FACTORIES)
         fast = getattr(rec, "fast_calls", None) if self.options.fast_factories else None
         mode.__enter__()
         dtypes = autocast_dtypes()  # kept while autocast is off, so not in the fiber state
