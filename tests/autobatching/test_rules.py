@@ -77,3 +77,37 @@ def test_rule_matches_per_instance(name, ks, seed):
         else:
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert f.stats.fallbacks == 0, f.stats.groups_by_rule
+
+
+def test_unary_maths_of_a_batched_chunk_runs_on_a_contiguous_copy(monkeypatch):
+    # per instance each chunk is contiguous; the batch's chunk is a row-strided view, on which
+    # torch's tanh / exp are several times slower (benchmarks/strided_unary.py): the lowering
+    # copies it first, with the same values and gradients as eager
+    from batchcraft import static_block
+    from batchcraft.autobatching import rules
+
+    seen = []
+    original = rules.dense_on_cpu
+
+    def counting(x):
+        seen.append(x.is_contiguous())
+        return original(x)
+
+    monkeypatch.setattr(rules, "dense_on_cpu", counting)
+
+    w = torch.randn(6, 9, requires_grad=True)
+
+    @static_block
+    def cell(x):
+        i, o, u = (x @ w).chunk(3, dim=-1)
+        return torch.sigmoid(i) * torch.tanh(u) + o.exp() + torch.sqrt(u * u + 1)
+
+    xs = [torch.randn(6) for _ in range(5)]
+    out = autobatch(cell)(xs)
+    ref = [cell(x) for x in xs]
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b)
+    g = torch.autograd.grad(sum(o.sum() for o in out), w)[0]
+    g_ref = torch.autograd.grad(sum(r.sum() for r in ref), w)[0]
+    torch.testing.assert_close(g, g_ref)
+    assert seen.count(False) >= 2  # tanh(u) and o.exp() got strided views; sqrt's input is dense
