@@ -41,7 +41,6 @@ class AutoBatched:
             self.stats = RunStats(instances=len(instances))
             return [self.fn(x) for x in instances]
         rt = Runtime(self.fn, self.options)
-        rt.expected_record_s = self.stats.record_s  # the previous call's (workers.py)
         try:
             return rt.run(instances)
         finally:
@@ -56,7 +55,7 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
               max_pending: int | None = None, core: str = "auto", ragged: bool = True, hoist: bool = True,
               kernels: str = "auto", arenas: bool = True, packed_order: bool = True,
               fuse_recurrences: bool = True, compile_blocks: bool = False, fast_attributes: bool = True, fast_factories: bool = True, fast_modules: bool = True,
-              retain_memory: bool = True, quiet_workers: bool = True) -> AutoBatched:
+              retain_memory: bool = True) -> AutoBatched:
     """Return a callable that runs per-instance ``fn`` over many instances in batches.
 
     ``fn`` is ordinary PyTorch code for *one* instance: torch functions, Tensor methods and
@@ -119,11 +118,6 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
             again: MV-RNN h128 here went from 73,000 page faults and 0.7 s of kernel time a call
             to none. The process keeps that memory between calls, as a caching allocator would;
             ``batchcraft.autobatching.memory.release()`` returns it. Default: True.
-        quiet_workers (bool): with more than one intra-op thread, before a call whose previous
-            call spent at least 1 ms recording, this thread's idle OpenMP workers are put to
-            sleep (``omp_pause_resource_all``) instead of spinning for milliseconds beside the
-            recording; the first parallel region restarts them (about 0.1 ms). TreeLSTM h256 at
-            2 threads here: 14.0-14.8 -> 12.8 µs a node. Default: True.
     Returns:
         AutoBatched: ``f(instances) -> list`` with ``f(xs)[i]`` equal to ``fn(xs[i])``
         (as ordinary tensors, differentiable); ``f.stats`` describes the last call.
@@ -158,7 +152,7 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
                                    packed_order=packed_order, fuse_recurrences=fuse_recurrences,
                                    compile_blocks=compile_blocks, fast_attributes=fast_attributes,
                                    fast_factories=fast_factories, fast_modules=fast_modules,
-                                   retain_memory=retain_memory, quiet_workers=quiet_workers))
+                                   retain_memory=retain_memory))
 
 
 class _PhaseMark:

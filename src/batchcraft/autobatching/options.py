@@ -45,9 +45,6 @@ class Options:
         retain_memory (bool): glibc: while the call runs, memory comes from the heap rather than
             fresh ``mmap`` pages, so the next call reuses it instead of faulting it in again
             (``memory.py``).
-        quiet_workers (bool): before a call whose previous call recorded for at least 1 ms,
-            this thread's idle OpenMP workers are put to sleep instead of spinning beside the
-            recording (``workers.py``).
     """
 
     scheduler: str = "depth"
@@ -66,7 +63,6 @@ class Options:
     fast_factories: bool = True
     fast_modules: bool = True
     retain_memory: bool = True
-    quiet_workers: bool = True
 
     def __post_init__(self):
         for name, allowed in (("scheduler", SCHEDULER_NAMES), ("core", CORE_NAMES), ("kernels", KERNEL_NAMES)):
@@ -78,7 +74,7 @@ class Options:
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
         for name in ("fibers", "ragged", "hoist", "arenas", "packed_order", "fuse_recurrences", "compile_blocks", "fast_attributes", "fast_factories",
-                     "fast_modules", "retain_memory", "quiet_workers"):
+                     "fast_modules", "retain_memory"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"autobatch: {name} must be a bool, got {v!r}")

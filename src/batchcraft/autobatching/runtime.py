@@ -37,7 +37,6 @@ from batchcraft.autobatching import core as _core
 from batchcraft.autobatching import buffers as _buffers
 from batchcraft.autobatching import functional as _functional
 from batchcraft.autobatching import memory as _memory
-from batchcraft.autobatching import workers as _workers
 from batchcraft.autobatching import stack
 from batchcraft.autobatching.execute import Executor
 from batchcraft.autobatching.lazy import LazyTensor
@@ -108,7 +107,6 @@ class Runtime:
         self.executor = Executor(self.rec, self.stats, options, kernels.selector(options.kernels))
         self.main = None
         self.exec_time = 0.0
-        self.expected_record_s = 0.0
         self.main_state: FiberState | None = None
 
     # -- execution of pending work ------------------------------------------------------------
@@ -172,8 +170,6 @@ class Runtime:
         st.instances = len(instances)
         if not instances:
             return []
-        if self.options.quiet_workers:
-            _workers.quiet(self.expected_record_s, torch.get_num_threads())
         t_start = _perf()
         # Recording allocates many small objects; cyclic GC passes over them cost more than the
         # recording itself, and the graph has no cycles to collect. Re-enabled on exit.
