@@ -173,3 +173,64 @@ def test_phases_schedule_each_phase_on_its_own():
     # encoders end at 4 different depths: without phases the classifier (linear + softmax) runs
     # in 4 groups each; with a phase boundary it runs once for all instances
     assert without.stats.batched_calls - with_phase.stats.batched_calls == 2 * (4 - 1)
+
+
+def test_instances_that_never_wait_share_one_fiber_and_start_from_the_callers_state():
+    # runner fibers are reused (a greenlet's first switch costs ~6 µs): what one instance left
+    # behind (grad mode, a context variable, the default dtype) must not reach the next one
+    import contextvars
+
+    import greenlet
+
+    var = contextvars.ContextVar("batchcraft_test_var", default="caller")
+    seen = []
+
+    def f(x):
+        seen.append((id(greenlet.getcurrent()), var.get(), torch.is_grad_enabled(), torch.get_default_dtype()))
+        var.set("instance")
+        torch.set_grad_enabled(False)
+        torch.set_default_dtype(torch.float64)
+        return x * 2
+
+    xs = [torch.randn(3) for _ in range(6)]
+    out = autobatch(f)(xs)
+    assert all(torch.equal(o, x * 2) for o, x in zip(out, xs))
+    assert len({s[0] for s in seen}) == 1  # one fiber ran them all
+    assert all(s[1:] == ("caller", True, torch.float32) for s in seen)
+    assert var.get() == "caller" and torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
+
+
+def test_waiting_instances_each_keep_a_fiber_and_finished_ones_free_theirs():
+    import greenlet
+
+    fibers = {}
+
+    def f(x):
+        fibers.setdefault(int(x[0].item() > 0), set()).add(id(greenlet.getcurrent()))  # a value wait
+        h = x
+        for _ in range(int(x[1].item()) % 3):
+            if h.sum() > 100:  # another wait per step
+                break
+            h = torch.tanh(h) + 1
+        return h
+
+    xs = [torch.tensor([(-1.0) ** i, float(i), 0.5]) for i in range(8)]
+    out = autobatch(f)(xs)
+    assert sum(len(v) for v in fibers.values()) == 8  # each waited at its first line: its own fiber
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, f(x))
+
+
+def test_an_error_after_finished_instances_unwinds_and_the_next_call_works():
+    def f(x):
+        if x.sum() > 0:  # a wait: the others finished first on their fibers
+            raise ValueError("boom")
+        return x + 1
+
+    xs = [torch.full((2,), -1.0)] * 3 + [torch.ones(2)] + [torch.full((2,), -2.0)] * 3
+    with pytest.raises(InstanceError, match="boom") as info:
+        autobatch(f)(xs)
+    assert info.value.instance == 3
+    g = autobatch(f)
+    out = g([x for x in xs if x.sum() <= 0])
+    assert all(torch.equal(o, x + 1) for o, x in zip(out, [x for x in xs if x.sum() <= 0]))

@@ -72,6 +72,15 @@ class _Wait:
 _WAIT = _Wait()
 
 
+class _Done:
+    """Message from a runner fiber to the scheduler: instance finished with ``value``; I am free."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
 class _Finished:
     """What a recorder points to once its call has returned, in place of the runtime.
 
@@ -256,17 +265,25 @@ class Runtime:
             self._check_pending()
         return outputs
 
+    def _runner(self, i: int, inst):
+        """A fiber's body: run instance ``i``, then whichever instance the scheduler hands it next.
+
+        Starting a greenlet costs about 5.8 µs here (Python 3.11 gives it a fresh frame stack,
+        mapped on its first switch), resuming one 0.4 µs; most instances never wait (no
+        value request), so one fiber runs many of them one after another.
+        """
+        while True:
+            i, inst = self.main.switch(_Done(self._body(i, inst)))
+
     def _run_fibers(self, instances):
         n = len(instances)
         rec = self.rec
         main_state = self.main_state
         self.main = greenlet.getcurrent()
         ctx = contextvars.copy_context()
-        fibers = []
-        for _ in range(n):
-            g = greenlet.greenlet(self._body)
-            g.gr_context = ctx.copy()  # instances see the caller's context variables
-            fibers.append(g)
+        fiber_of: list = [None] * n  # the runner fiber executing instance i
+        idle: list = []  # runners whose instance finished
+        runners: list = []
         states = [main_state.copy() for _ in range(n)]
         main_dctx = global_context()
         dctx = [main_dctx] * n  # each fiber's torch.set_default_device context (devices.py)
@@ -275,6 +292,7 @@ class Runtime:
         steps = [0] * n
         ready = list(range(n))
         started = [False] * n
+        finished = [False] * n
         try:
             while ready:
                 waiting = []
@@ -287,10 +305,16 @@ class Runtime:
                         rec.set_factory_device(factory_device())
                     try:
                         if started[i]:
-                            res = fibers[i].switch()
+                            res = fiber_of[i].switch()
                         else:
                             started[i] = True
-                            res = fibers[i].switch(i, instances[i])
+                            g = idle.pop() if idle else None
+                            if g is None:
+                                g = greenlet.greenlet(self._runner)
+                                runners.append(g)
+                            g.gr_context = ctx.copy()  # instances see the caller's context variables
+                            fiber_of[i] = g
+                            res = g.switch(i, instances[i])
                     except BatchcraftError as exc:
                         fs.leave(main_state)
                         _tag(exc, i)
@@ -306,9 +330,15 @@ class Runtime:
                         dctx[i] = global_context()
                         set_global_context(main_dctx)
                     phases[i], steps[i] = rec.phase, rec.inst_steps
-                    if fibers[i].dead:
-                        outputs[i] = res
+                    if type(res) is _Done:
+                        outputs[i] = res.value
+                        finished[i] = True
+                        idle.append(fiber_of[i])
+                        fiber_of[i] = None
                         fs.close()
+                    elif fiber_of[i].dead:  # the instance code left its fiber another way
+                        raise InstanceError(i, "the instance's fiber ended without returning (a greenlet "
+                                               "switch out of instance code?)")
                     else:
                         waiting.append(i)
                     self._check_pending()
@@ -318,8 +348,9 @@ class Runtime:
                 ready = waiting
         finally:
             self.main = None
-            for j, f in enumerate(fibers):  # unwind fibers left suspended by an error
-                if started[j] and not f.dead:
+            for j in range(n):  # unwind instances left suspended by an error
+                f = fiber_of[j]
+                if started[j] and not finished[j] and f is not None and not f.dead:
                     states[j].enter(main_state)
                     if rec.device_changed:
                         set_global_context(dctx[j])
@@ -329,6 +360,12 @@ class Runtime:
                         pass
                     states[j].leave(main_state)
                 states[j].close()
+            for f in runners:  # idle runners end their loop
+                if not f.dead:
+                    try:
+                        f.throw(greenlet.GreenletExit)
+                    except BaseException:
+                        pass
             if rec.device_changed:
                 set_global_context(main_dctx)
         return outputs
