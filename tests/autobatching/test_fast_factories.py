@@ -223,3 +223,76 @@ def test_a_module_of_another_class_is_left_alone():
             assert type(plain) is not types.ModuleType and patch.active
         assert patch.active
     assert type(plain) is types.ModuleType and not patch.active
+
+
+def test_a_handler_of_a_mode_entered_in_instance_code_reads_the_real_torch_tensor():
+    # torch takes the user's mode off the stack while its handler runs, so batchcraft's mode is
+    # innermost there: the handler's own read of torch.tensor must still be the real one
+    class ZeroFactories(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * 0 if func is torch.tensor else out
+
+    def f(x):
+        with ZeroFactories():
+            c = torch.tensor(5.0)
+        return x + c
+
+    xs = [torch.ones(2), torch.zeros(2)]
+    out = autobatch(f, core="c")(xs)
+    assert all(torch.equal(o, f(x)) for o, x in zip(out, xs))
+
+
+def test_module_level_names_bound_during_a_call_keep_the_real_torch_tensor(tmp_path, monkeypatch):
+    # a module first imported by instance code binds torch.tensor at its top level; it must not
+    # keep the fast function after the call (identity checks, TorchScript)
+    import sys
+
+    (tmp_path / "bc_lazy_factories.py").write_text(
+        "import torch\nfrom torch import tensor\nFACTORY = torch.tensor\n\n"
+        "def add_one(x: torch.Tensor) -> torch.Tensor:\n    return x + tensor(1.0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bc_lazy_factories", raising=False)
+
+    def f(x):
+        import bc_lazy_factories
+        return bc_lazy_factories.add_one(x)
+
+    out = autobatch(f, core="c")([torch.ones(2)])
+    import bc_lazy_factories as m
+    assert torch.equal(out[0], torch.full((2,), 2.0))
+    assert m.tensor is ORIGINAL and m.FACTORY is ORIGINAL
+    torch.jit.script(m.add_one)
+
+
+def test_torchscript_inside_instance_code_sees_the_real_torch_tensor():
+    def helper(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor(3.0)
+
+    compiled = []
+
+    def f(x):
+        if not compiled:  # compiled lazily on first use, while the call records
+            compiled.append(torch.jit.script(helper))  # resolves torch.tensor from torch's frames
+        return x * 2
+
+    xs = [torch.ones(2), torch.zeros(2)]
+    out = autobatch(f, core="c")(xs)
+    assert all(torch.equal(o, x * 2) for o, x in zip(out, xs))
+    assert torch.equal(compiled[0](torch.ones(2)), torch.full((2,), 3.0))
+
+
+def test_the_fast_function_is_named_like_torch_tensor():
+    # what instance code can still tell apart (documented): identity with a torch.tensor read
+    # before the call; name, module and repr read as torch.tensor's
+    names = []
+
+    def f(x):
+        t = torch.tensor
+        names.append((t.__name__, t.__module__, t is ORIGINAL))
+        return x
+
+    autobatch(f, core="c")([torch.ones(1)])
+    assert names == [("tensor", "torch", False)]
+    autobatch(f, core="c", fast_factories=False)([torch.ones(1)])
+    assert names[-1] == ("tensor", "torch", True)

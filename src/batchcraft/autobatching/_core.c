@@ -2311,6 +2311,22 @@ static PyObject *py_fast_tensor(PyObject *m, PyObject *const *args, size_t nargs
    install (mock.patch) see the module's dict: `func is torch.tensor` holds for them. */
 typedef struct { PyObject_HEAD PyObject *name, *original, *fast; } RecAttrObject;
 
+/* 1 when the innermost Python frame is a function (not a module or class body, whose names may
+   outlive the call: `from torch import tensor` in a module first imported by instance code), not
+   a `__torch_function__` handler (a mode of the user's, stashed while it runs, compares `func is
+   torch.tensor`), and not torch's own code (TorchScript resolves the function by identity). */
+static int read_by_user_function(void) {
+    PyFrameObject *f = PyEval_GetFrame();  /* borrowed */
+    if (!f) return 0;
+    PyCodeObject *co = PyFrame_GetCode(f);
+    int ok = (co->co_flags & CO_OPTIMIZED) && co->co_name != s_dunder_tf
+             && PyUnicode_Compare(co->co_name, s_dunder_tf) != 0;
+    if (ok && g_torch_dir) ok = PyUnicode_Tailmatch(co->co_filename, g_torch_dir, 0, PY_SSIZE_T_MAX, -1) == 0;
+    Py_DECREF(co);
+    if (PyErr_Occurred()) { PyErr_Clear(); ok = 0; }
+    return ok;
+}
+
 static PyObject *recattr_get(RecAttrObject *self, PyObject *obj, PyObject *type) {
     if (!obj) { Py_INCREF(self); return (PyObject *)self; }
     PyObject *d = PyModule_Check(obj) ? PyModule_GetDict(obj) : NULL;  /* borrowed */
@@ -2324,7 +2340,7 @@ static PyObject *recattr_get(RecAttrObject *self, PyObject *obj, PyObject *type)
         if (rec && PyObject_TypeCheck(rec, &RecorderType) && ((RecObject *)rec)->fast_factories) {
             int top = rec_mode_on_top(rec);
             if (top < 0) return NULL;
-            if (top) v = self->fast;
+            if (top && read_by_user_function()) v = self->fast;
         }
     }
     Py_INCREF(v);
@@ -2395,6 +2411,12 @@ static PyTypeObject RecAttrType = {
     .tp_members = recattr_members,
     .tp_doc = "RecordingAttr(name, original, fast): a module attribute that reads as `fast` in a thread recording with fast_factories.",
 };
+
+/* named like the function it stands in for (__name__ "tensor", __module__ "torch"), so messages,
+   repr and pickle (by name) read as torch.tensor's */
+static PyMethodDef fast_tensor_def = {
+    "tensor", (PyCFunction)(void (*)(void))py_fast_tensor, METH_FASTCALL | METH_KEYWORDS,
+    "torch.tensor while a call records (batchcraft's fast_tensor): scalar leaves made without torch's mode dispatch."};
 
 static int require_setup(void) {
     if (!g_ready) { PyErr_SetString(PyExc_RuntimeError, "batchcraft C core used before setup() (import ccore)"); return -1; }
@@ -2590,8 +2612,6 @@ static PyMethodDef module_methods[] = {
     {"setup_lazy", py_setup_lazy, METH_VARARGS, "setup_lazy(LazyTensor, methods, inplace)"},
     {"clear_signatures", py_clear_signatures, METH_NOARGS, "Forget every fast signature entry."},
     {"table_size", py_table_size, METH_NOARGS, "Entries in the fast signature table."},
-    {"fast_tensor", (PyCFunction)(void (*)(void))py_fast_tensor, METH_FASTCALL | METH_KEYWORDS,
-     "torch.tensor while a call records: scalar leaves made without torch's mode dispatch."},
     {NULL}
 };
 
@@ -2618,5 +2638,11 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_INCREF(&BlockCallType); PyModule_AddObject(m, "BlockCall", (PyObject *)&BlockCallType);
     Py_INCREF(&ModuleAttrType); PyModule_AddObject(m, "ModuleAttr", (PyObject *)&ModuleAttrType);
     Py_INCREF(&RecAttrType); PyModule_AddObject(m, "RecordingAttr", (PyObject *)&RecAttrType);
+    {
+        PyObject *modname = PyUnicode_FromString("torch");
+        PyObject *ft = modname ? PyCFunction_NewEx(&fast_tensor_def, NULL, modname) : NULL;
+        Py_XDECREF(modname);
+        if (!ft || PyModule_AddObject(m, "fast_tensor", ft) < 0) { Py_XDECREF(ft); return NULL; }
+    }
     return m;
 }

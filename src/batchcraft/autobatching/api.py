@@ -98,11 +98,14 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
             dropped ``AttributeError`` and ``__getattr__`` (about 1 µs a read). Default: True.
         fast_factories (bool): C core: while the call records, ``torch``'s class is a module
             subclass whose ``torch.tensor`` reads, in the recording thread with the recording
-            mode innermost, as a C function that makes ``torch.tensor(python scalar)`` leaves
-            without torch's dispatch to the mode (about 1 µs -> 0.3 µs a call). Every other
-            reader (other threads, a torch-function mode of the user's, code under
-            ``DisableTorchFunction``) gets the real ``torch.tensor`` object; ``type(torch)`` is
-            not ``types.ModuleType`` meanwhile. Default: True.
+            mode innermost and from a function of the instance code, as a C function that makes
+            ``torch.tensor(python scalar)`` leaves without torch's dispatch to the mode (about
+            1 µs -> 0.4 µs a call). Every other reader (other threads, module and class bodies,
+            a torch-function mode's handler, torch's own code such as TorchScript, code under
+            ``DisableTorchFunction``) gets the real ``torch.tensor`` object. Visible difference:
+            inside instance functions ``torch.tensor is t`` is False for a ``t`` read before
+            the call (the function is named ``torch.tensor``); ``type(torch)`` is not
+            ``types.ModuleType`` meanwhile. Default: True.
         fast_modules (bool): while the call records, ``nn.LSTMCell``, ``nn.GRUCell`` and
             ``nn.RNNCell`` called on this call's per-instance values record their input
             projection and gates directly instead of running torch's Python ``forward`` (two

@@ -337,6 +337,8 @@ class Runtime:
                         fiber_of[i] = None
                         fs.close()
                     elif fiber_of[i].dead:  # the instance code left its fiber another way
+                        if isinstance(res, greenlet.GreenletExit):
+                            raise res  # `raise GreenletExit` in instance code: propagates, as in eager
                         raise InstanceError(i, "the instance's fiber ended without returning (a greenlet "
                                                "switch out of instance code?)")
                     else:
