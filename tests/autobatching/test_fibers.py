@@ -234,3 +234,25 @@ def test_an_error_after_finished_instances_unwinds_and_the_next_call_works():
     g = autobatch(f)
     out = g([x for x in xs if x.sum() <= 0])
     assert all(torch.equal(o, x + 1) for o, x in zip(out, [x for x in xs if x.sum() <= 0]))
+
+
+def test_a_value_wait_inside_a_greenlet_of_the_instance_code_resumes_that_greenlet():
+    # reliability #75: the scheduler resumed the instance's fiber, so the child greenlet's
+    # switch() returned () in it and every instance returned () silently
+    import greenlet
+
+    w = torch.randn(3, 3)
+
+    def f(x):
+        def body():
+            v = torch.tanh(x @ w)
+            if v.sum() > 0:  # a value wait inside the child greenlet
+                v = v * 2
+            greenlet.getcurrent().parent.switch(v)
+
+        return greenlet.greenlet(body).switch() + 1
+
+    xs = [torch.randn(3) for _ in range(6)]
+    out = autobatch(f)(xs)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, f(x))

@@ -116,6 +116,7 @@ class Runtime:
         self.executor = Executor(self.rec, self.stats, options, kernels.selector(options.kernels))
         self.main = None
         self.exec_time = 0.0
+        self.waiter = None  # the greenlet whose value request switched to the scheduler last
         self.main_state: FiberState | None = None
 
     # -- execution of pending work ------------------------------------------------------------
@@ -154,6 +155,7 @@ class Runtime:
             self.stats.syncs += 1
             self.flush()
             return
+        self.waiter = cur  # resumed by the scheduler: a greenlet of the instance code's own, too
         self.main.switch(_WAIT)
         if x is not None and not rec.is_done(x.node):  # pragma: no cover - would be a scheduler bug
             raise AutobatchError(f"internal error: value needed to {why} was not computed")
@@ -282,6 +284,7 @@ class Runtime:
         self.main = greenlet.getcurrent()
         ctx = contextvars.copy_context()
         fiber_of: list = [None] * n  # the runner fiber executing instance i
+        resume_of: list = [None] * n  # the greenlet that waits for instance i (its fiber or a child)
         idle: list = []  # runners whose instance finished
         runners: list = []
         states = [main_state.copy() for _ in range(n)]
@@ -305,7 +308,7 @@ class Runtime:
                         rec.set_factory_device(factory_device())
                     try:
                         if started[i]:
-                            res = fiber_of[i].switch()
+                            res = resume_of[i].switch()
                         else:
                             started[i] = True
                             g = idle.pop() if idle else None
@@ -342,6 +345,8 @@ class Runtime:
                         raise InstanceError(i, "the instance's fiber ended without returning (a greenlet "
                                                "switch out of instance code?)")
                     else:
+                        resume_of[i] = self.waiter if self.waiter is not None else fiber_of[i]
+                        self.waiter = None
                         waiting.append(i)
                     self._check_pending()
                 if waiting:
