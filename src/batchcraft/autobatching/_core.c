@@ -1992,6 +1992,14 @@ static int scalar_kws(PyObject *k, PyObject *val, PyObject **dt, PyObject **dev)
    the user's calling `func(*args)` with lazy values), torch's own frames between skipped
    (`handle_torch_function`, `F.relu`); 0 otherwise. The recorder's `for_handler` checks the
    handler's owner (bug #56). A few pointer compares for a call from user code. */
+static inline int code_is_handler(PyCodeObject *co) {
+    return co->co_name == s_dunder_tf || PyUnicode_Compare(co->co_name, s_dunder_tf) == 0;
+}
+
+static inline int code_in_torch(PyCodeObject *co) {
+    return g_torch_dir && PyUnicode_Tailmatch(co->co_filename, g_torch_dir, 0, PY_SSIZE_T_MAX, -1) == 1;
+}
+
 static int called_from_handler(void) {
     PyFrameObject *f = PyEval_GetFrame();
     if (!f || !g_torch_dir) return 0;
@@ -1999,8 +2007,8 @@ static int called_from_handler(void) {
     int res = 0;
     for (int hop = 0; hop < 4 && f; hop++) {
         PyCodeObject *co = PyFrame_GetCode(f);
-        int tf = co->co_name == s_dunder_tf || PyUnicode_Compare(co->co_name, s_dunder_tf) == 0;
-        int in_torch = !tf && PyUnicode_Tailmatch(co->co_filename, g_torch_dir, 0, PY_SSIZE_T_MAX, -1) == 1;
+        int tf = code_is_handler(co);
+        int in_torch = !tf && code_in_torch(co);
         Py_DECREF(co);
         if (tf) { res = 1; break; }
         if (!in_torch) break;
@@ -2319,9 +2327,7 @@ static int read_by_user_function(void) {
     PyFrameObject *f = PyEval_GetFrame();  /* borrowed */
     if (!f) return 0;
     PyCodeObject *co = PyFrame_GetCode(f);
-    int ok = (co->co_flags & CO_OPTIMIZED) && co->co_name != s_dunder_tf
-             && PyUnicode_Compare(co->co_name, s_dunder_tf) != 0;
-    if (ok && g_torch_dir) ok = PyUnicode_Tailmatch(co->co_filename, g_torch_dir, 0, PY_SSIZE_T_MAX, -1) == 0;
+    int ok = (co->co_flags & CO_OPTIMIZED) && !code_is_handler(co) && !code_in_torch(co);
     Py_DECREF(co);
     if (PyErr_Occurred()) { PyErr_Clear(); ok = 0; }
     return ok;

@@ -384,7 +384,7 @@ def _lower_elementwise(func, args, kwargs, lw):
     for j, (b, s) in enumerate(zip(lw.batched, lw.shapes)):
         if b and len(s) < rank:
             lw.wrap(j, lambda e, s=s: f"{e}.reshape((n,) + {(1,) * (rank - len(s)) + tuple(s)!r})")
-    if func in _DENSE_FIRST and lw.batched and lw.batched[0] and not kwargs and len(lw.batched) == 1:
+    if func in _DENSE_FIRST and lw.batched == [True] and not kwargs:
         dense = lw.em.name(dense_on_cpu, "D")
         lw.wrap(0, lambda e: f"{dense}({e})")
     return lw.call(func, args, kwargs)

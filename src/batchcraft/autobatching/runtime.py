@@ -215,7 +215,7 @@ class Runtime:
         stack.push(rec)
         mode = rec.mode
         # the C core's torch.tensor for the recording thread (see ccore.FAST_FACTORIES)
-        fast = getattr(rec, "fast_calls", None) if self.options.fast_factories else None
+        fast = getattr(rec, "fast_calls", None)  # None unless the option is on
         mode.__enter__()
         dtypes = autocast_dtypes()  # kept while autocast is off, so not in the fiber state
         try:
@@ -295,7 +295,6 @@ class Runtime:
         steps = [0] * n
         ready = list(range(n))
         started = [False] * n
-        finished = [False] * n
         try:
             while ready:
                 waiting = []
@@ -335,7 +334,6 @@ class Runtime:
                     phases[i], steps[i] = rec.phase, rec.inst_steps
                     if type(res) is _Done:
                         outputs[i] = res.value
-                        finished[i] = True
                         idle.append(fiber_of[i])
                         fiber_of[i] = None
                         fs.close()
@@ -356,8 +354,8 @@ class Runtime:
         finally:
             self.main = None
             for j in range(n):  # unwind instances left suspended by an error
-                f = fiber_of[j]
-                if started[j] and not finished[j] and f is not None and not f.dead:
+                f = fiber_of[j]  # None once its instance finished
+                if f is not None and not f.dead:
                     states[j].enter(main_state)
                     if rec.device_changed:
                         set_global_context(dctx[j])
