@@ -262,13 +262,16 @@ def test_groups_with_big_rows_run_in_their_largest_inputs_source_order(core):
         return (mb * w).sum(0) + (ma * w).sum(0) * 2      # one group reads rows b0, a0, b1, a1, ...
 
     insts = [(torch.randn(32, 32), torch.randn(32, 32)) for _ in range(6)]
-    f = assert_matches_eager(fn, insts, list(mix.parameters()) + [w], core=core)
+    f = assert_matches_eager(fn, insts, list(mix.parameters()) + [w], core=core, consumer_order=False)
     assert f.stats.groups_reordered >= 1
     limit = execute.ORDER_MIN_ROW_BYTES
     try:
         execute.ORDER_MIN_ROW_BYTES = 1 << 40
         with torch.no_grad():
-            g = assert_matches_eager(fn, insts, [], core=core)
+            g = assert_matches_eager(fn, insts, [], core=core, consumer_order=False)
         assert g.stats.groups_reordered == 0
     finally:
         execute.ORDER_MIN_ROW_BYTES = limit
+    # laid out in consumer order (the default) the rows are already where the reader wants them
+    f = assert_matches_eager(fn, insts, list(mix.parameters()) + [w], core=core)
+    assert f.stats.groups_consumer_ordered >= 1 and f.stats.groups_reordered == 0

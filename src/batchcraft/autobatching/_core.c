@@ -1747,6 +1747,148 @@ none:
     Py_RETURN_NONE;
 }
 
+/* order_by_consumers(groups, eligible) -> number of groups reordered. groups: node lists in
+   execution order; each eligible one is reordered in place so that its rows are in the order later
+   groups read them through single (non-list) arguments: consumer group by consumer group in
+   execution order, each in its node order; then the nodes nothing later reads, in their old order.
+   Groups are visited last to first, so every consumer's order is final when its producers are
+   ordered. The Python core's order_by_consumers is the reference. */
+typedef struct { int32_t g, node; } ReqItem;
+typedef struct { ReqItem *v; Py_ssize_t n, cap; } ReqVec;
+
+static int reqvec_push(ReqVec *a, int32_t g, int32_t node) {
+    if (a->n == a->cap) {
+        Py_ssize_t nc = a->cap ? a->cap * 2 : 64;
+        ReqItem *nv = (ReqItem *)PyMem_Realloc(a->v, nc * sizeof(ReqItem));
+        if (!nv) { PyErr_NoMemory(); return -1; }
+        a->v = nv; a->cap = nc;
+    }
+    a->v[a->n].g = g; a->v[a->n].node = node; a->n++;
+    return 0;
+}
+
+static PyObject *rec_order_by_consumers(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "order_by_consumers(groups: list, eligible)");
+        return NULL;
+    }
+    PyObject *groups = args[0];
+    Py_ssize_t G = PyList_GET_SIZE(groups);
+    PyObject *elig = PySequence_Fast(args[1], "eligible must be a sequence");
+    if (!elig) return NULL;
+    if (PySequence_Fast_GET_SIZE(elig) != G) {
+        Py_DECREF(elig);
+        PyErr_SetString(PyExc_ValueError, "order_by_consumers: one eligible flag per group");
+        return NULL;
+    }
+    long changed = 0;
+    int32_t *owner = NULL; char *seen = NULL; ReqVec *req = NULL; int32_t *order = NULL;
+    char *el = (char *)PyMem_Calloc((size_t)G + 1, 1);
+    if (!el) { Py_DECREF(elig); return PyErr_NoMemory(); }
+    int any = 0;
+    for (Py_ssize_t g = 0; g < G; g++) {
+        int t = PyObject_IsTrue(PySequence_Fast_GET_ITEM(elig, g));
+        if (t < 0) goto fail;
+        if (t && !PyList_Check(PyList_GET_ITEM(groups, g))) {
+            PyErr_SetString(PyExc_TypeError, "order_by_consumers: an eligible group is not a list");
+            goto fail;
+        }
+        el[g] = (char)t; any |= t;
+    }
+    if (!any) goto done;
+    owner = (int32_t *)PyMem_Malloc((self->n + 1) * sizeof(int32_t));
+    seen = (char *)PyMem_Calloc((size_t)self->n + 1, 1);
+    req = (ReqVec *)PyMem_Calloc((size_t)G + 1, sizeof(ReqVec));
+    if (!owner || !seen || !req) { PyErr_NoMemory(); goto fail; }
+    for (Py_ssize_t i = 0; i < self->n; i++) owner[i] = -1;
+    for (Py_ssize_t g = 0; g < G; g++) {
+        if (!el[g]) continue;
+        PyObject *lst = PyList_GET_ITEM(groups, g);
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(lst); i++) {
+            long nd = PyLong_AsLong(PyList_GET_ITEM(lst, i));
+            if (nd == -1 && PyErr_Occurred()) goto fail;
+            if (nd < 0 || nd >= self->n) { PyErr_Format(PyExc_IndexError, "node %ld out of range", nd); goto fail; }
+            owner[nd] = (int32_t)g;
+        }
+    }
+    for (Py_ssize_t g = G - 1; g >= 0; g--) {
+        PyObject *lst = PyList_GET_ITEM(groups, g);
+        PyObject *seq = PySequence_Fast(lst, "a group must be a sequence of nodes");
+        if (!seq) goto fail;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (el[g] && req[g].n) {
+            order = (int32_t *)PyMem_Malloc((n + 1) * sizeof(int32_t));
+            if (!order) { Py_DECREF(seq); PyErr_NoMemory(); goto fail; }
+            Py_ssize_t k = 0, end = req[g].n;
+            ReqItem *rv = req[g].v;
+            while (end > 0) {  /* chunks of one consumer group, in execution order */
+                Py_ssize_t start = end - 1;
+                while (start > 0 && rv[start - 1].g == rv[end - 1].g) start--;
+                for (Py_ssize_t q = start; q < end; q++) {
+                    int32_t p = rv[q].node;
+                    if (!seen[p]) { seen[p] = 1; if (k < n) order[k++] = p; }
+                }
+                end = start;
+            }
+            int same = 1;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                long nd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+                if (!seen[nd] && k < n) order[k++] = (int32_t)nd;
+            }
+            for (Py_ssize_t i = 0; i < n && same; i++)
+                if (PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i)) != order[i]) same = 0;
+            Py_DECREF(seq);
+            if (k != n) {
+                PyErr_SetString(PyExc_RuntimeError, "order_by_consumers: a group's nodes are not distinct");
+                goto fail;
+            }
+            if (!same) {
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    PyObject *v = PyLong_FromLong(order[i]);
+                    if (!v) goto fail;
+                    PyList_SetItem(lst, i, v);  /* steals v */
+                }
+                changed++;
+            }
+            PyMem_Free(order); order = NULL;
+            PyMem_Free(req[g].v); req[g].v = NULL; req[g].n = 0;
+            seq = PySequence_Fast(lst, "a group must be a sequence of nodes");
+            if (!seq) goto fail;
+            n = PySequence_Fast_GET_SIZE(seq);
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long nd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+            if (nd < 0 || nd >= self->n) {
+                Py_DECREF(seq);
+                if (!PyErr_Occurred()) PyErr_Format(PyExc_IndexError, "node %ld out of range", nd);
+                goto fail;
+            }
+            int32_t cnt = self->in_count[nd];
+            int32_t ls = self->lens_start[nd];
+            if (ls >= 0) {
+                int32_t m = self->lens.v[ls];
+                for (int32_t r = 0; r < m; r++) cnt -= self->lens.v[ls + 1 + r];
+            }
+            for (int32_t j = 0; j < cnt; j++) {
+                int32_t p = self->in_node.v[self->in_start[nd] + j];
+                int32_t o = owner[p];
+                if (o >= 0 && o < g && reqvec_push(&req[o], (int32_t)g, p) < 0) { Py_DECREF(seq); goto fail; }
+            }
+        }
+        Py_DECREF(seq);
+    }
+done:
+    if (req) for (Py_ssize_t g = 0; g < G; g++) PyMem_Free(req[g].v);
+    PyMem_Free(req); PyMem_Free(owner); PyMem_Free(seen); PyMem_Free(el); PyMem_Free(order);
+    Py_DECREF(elig);
+    return PyLong_FromLong(changed);
+fail:
+    if (req) for (Py_ssize_t g = 0; g < G; g++) PyMem_Free(req[g].v);
+    PyMem_Free(req); PyMem_Free(owner); PyMem_Free(seen); PyMem_Free(el); PyMem_Free(order);
+    Py_DECREF(elig);
+    return NULL;
+}
+
 /* ---- accessors for the Python slow paths ------------------------------------------------------- */
 static int check_node(RecObject *self, Py_ssize_t nd) {
     if (nd < 0 || nd >= self->n) { PyErr_Format(PyExc_IndexError, "node %zd out of range", nd); return -1; }
@@ -1938,6 +2080,8 @@ static PyMethodDef rec_methods[] = {
      "chains(nodes, x_slot, h_slot, c_slot) -> predecessor positions (-1: head), or None (chains.py)"},
     {"order_by_input", (PyCFunction)(void (*)(void))rec_order_by_input, METH_FASTCALL,
      "order_by_input(nodes, j) -> nodes sorted by their j-th input's (buffer, row), or None"},
+    {"order_by_consumers", (PyCFunction)(void (*)(void))rec_order_by_consumers, METH_FASTCALL,
+     "order_by_consumers(groups, eligible) -> groups reordered in place so rows are in their readers' order"},
     {"place", (PyCFunction)(void (*)(void))rec_place, METH_FASTCALL, "place(nodes, buf, base)"},
     {"plan_slots", (PyCFunction)(void (*)(void))rec_plan_slots, METH_FASTCALL, "plans of some single slots"},
     {"input_depths", (PyCFunction)(void (*)(void))rec_input_depths, METH_FASTCALL, "depths of pending inputs"},

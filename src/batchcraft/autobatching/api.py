@@ -54,6 +54,7 @@ class AutoBatched:
 def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, max_steps: int | None = None,
               max_pending: int | None = None, core: str = "auto", ragged: bool = True, hoist: bool = True,
               kernels: str = "auto", arenas: bool = True, packed_order: bool = True,
+              consumer_order: bool = True, dedup: bool = True,
               fuse_recurrences: bool = True, compile_blocks: bool = False, fast_attributes: bool = True, fast_factories: bool = True, fast_modules: bool = True,
               retain_memory: bool = True) -> AutoBatched:
     """Return a callable that runs per-instance ``fn`` over many instances in batches.
@@ -86,6 +87,13 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
         packed_order (bool): depth scheduler: the nodes of a recurrence (a cell called once per
             step) run longest instance first, as in a packed sequence, so each step reads the
             previous step's state as a view instead of gathering it. Default: True.
+        consumer_order (bool): depth scheduler: the rows of a signature that runs as one group
+            in a flush (per-node input projections) are laid out in the order later groups read
+            them, which then read views instead of gathering rows. Default: True.
+        dedup (bool): in inference, a group whose per-instance inputs are integer scalars
+            (``torch.tensor(word_id)``) and that does matrix products runs once per distinct
+            input tuple, and each node reads its input's row (per call; nothing is cached
+            across calls). Default: True.
         fuse_recurrences (bool): depth scheduler, C core: all per-step chains of a recurrent cell
             block (``static_block(nn.LSTMCell(...))``, ``GRUCell``, ``RNNCell``) in a flush run as
             one packed ``nn.LSTM``-kind layer call, where the recording proves it equivalent
@@ -152,7 +160,7 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
         raise TypeError(f"autobatch: fn must be callable, got {type(fn).__name__}")
     return AutoBatched(fn, Options(scheduler=scheduler, fibers=fibers, max_steps=max_steps, max_pending=max_pending,
                                    core=core, ragged=ragged, hoist=hoist, kernels=kernels, arenas=arenas,
-                                   packed_order=packed_order, fuse_recurrences=fuse_recurrences,
+                                   packed_order=packed_order, consumer_order=consumer_order, dedup=dedup, fuse_recurrences=fuse_recurrences,
                                    compile_blocks=compile_blocks, fast_attributes=fast_attributes,
                                    fast_factories=fast_factories, fast_modules=fast_modules,
                                    retain_memory=retain_memory))

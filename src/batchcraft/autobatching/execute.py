@@ -23,8 +23,9 @@ import time
 import torch
 
 from batchcraft.autobatching import chains as _chains
+from batchcraft.autobatching import dedup as _dedup
 from batchcraft.autobatching import hoist as _hoist
-from batchcraft.autobatching.descs import row_bytes
+from batchcraft.autobatching.descs import DESCS, row_bytes
 from batchcraft.autobatching.gather import index_tensor, keep_requires_grad, take, take_all
 from batchcraft.autobatching.lower import Runner
 from batchcraft.autobatching.program import Program
@@ -144,6 +145,14 @@ class Executor:
             prog.lowered["order_slot"] = j
         return j
 
+    @staticmethod
+    def _dedups(info, prog) -> bool:
+        """May groups of ``info`` run once per distinct input (:mod:`dedup`)? Decided once."""
+        d = prog.lowered.get("dedup")
+        if d is None:
+            d = prog.lowered["dedup"] = _dedup.eligible(prog, [DESCS[x] for x in info.in_dids[:prog.n_in]])
+        return d
+
     def runner_of(self, info) -> Runner:
         prog = program_of(info)
         r = prog.lowered.get(self.kernels)
@@ -231,7 +240,16 @@ class Executor:
                         cnts.append(index_tensor(cnt, dev))
             t1 = _perf()
             try:
-                outs = runner(n, ins, rags, segs, cnts)
+                outs = None
+                if (hoisted is None and n >= _dedup.MIN_NODES and self.options.dedup and not info.grad
+                        and not any(info.out_rg) and self._dedups(info, prog)):
+                    got = _dedup.run(runner, n, ins)
+                    if got is not None:
+                        outs, saved = got
+                        st.groups_deduplicated += 1
+                        st.rows_deduplicated += saved
+                if outs is None:
+                    outs = runner(n, ins, rags, segs, cnts)
                 if len(outs) != info.n_out or any(t.shape[0] != n for t in outs):
                     raise AutobatchError(f"{info.name}: batched outputs of the wrong shape")
             except BatchcraftError as exc:

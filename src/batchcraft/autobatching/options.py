@@ -29,6 +29,10 @@ class Options:
         arenas (bool): write the outputs of one kind of group into shared buffers (inference).
         packed_order (bool): depth scheduler: order the nodes of recurrences longest instance
             first, so that each step reads the previous step's state as a view (``order.py``).
+        consumer_order (bool): depth scheduler: lay out the rows of a signature that runs as one
+            group in the order later groups read them, so they read views (``order.py``).
+        dedup (bool): a group whose per-instance inputs are integer scalars (token ids) runs once
+            per distinct input in inference (``dedup.py``).
         fuse_recurrences (bool): depth scheduler, C core: the per-step chains of a recurrent cell
             block (``static_block(nn.LSTMCell)``, GRU, RNN) run as one packed recurrent-layer call
             where the trace proves it equivalent (``chains.py``).
@@ -57,6 +61,8 @@ class Options:
     kernels: str = "auto"
     arenas: bool = True
     packed_order: bool = True
+    consumer_order: bool = True
+    dedup: bool = True
     fuse_recurrences: bool = True
     compile_blocks: bool = False
     fast_attributes: bool = True
@@ -73,7 +79,7 @@ class Options:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
-        for name in ("fibers", "ragged", "hoist", "arenas", "packed_order", "fuse_recurrences", "compile_blocks", "fast_attributes", "fast_factories",
+        for name in ("fibers", "ragged", "hoist", "arenas", "packed_order", "consumer_order", "dedup", "fuse_recurrences", "compile_blocks", "fast_attributes", "fast_factories",
                      "fast_modules", "retain_memory"):
             v = getattr(self, name)
             if not isinstance(v, bool):

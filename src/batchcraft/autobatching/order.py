@@ -1,4 +1,14 @@
-"""Node order inside groups: recurrences in packed order, so steps read their state as views.
+"""Node order inside groups: rows laid out in the order their readers read them, so gathers are views.
+
+Two orders, both applied by the depth scheduler before a flush runs:
+
+* **packed order** (:func:`packed_order`), for recurrences, described below;
+* **consumer order** (:func:`consumer_order`), for a signature that runs as one group in the
+  flush (TreeLSTM's per-node input projections: one group of every node, read by the cell groups
+  of every depth). Its nodes are ordered by their readers: first those the first later group
+  reads, in that group's node order, then those the next group reads, and so on. Each reader then
+  takes its rows as a contiguous view instead of an ``index_select`` (ISSUE 14, "layout without
+  gathers"; the prototype of REFERENCES §7 lays rows out in consumer order the same way).
 
 A recurrence (a cell called once per time step: BiRNN's ``cell(x_t, (h, c))``) is one signature
 with one group per depth, each instance at most once per group. Its instances stop at different
@@ -47,4 +57,23 @@ def packed_order(rec, groups) -> int:
     return done
 
 
-__all__ = ["packed_order", "MIN_NODES"]
+def consumer_order(rec, groups) -> int:
+    """Reorder, in place, the node lists of ``groups`` (``[(key, nodes), ...]`` in execution
+    order) of each signature that has one group in the flush, by their readers (see above).
+
+    Only reads through single (non-list) arguments count; list arguments (a node's children) are
+    flat member rows ordered by their segment. Signatures with groups at several depths (cells,
+    recurrences) keep their order: packed order and the output arenas place those. Returns the
+    number of groups reordered.
+    """
+    count: dict = {}
+    for key, _ in groups:
+        sig = (key[0], key[2])
+        count[sig] = count.get(sig, 0) + 1
+    eligible = [count[(key[0], key[2])] == 1 and len(nodes) >= 2 for key, nodes in groups]
+    if not any(eligible):
+        return 0
+    return rec.order_by_consumers([nodes for _, nodes in groups], eligible)
+
+
+__all__ = ["packed_order", "consumer_order", "MIN_NODES"]

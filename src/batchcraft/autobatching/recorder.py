@@ -946,6 +946,54 @@ class PyRecorder(RecorderBase):
             return None
         return [k[2] for k in sorted(keys)]
 
+    def order_by_consumers(self, groups, eligible) -> int:
+        """Reorder, in place, each ``groups[g]`` with ``eligible[g]`` so that its rows are in the
+        order later groups read them (the C core's ``order_by_consumers``; see :mod:`order`).
+
+        ``groups`` are node lists in execution order. Going from the last group to the first, an
+        eligible group takes first the nodes that later groups read through single (non-list)
+        arguments, consumer group by consumer group in execution order, each in its consumers'
+        node order; then the nodes nothing later reads, in their old order. Returns the number of
+        groups whose order changed.
+        """
+        owner: dict = {}
+        for g, nodes in enumerate(groups):
+            if eligible[g]:
+                for nd in nodes:
+                    owner[nd] = g
+        if not owner:
+            return 0
+        requests: dict = {}  # producer group -> [(consumer group, node), ...], consumers descending
+        ins, lens = self.ins, self.lens
+        changed = 0
+        for g in range(len(groups) - 1, -1, -1):
+            nodes = groups[g]
+            if eligible[g] and g in requests:
+                reqs = requests.pop(g)
+                order, seen = [], set()
+                end = len(reqs)
+                while end > 0:  # chunks of one consumer group, in execution order
+                    start = end - 1
+                    while start > 0 and reqs[start - 1][0] == reqs[end - 1][0]:
+                        start -= 1
+                    for _, p in reqs[start:end]:
+                        if p not in seen:
+                            seen.add(p)
+                            order.append(p)
+                    end = start
+                order.extend(nd for nd in nodes if nd not in seen)
+                if order != nodes:
+                    nodes[:] = order
+                    changed += 1
+            for nd in nodes:
+                ln = lens[nd]
+                single = ins[nd][:len(ins[nd]) - sum(ln)] if ln else ins[nd]
+                for p, _ in single:
+                    o = owner.get(p)
+                    if o is not None and o < g:
+                        requests.setdefault(o, []).append((g, p))
+        return changed
+
     def place(self, nodes, buf: int, base: int) -> None:
         """The outputs of ``nodes`` are rows ``base, base+1, ...`` of buffers ``buf, buf+1, ...``."""
         loc_buf, loc_row = self.loc_buf, self.loc_row

@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 
 from batchcraft.autobatching import chains as _chains
-from batchcraft.autobatching.order import packed_order
+from batchcraft.autobatching.order import consumer_order, packed_order
 
 _perf = time.perf_counter
 
@@ -35,6 +35,8 @@ class DepthScheduler:
             schedule = [("group", key, nodes) for key, nodes in groups]
         if executor.options.packed_order:
             packed_order(rec, groups)
+        if executor.options.consumer_order:
+            stats.groups_consumer_ordered += consumer_order(rec, groups)
         hoists = executor.plan_hoists(groups)
         stats.schedule_s += _perf() - t0
         executor.begin(groups)

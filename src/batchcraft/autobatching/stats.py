@@ -24,6 +24,10 @@ class RunStats:
             ``fused_lstm`` etc.: a recurrent cell's chains as one layer call, ``chains.py``).
         groups_reordered (int): groups run in their largest input's source order (big rows:
             ``execute.ORDER_MIN_ROW_BYTES``).
+        groups_consumer_ordered (int): groups whose rows were laid out in their readers' order
+            (``order.consumer_order``), so that the readers took views instead of gathers.
+        groups_deduplicated, rows_deduplicated (int): groups with integer inputs run once per
+            distinct input (``dedup.py``), and the rows that were not computed.
         record_s, schedule_s, gather_s, kernel_s (float): seconds spent recording instance code,
             ordering groups, gathering per-instance arguments, and in batched programs.
         kernels_measured (int): matrix-multiply shape classes whose kernel was measured during
@@ -47,6 +51,9 @@ class RunStats:
     peak_pending: int = 0
     groups_by_rule: dict = field(default_factory=dict)
     groups_reordered: int = 0
+    groups_consumer_ordered: int = 0
+    groups_deduplicated: int = 0
+    rows_deduplicated: int = 0
     record_s: float = 0.0
     schedule_s: float = 0.0
     gather_s: float = 0.0

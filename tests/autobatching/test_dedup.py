@@ -1,0 +1,125 @@
+"""Deduplication: groups with integer inputs run once per distinct input (``dedup.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchcraft import autobatch, static_block
+from batchcraft.autobatching import dedup
+
+from equivalence import CORES, assert_matches_eager
+
+
+def _projection(vocab=40, tags=6, dim=8, dropout=0.0):
+    @static_block
+    class Proj(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.word = torch.nn.Embedding(vocab, dim)
+            self.tag = torch.nn.Embedding(tags, 4)
+            self.lin = torch.nn.Linear(dim + 4, 12)
+            self.drop = torch.nn.Dropout(dropout)
+
+        def forward(self, w, t):
+            x = torch.cat([self.word(w), self.tag(t)], dim=-1)
+            return self.drop(torch.tanh(self.lin(x)))
+
+    return Proj()
+
+
+def _program(proj):
+    def fn(sentence):
+        return torch.stack([proj(torch.tensor(w), torch.tensor(t)) for w, t in sentence]).sum(0)
+    return fn
+
+
+def _sentences(seed, n=12, length=8, vocab=40, tags=6):
+    g = torch.Generator().manual_seed(seed)
+    return [[(int(torch.randint(0, vocab // 4, (), generator=g)), int(torch.randint(0, tags, (), generator=g)))
+             for _ in range(length)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_repeated_token_ids_run_once_with_eagers_values(core):
+    torch.manual_seed(0)
+    proj = _projection().eval()
+    sents = _sentences(0)
+    with torch.no_grad():
+        f = assert_matches_eager(_program(proj), sents, [], core=core)
+    distinct = len({p for s in sents for p in s})
+    assert f.stats.groups_deduplicated == 1
+    assert f.stats.rows_deduplicated == sum(len(s) for s in sents) - distinct
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_training_random_draws_and_the_option_turn_it_off(core):
+    torch.manual_seed(1)
+    proj = _projection()
+    sents = _sentences(1)
+    # with grad: outputs require grad, each node keeps its own rows (gradients as in eager)
+    f = assert_matches_eager(_program(proj), sents, list(proj.parameters()), core=core)
+    assert f.stats.groups_deduplicated == 0
+    # dropout in training mode draws per node: never deduplicated
+    drop = _projection(dropout=0.5).train()
+    with torch.no_grad():
+        g = autobatch(_program(drop), core=core)
+        g(sents)
+    assert g.stats.groups_deduplicated == 0
+    with torch.no_grad():
+        h = assert_matches_eager(_program(proj), sents, [], core=core, dedup=False)
+    assert h.stats.groups_deduplicated == 0 and h.stats.rows_deduplicated == 0
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_parameter_changed_between_calls_through_data_is_read(core):
+    # nothing is cached across calls: an in-place change that bumps no version counter still shows
+    torch.manual_seed(2)
+    proj = _projection().eval()
+    sents = _sentences(2)
+    f = autobatch(_program(proj), core=core)
+    with torch.no_grad():
+        f(sents)
+        proj.lin.weight.data.mul_(-2.0)
+        out = f(sents)
+        ref = [_program(proj)(s) for s in sents]
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert f.stats.groups_deduplicated == 1
+
+
+def test_distinct_combines_inputs_of_any_sign_and_range():
+    a = torch.tensor([5, -3, 5, 7, -3, 5])
+    b = torch.tensor([0, 2, 0, 0, 2, 1], dtype=torch.int32)
+    (ua, ub), inv = dedup.distinct([a, b])
+    assert ub.dtype == torch.int32
+    rows = sorted(zip(ua.tolist(), ub.tolist()))
+    assert rows == sorted({(5, 0), (-3, 2), (7, 0), (5, 1)})
+    assert ua[inv].tolist() == a.tolist() and ub[inv].tolist() == b.tolist()
+    # ranges whose product does not fit in 62 bits: no key, the group runs as it is
+    huge = torch.tensor([0, 1 << 40])
+    assert dedup.distinct([huge, huge]) is None
+
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ids=st.lists(st.tuples(st.integers(-6, 6), st.integers(0, 3), st.integers(-2, 2)), min_size=1, max_size=60),
+       core=st.sampled_from(CORES))
+def test_random_integer_inputs_match_eager(ids, core):
+    # three integer inputs of different ranges and signs, one used as an embedding index, one in
+    # arithmetic, one as a scale: values as in eager whether or not rows repeat enough to dedup
+    torch.manual_seed(3)
+    emb = torch.nn.Embedding(4, 5)
+    lin = torch.nn.Linear(5, 5)
+
+    @static_block
+    def block(a, b, c):
+        return torch.relu(lin(emb(b) * a.float())) + c
+
+    def fn(inst):
+        return block(*(torch.tensor(v) for v in inst))
+
+    with torch.no_grad():
+        assert_matches_eager(fn, ids, [], core=core, atol=1e-6)
