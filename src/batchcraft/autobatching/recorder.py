@@ -39,6 +39,7 @@ from batchcraft.errors import AutobatchError, StepLimitError, UnsupportedOperati
 _Lazy = LazyTensor
 _StaticBlock = None  # set below (blocks import this module)
 _Tensor = torch.Tensor
+_DisableTorchFunction = torch._C.DisableTorchFunction
 _torch_tensor = torch.tensor
 #: factories whose int-size calls become leaves directly (:meth:`RecorderBase.factory_leaf`)
 FILL_FACTORIES = frozenset({torch.zeros, torch.ones})
@@ -365,8 +366,10 @@ class RecorderBase:
 
     def leaf(self, value: torch.Tensor, pyvalue=None):
         """A per-instance concrete tensor (an instance input or a tensor made by instance code)."""
-        did = desc_id((tuple(value.shape), value.dtype, value.device))
-        node = self.add_leaf(value, pyvalue, did, bool(value.requires_grad))
+        with _DisableTorchFunction():  # (under the recording mode each metadata read is a recorded call)
+            did = desc_id((tuple(value.shape), value.dtype, value.device))
+            rg = bool(value.requires_grad)
+        node = self.add_leaf(value, pyvalue, did, rg)
         return _Lazy(self, node, 0, did)
 
     # -- the general path --------------------------------------------------------------------
