@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from batchcraft import autobatch
+from batchcraft import autobatch, static_block
+
+from equivalence import CORES, assert_matches_eager
 
 torch.manual_seed(0)
 W = torch.randn(6, 6, requires_grad=True)
@@ -111,3 +113,33 @@ def test_unary_maths_of_a_batched_chunk_runs_on_a_contiguous_copy(monkeypatch):
     g_ref = torch.autograd.grad(sum(r.sum() for r in ref), w)[0]
     torch.testing.assert_close(g, g_ref)
     assert seen.count(False) >= 2  # tanh(u) and o.exp() got strided views; sqrt's input is dense
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_attention_shaped_ops_are_written_out_without_vmap(core, monkeypatch):
+    # permute / unbind / transpose / batched and shared matmul / max() and min() over all
+    # elements are lowered to one batched call each (vmap costs ~200 µs a call: Berxit's layer)
+    from batchcraft.autobatching import rules
+
+    def no_vmap(*a, **k):
+        raise AssertionError("vmap used")
+
+    monkeypatch.setattr(rules, "rule_vmap", no_vmap)
+    monkeypatch.setattr(rules.VMAP, "fn", no_vmap)
+    torch.manual_seed(0)
+    qkv = torch.nn.Linear(8, 24)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+
+    @static_block
+    def layer(x):
+        L = x.shape[0]
+        q, k, v = qkv(x).view(L, 3, 2, 4).permute(1, 2, 0, 3)   # 3 x (2, L, 4)
+        a = torch.softmax((q @ k.transpose(-1, -2)) / 2.0, dim=-1)
+        ctx = (a @ v).transpose(0, 1).reshape(L, -1)              # (L, 8)
+        s = ctx[:, :4] @ w                                        # (L, 3), shared right operand
+        first, *rest = s.unbind(1)
+        return s.max() + s.min() + first.sum() + torch.unbind(ctx)[0].max() * 0.5
+
+    insts = [torch.randn(5, 8, requires_grad=True) for _ in range(6)]
+    f = assert_matches_eager(layer, insts, list(qkv.parameters()) + [w] + insts, core=core)
+    assert f.stats.fallbacks == 0

@@ -504,6 +504,50 @@ def _lower_split(func, args, kwargs, lw):
     return lw.call(func, [args[0], args[1], _shift(d, len(lw.shapes[0]))], kwargs)
 
 
+_FULL_EXTREMA = {"max": "amax", "min": "amin"}
+
+
+def _lower_extremum(func, args, kwargs, lw):
+    """``max`` / ``min``: with a dim as other dim ops; over all elements (``x.max()``) as ``amax``
+    of each row, which takes the same value and spreads the gradient over ties the same way."""
+    if len(args) == 1 and not kwargs and lw.batched == [True]:
+        op = _FULL_EXTREMA[getattr(func, "__name__", "")]
+        return f"{lw.expr(args[0])}.reshape(n, -1).{op}(1)"
+    return _DIM1_LOWER(func, args, kwargs, lw)
+
+
+def _lower_permute(func, args, kwargs, lw):
+    if any(lw.batched[1:]) or not lw.batched[0]:
+        return None
+    dims = args[1:] if "dims" not in kwargs else [kwargs["dims"]]
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = dims[0]
+    if not all(type(d) is int for d in dims):
+        return None
+    rank = len(lw.shapes[0])
+    return f"{lw.expr(args[0])}.permute({(0, *[(d % rank) + 1 for d in dims])!r})"
+
+
+def _lower_transpose(func, args, kwargs, lw):
+    d0 = kwargs.get("dim0", args[1] if len(args) > 1 else None)
+    d1 = kwargs.get("dim1", args[2] if len(args) > 2 else None)
+    if type(d0) is not int or type(d1) is not int or any(lw.batched[1:]) or not lw.batched[0]:
+        return None
+    rank = len(lw.shapes[0])
+    return f"{lw.expr(args[0])}.transpose({_shift(d0, rank)}, {_shift(d1, rank)})"
+
+
+def _lower_matmul(func, args, kwargs, lw):
+    """The cases of :func:`rule_matmul` that are one ``torch.matmul`` of the batched operands."""
+    if len(lw.batched) != 2 or kwargs or getattr(func, "__name__", "") == "__rmatmul__":
+        return None
+    (ma, mb), (sa, sb) = lw.batched, lw.shapes
+    if (ma and not mb and len(sb) == 2 and len(sa) >= 1) or (ma and mb and len(sa) >= 2 and len(sb) >= 2) \
+            or (mb and not ma and len(sa) == 2 and len(sb) >= 2):
+        return f"{lw.em.name(torch.matmul, 'F')}({lw.expr(args[0])}, {lw.expr(args[1])})"
+    return None
+
+
 # -- registrations --------------------------------------------------------------------------------
 
 _ELEMENTWISE = ("add", "sub", "mul", "div", "true_divide", "neg", "sigmoid", "tanh", "relu", "exp",
@@ -536,7 +580,7 @@ _register([F.linear, F.embedding, F.layer_norm, torch.layer_norm, torch.embeddin
           Rule("weight", rule_weight, _lower_weight, ragged="rowwise"))
 _register([torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell], Rule("rnn_cell", rule_rnn_cell))
 _register([torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__,
-           torch.Tensor.__rmatmul__], Rule("matmul", rule_matmul, ragged="matmul"))
+           torch.Tensor.__rmatmul__], Rule("matmul", rule_matmul, _lower_matmul, ragged="matmul"))
 _DIM1 = Rule("dim", make_dim_rule(1), _dim_lowering(1), ragged="reduce")
 _register(_torch_funcs("softmax", "log_softmax", "cumsum", "cumprod", "logsumexp", "argmax", "argmin",
                        "amax", "amin", "index_select", "narrow", "select", "gather", "prod")
@@ -545,7 +589,8 @@ _register(_torch_funcs("softmax", "log_softmax", "cumsum", "cumprod", "logsumexp
           + [F.softmax, F.log_softmax], _DIM1)
 _register(_torch_funcs("sum", "mean", "std", "var", "all", "any") + _tensor_methods("sum", "mean", "all", "any"),
           Rule("sum", make_dim_rule(1, full="tuple"), _dim_lowering(1, full="tuple"), ragged="reduce"))
-_register(_torch_funcs("max", "min") + _tensor_methods("max", "min"), Rule("max", make_dim_rule(1), _dim_lowering(1),
+_DIM1_LOWER = _dim_lowering(1)
+_register(_torch_funcs("max", "min") + _tensor_methods("max", "min"), Rule("max", make_dim_rule(1), _lower_extremum,
                                                                            ragged="reduce"))
 _BATCHED_OTHER_OK.update([torch.gather, torch.Tensor.gather])
 _register([torch.cat, torch.concat, torch.concatenate, torch.stack], Rule("seq", rule_seq_dim, _lower_seq,
@@ -553,10 +598,12 @@ _register([torch.cat, torch.concat, torch.concatenate, torch.stack], Rule("seq",
 _register(_tensor_methods("view", "reshape", "expand") + [torch.reshape],
           Rule("shape", rule_shape_args(True), _lower_shape_args(True)))
 _register(_tensor_methods("repeat"), Rule("repeat", rule_shape_args(False), _lower_shape_args(False)))
-_register([torch.permute, torch.Tensor.permute], Rule("permute", rule_permute, ragged="permute"))
+_register([torch.permute, torch.Tensor.permute], Rule("permute", rule_permute, _lower_permute, ragged="permute"))
 _register([torch.t, torch.Tensor.t], Rule("t", rule_t))
 _register([torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes],
-          Rule("transpose", rule_transpose, ragged="transpose"))
+          Rule("transpose", rule_transpose, _lower_transpose, ragged="transpose"))
+_register(_torch_funcs("unbind") + _tensor_methods("unbind"),
+          Rule("unbind", make_dim_rule(1, default=0), _dim_lowering(1, default=0)))
 _register([torch.flatten, torch.Tensor.flatten], Rule("flatten", rule_flatten))
 _register([torch.squeeze, torch.Tensor.squeeze], Rule("squeeze", rule_squeeze, _lower_squeeze, ragged="squeeze"))
 _register([torch.unsqueeze, torch.Tensor.unsqueeze], Rule("unsqueeze", rule_unsqueeze, _lower_unsqueeze,
