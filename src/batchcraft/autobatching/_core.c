@@ -1750,7 +1750,7 @@ none:
 /* order_by_consumers(groups, eligible) -> number of groups reordered. groups: node lists in
    execution order; each eligible one is reordered in place so that its rows are in the order later
    groups read them through single (non-list) arguments: consumer group by consumer group in
-   execution order, each in its node order; then the nodes nothing later reads, in their old order.
+   execution order, each slot by slot in its node order; then the nodes nothing later reads, in their old order.
    Groups are visited last to first, so every consumer's order is final when its producers are
    ordered. The Python core's order_by_consumers is the reference. */
 typedef struct { int32_t g, node; } ReqItem;
@@ -1856,6 +1856,9 @@ static PyObject *rec_order_by_consumers(RecObject *self, PyObject *const *args, 
             if (!seq) goto fail;
             n = PySequence_Fast_GET_SIZE(seq);
         }
+        /* slot by slot, each in node order: every slot a consumer reads from one producer is
+           then a contiguous run of its rows (MV-RNN's left and right children) */
+        int32_t max_cnt = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
             long nd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
             if (nd < 0 || nd >= self->n) {
@@ -1863,13 +1866,18 @@ static PyObject *rec_order_by_consumers(RecObject *self, PyObject *const *args, 
                 if (!PyErr_Occurred()) PyErr_Format(PyExc_IndexError, "node %ld out of range", nd);
                 goto fail;
             }
-            int32_t cnt = self->in_count[nd];
-            int32_t ls = self->lens_start[nd];
-            if (ls >= 0) {
-                int32_t m = self->lens.v[ls];
-                for (int32_t r = 0; r < m; r++) cnt -= self->lens.v[ls + 1 + r];
-            }
-            for (int32_t j = 0; j < cnt; j++) {
+            if (self->in_count[nd] > max_cnt) max_cnt = self->in_count[nd];
+        }
+        for (int32_t j = 0; j < max_cnt; j++) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                long nd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+                int32_t cnt = self->in_count[nd];
+                int32_t ls = self->lens_start[nd];
+                if (ls >= 0) {
+                    int32_t m = self->lens.v[ls];
+                    for (int32_t r = 0; r < m; r++) cnt -= self->lens.v[ls + 1 + r];
+                }
+                if (j >= cnt) continue;
                 int32_t p = self->in_node.v[self->in_start[nd] + j];
                 int32_t o = owner[p];
                 if (o >= 0 && o < g && reqvec_push(&req[o], (int32_t)g, p) < 0) { Py_DECREF(seq); goto fail; }

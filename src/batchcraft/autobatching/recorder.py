@@ -955,8 +955,8 @@ class PyRecorder(RecorderBase):
 
         ``groups`` are node lists in execution order. Going from the last group to the first, an
         eligible group takes first the nodes that later groups read through single (non-list)
-        arguments, consumer group by consumer group in execution order, each in its consumers'
-        node order; then the nodes nothing later reads, in their old order. Returns the number of
+        arguments, consumer group by consumer group in execution order, each slot by slot in its
+        consumers' node order; then the nodes nothing later reads, in their old order. Returns the number of
         groups whose order changed.
         """
         owner: dict = {}
@@ -988,13 +988,16 @@ class PyRecorder(RecorderBase):
                 if order != nodes:
                     nodes[:] = order
                     changed += 1
+            singles = []
             for nd in nodes:
                 ln = lens[nd]
-                single = ins[nd][:len(ins[nd]) - sum(ln)] if ln else ins[nd]
-                for p, _ in single:
-                    o = owner.get(p)
-                    if o is not None and o < g:
-                        requests.setdefault(o, []).append((g, p))
+                singles.append(ins[nd][:len(ins[nd]) - sum(ln)] if ln else ins[nd])
+            for j in range(max(map(len, singles), default=0)):  # slot by slot, each in node order
+                for single in singles:
+                    if j < len(single):
+                        o = owner.get(single[j][0])
+                        if o is not None and o < g:
+                            requests.setdefault(o, []).append((g, single[j][0]))
         return changed
 
     def place(self, nodes, buf: int, base: int) -> None:
