@@ -103,3 +103,25 @@ def test_python_and_c_cores_order_a_flush_alike(monkeypatch):
         for core in ("c", "python"):
             autobatch(model, core=core)(trees)
     assert orders["c"] == orders["python"]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_left_and_right_children_are_each_a_contiguous_run(core, monkeypatch):
+    # MV-RNN: every word's leaf block is one group; a composition reads a left and a right child.
+    # Requested slot by slot, the leaf rows of each slot form one run: no index_select reads them.
+    from batchcraft.models.mvrnn import MVRNN
+
+    torch.manual_seed(0)
+    model = MVRNN(vocab_size=50, hidden=4)
+    trees = [random_tree(n, seed=200 + n) for n in (4, 9, 2, 7, 12, 5)]
+    n_nodes = sum(len(t.word_ids) for t in trees)
+    seen = _plans_seen(monkeypatch)
+    with torch.no_grad():
+        f = assert_matches_eager(model, trees, [], core=core)
+    assert f.stats.groups_consumer_ordered >= 1
+    leaf_reads = [k for k, shape in seen if shape in ((n_nodes, 4), (n_nodes, 4, 4))]
+    assert leaf_reads and "index" not in leaf_reads
+    seen.clear()
+    with torch.no_grad():
+        autobatch(model, core=core, consumer_order=False)(trees)
+    assert "index" in [k for k, shape in seen if shape in ((n_nodes, 4), (n_nodes, 4, 4))]
