@@ -16,6 +16,7 @@ from batchcraft.measure import format_table
 
 MIB = 2 ** 20
 DYNET_NAMES = {"dynet-0": "off", "dynet-1": "agenda", "dynet-2": "depth", "dynet-3": "agenda-depthcount"}
+NODEDUP = "batchcraft-depth-nodedup"  # the ablation system (vs_dynet.py --systems ...,nodedup)
 
 
 def _best(by_sys: dict, prefix: str, mode: str, exclude=()) -> tuple[float | None, str | None]:
@@ -47,14 +48,15 @@ def rows(payload: dict) -> list[dict]:
             f = flops[key]
             flop_ms = (f["forward_flops"] if mode == "inference" else f["train_flops"]) / rate * 1e3
             dy_best, dy_sys = _best(by, "dynet-", mode, exclude=("dynet-0",))
-            bc, bc_sys = _best(by, "batchcraft-", mode)
+            bc, bc_sys = _best(by, "batchcraft-", mode, exclude=(NODEDUP,))
             row = {"model": model, "mode": mode, "hidden": hidden, "batch_size": bs,
                    "dynet_off_ms": by.get("dynet-0", {}).get(f"{mode}_ms"),
                    "dynet_best_ms": dy_best, "dynet_best_mode": DYNET_NAMES.get(dy_sys),
                    "eager_ms": by.get("eager", {}).get(f"{mode}_ms"),
                    "handbatched_ms": by.get("handbatched", {}).get(f"{mode}_ms"),
                    "batchcraft_ms": bc, "batchcraft_scheduler": bc_sys and bc_sys.split("-", 1)[1],
-                   "flop_bound_ms": flop_ms}
+                   "flop_bound_ms": flop_ms,
+                   "batchcraft_nodedup_ms": by.get(NODEDUP, {}).get(f"{mode}_ms")}
             row["batchcraft_vs_dynet_best"] = _ratio(dy_best, bc)  # > 1: batchcraft faster
             row["batchcraft_vs_handbatched"] = _ratio(bc, row["handbatched_ms"])  # time ratio, goal <= 1.15
             row["batchcraft_vs_eager"] = _ratio(row["eager_ms"], bc)
@@ -75,9 +77,11 @@ def _f(x, fmt="{:.1f}"):
 
 
 def main_table(rs: list[dict], markdown: bool) -> str:
+    ablation = any(r.get("batchcraft_nodedup_ms") is not None for r in rs)
     headers = ["model", "mode", "hidden", "batch", "DyNet off", "DyNet best (mode)", "eager", "hand-batched",
                "batchcraft (sched)", "FLOP bound", "bc vs DyNet best", "bc / hand", "bc vs eager",
-               "% FLOP bound bc", "% FLOP bound DyNet"]
+               "% FLOP bound bc", "% FLOP bound DyNet"] + (["bc without dedup", "its vs DyNet best"]
+                                                          if ablation else [])
     body = [[r["model"], r["mode"], r["hidden"], r["batch_size"], _f(r["dynet_off_ms"]),
              f"{_f(r['dynet_best_ms'])} ({r['dynet_best_mode'] or '-'})", _f(r["eager_ms"]),
              _f(r["handbatched_ms"]), f"{_f(r['batchcraft_ms'])} ({r['batchcraft_scheduler'] or '-'})",
@@ -85,6 +89,8 @@ def main_table(rs: list[dict], markdown: bool) -> str:
              _f(r["batchcraft_vs_handbatched"], "{:.2f}"), _f(r["batchcraft_vs_eager"], "{:.1f}x"),
              _f(r["batchcraft_flop_fraction"] and 100 * r["batchcraft_flop_fraction"], "{:.1f}%"),
              _f(r["dynet_best_flop_fraction"] and 100 * r["dynet_best_flop_fraction"], "{:.1f}%")]
+            + ([_f(r.get("batchcraft_nodedup_ms")), _f(_ratio(r["dynet_best_ms"], r.get("batchcraft_nodedup_ms")),
+                                                       "{:.2f}x")] if ablation else [])
             for r in rs]
     return format_table(headers, body, markdown=markdown)
 

@@ -84,6 +84,8 @@ def systems_for(model: str, want: list[str]) -> tuple[list[str], list[str]]:
             notes.append(f"no hand-batched PyTorch reference for {model} (batchcraft.models.handbatched)")
     if "batchcraft" in want:
         out += [f"batchcraft-{s}" for s in SCHEDULERS]
+    if "nodedup" in want:  # ablation: the depth scheduler without per-flush deduplication
+        out.append("batchcraft-depth-nodedup")
     return out, notes
 
 
@@ -185,7 +187,9 @@ def main(argv=None) -> int:
                     help="torch intra-op threads of the timed systems (default 1, as DyNet's CPU backend)")
     ap.add_argument("--gemm-threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="threads for the GEMM rate behind the FLOP bound (default: all usable CPUs)")
-    ap.add_argument("--systems", default="dynet,eager,handbatched,batchcraft")
+    ap.add_argument("--systems", default="dynet,eager,handbatched,batchcraft",
+                    help="comma list of dynet, eager, handbatched, batchcraft, nodedup (batchcraft's depth "
+                         "scheduler without per-flush deduplication, an ablation column)")
     ap.add_argument("--modes", default="inference,train")
     ap.add_argument("--dynet-mem", type=int, default=64,
                     help="DyNet without auto-batching: initial memory pools, MB, grown on demand (DyNet's "

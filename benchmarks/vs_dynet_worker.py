@@ -107,7 +107,8 @@ def _torch_system(spec):
     elif system.startswith("batchcraft-"):
         import batchcraft
 
-        fn = batchcraft.autobatch(task.fn, scheduler=system.split("-", 1)[1])
+        sched, *flags = system.split("-")[1:]  # batchcraft-depth, batchcraft-depth-nodedup (ablation)
+        fn = batchcraft.autobatch(task.fn, scheduler=sched, dedup="nodedup" not in flags)
     else:
         raise SystemExit(f"vs_dynet_worker: unknown system {system!r}")
     model = task.model
