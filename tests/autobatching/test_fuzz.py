@@ -110,10 +110,11 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
     program makes live there, as in a user's ``torch.set_default_device`` program."""
     from contextlib import nullcontext
 
-    from batchcraft.autobatching import chains, execute, order
+    from batchcraft.autobatching import chains, dedup, execute, order
 
     min_nodes, min_chain, min_order = order.MIN_NODES, chains.MIN_NODES, execute.ORDER_MIN_ROW_BYTES
-    order.MIN_NODES = chains.MIN_NODES = 2  # the fuzzer's few instances reach both
+    min_dedup = dedup.MIN_NODES
+    order.MIN_NODES = chains.MIN_NODES = dedup.MIN_NODES = 2  # the fuzzer's few instances reach them
     execute.ORDER_MIN_ROW_BYTES = 1  # every group runs in its largest input's source order
     try:
         for core in cores or [CORES[0]]:
@@ -124,8 +125,11 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
             fused = sum(v for k, v in f.stats.groups_by_rule.items() if k.startswith("fused_"))
             COUNTS["fused_chain_calls"] = COUNTS.get("fused_chain_calls", 0) + fused
             COUNTS["groups_reordered"] = COUNTS.get("groups_reordered", 0) + f.stats.groups_reordered
+            for k in ("groups_consumer_ordered", "groups_deduplicated"):
+                COUNTS[k] = COUNTS.get(k, 0) + getattr(f.stats, k)
     finally:
         order.MIN_NODES, chains.MIN_NODES, execute.ORDER_MIN_ROW_BYTES = min_nodes, min_chain, min_order
+        dedup.MIN_NODES = min_dedup
     return f
 
 

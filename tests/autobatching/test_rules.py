@@ -138,8 +138,39 @@ def test_attention_shaped_ops_are_written_out_without_vmap(core, monkeypatch):
         ctx = (a @ v).transpose(0, 1).reshape(L, -1)              # (L, 8)
         s = ctx[:, :4] @ w                                        # (L, 3), shared right operand
         first, *rest = s.unbind(1)
-        return s.max() + s.min() + first.sum() + torch.unbind(ctx)[0].max() * 0.5
+        return s.sum() + first.sum() + torch.unbind(ctx)[0].sum() * 0.5
 
     insts = [torch.randn(5, 8, requires_grad=True) for _ in range(6)]
     f = assert_matches_eager(layer, insts, list(qkv.parameters()) + [w] + insts, core=core)
     assert f.stats.fallbacks == 0
+    # max() / min() over all elements: a row amax / amin where no gradient flows (grad mode off)
+    extrema = static_block(lambda x: x.max() + x.min() * 0.5 + x[0].max())
+    with torch.no_grad():
+        g = assert_matches_eager(extrema, [x.detach() for x in insts], [], core=core)
+        h = assert_matches_eager(lambda x: x.min(), [x.detach() for x in insts], [], core=core)
+    assert g.stats.fallbacks == 0 and h.stats.fallbacks == 0
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("n", [2, 3])
+def test_matmul_of_two_instance_operands_of_different_ranks(core, n):
+    # (2, 4, 5) @ (5, 3) per instance: batched, the ranks are aligned after the batch dim; matmul
+    # broadcast b's instances against a's leading dim (wrong values when n == 2; a fallback else)
+    torch.manual_seed(n)
+    blk = static_block(lambda a, b: a @ b)
+    insts = [(torch.randn(2, 4, 5, requires_grad=True), torch.randn(5, 3, requires_grad=True)) for _ in range(n)]
+    leaves = [t for p in insts for t in p]
+    for fn in (lambda p: p[0] @ p[1], lambda p: blk(*p), lambda p: torch.matmul(p[1].t(), p[0].transpose(-1, -2))):
+        f = assert_matches_eager(fn, insts, leaves, core=core)
+        assert f.stats.fallbacks == 0
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_max_over_all_elements_sends_the_gradient_to_a_nan_as_eager(core):
+    blk = static_block(lambda x: x.max() + x.min())
+    xs = [torch.tensor([1.0, float("nan"), 3.0, 3.0], requires_grad=True) for _ in range(4)]
+    for fn in (lambda x: x.max() - x.min(), blk):
+        ref = torch.autograd.grad(sum(fn(x) for x in xs), xs)
+        got = torch.autograd.grad(sum(autobatch(fn, core=core)(xs)), xs)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, equal_nan=True)

@@ -13,7 +13,8 @@ Applies where (checked once per program, :func:`eligible`):
 * every per-instance input is a 0-dim integer tensor (``torch.tensor(word_id)``) and there are no
   list arguments;
 * the program makes no random draw (dropout in training mode, ``rand*``, ``bernoulli``,
-  ``normal``...): a draw per node would differ;
+  ``normal``, ``rrelu``...): a draw per node would differ. Names are checked when the program
+  is lowered, and its first deduplicated run checks that the default generator did not move;
 * it does real arithmetic (a matrix product or convolution): for a lookup alone the extra
   ``unique`` and gather cost more than they save.
 
@@ -35,7 +36,7 @@ MAX_DISTINCT = 0.85
 
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 _RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson", "uniform", "exponential",
-           "geometric", "cauchy", "random", "shuffle")
+           "geometric", "cauchy", "random", "shuffle", "rrelu", "gumbel", "fractional")
 _HEAVY = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "einsum", "bilinear", "conv",
           "lstm", "gru", "rnn", "attention")
 
@@ -111,10 +112,20 @@ def distinct(ins):
     return cols[::-1], inv
 
 
-def run(runner, n: int, ins):
+#: :func:`run`'s answer when the program drew random numbers: never deduplicate it again
+DREW = "drew"
+
+
+def run(runner, n: int, ins, probe: bool = False):
     """``(outputs, rows saved)``: ``runner``'s outputs for the ``n`` nodes with inputs ``ins``,
     computed once per distinct input; None when too few rows repeat (the caller runs the group
-    as it is)."""
+    as it is).
+
+    ``probe``: the program's first deduplicated run also checks that the default generator's
+    state did not move: a random draw the name test missed (an operation that samples under
+    another name) would give equal inputs equal draws. Then :data:`DREW` is returned and the
+    caller runs the whole group (its draws per node) and stops deduplicating the program.
+    """
     got = distinct(ins)
     if got is None:
         return None
@@ -122,8 +133,11 @@ def run(runner, n: int, ins):
     nu = uins[0].shape[0]
     if nu > MAX_DISTINCT * n:
         return None
+    before = torch.default_generator.get_state() if probe else None
     outs = runner(nu, uins, [], [], [])
+    if probe and not torch.equal(before, torch.default_generator.get_state()):
+        return DREW
     return [t.index_select(0, inv) for t in outs], n - nu
 
 
-__all__ = ["eligible", "distinct", "run", "MIN_NODES", "MAX_DISTINCT"]
+__all__ = ["eligible", "distinct", "run", "DREW", "MIN_NODES", "MAX_DISTINCT"]

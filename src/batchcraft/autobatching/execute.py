@@ -149,8 +149,9 @@ class Executor:
     def _dedups(info, prog) -> bool:
         """May groups of ``info`` run once per distinct input (:mod:`dedup`)? Decided once."""
         d = prog.lowered.get("dedup")
-        if d is None:
-            d = prog.lowered["dedup"] = _dedup.eligible(prog, [DESCS[x] for x in info.in_dids[:prog.n_in]])
+        if d is None:  # "probe": eligible by name; its first deduplicated run checks the generator
+            d = prog.lowered["dedup"] = "probe" if _dedup.eligible(
+                prog, [DESCS[x] for x in info.in_dids[:prog.n_in]]) else False
         return d
 
     def runner_of(self, info) -> Runner:
@@ -243,11 +244,16 @@ class Executor:
                 outs = None
                 if (hoisted is None and n >= _dedup.MIN_NODES and self.options.dedup and not info.grad
                         and not any(info.out_rg) and self._dedups(info, prog)):
-                    got = _dedup.run(runner, n, ins)
-                    if got is not None:
+                    probe = prog.lowered["dedup"] == "probe"
+                    got = _dedup.run(runner, n, ins, probe)
+                    if got is _dedup.DREW:  # it samples: each node keeps its own draw from now on
+                        prog.lowered["dedup"] = False
+                    elif got is not None:
                         outs, saved = got
                         st.groups_deduplicated += 1
                         st.rows_deduplicated += saved
+                        if probe:
+                            prog.lowered["dedup"] = True
                 if outs is None:
                     outs = runner(n, ins, rags, segs, cnts)
                 if len(outs) != info.n_out or any(t.shape[0] != n for t in outs):

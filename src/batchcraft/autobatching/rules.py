@@ -110,6 +110,12 @@ def rule_matmul(func, struct, leaves, mask, shapes, n):
     if ma and not mb and len(sb) == 2 and len(sa) >= 1:
         return torch.matmul(a, b)
     if ma and mb and len(sa) >= 2 and len(sb) >= 2:
+        # align ranks after the batch dim (matmul broadcasts batch dims from the right: (n, 2, 4, 5)
+        # @ (n, 5, 3) would pair b's instances with a's dim of size 2; hostile helper, stop 32)
+        if len(sa) < len(sb):
+            a = a.reshape((n,) + (1,) * (len(sb) - len(sa)) + tuple(sa))
+        elif len(sb) < len(sa):
+            b = b.reshape((n,) + (1,) * (len(sa) - len(sb)) + tuple(sb))
         return torch.matmul(a, b)
     if mb and not ma and len(sa) == 2 and len(sb) >= 2:
         return torch.matmul(a, b)
@@ -509,8 +515,11 @@ _FULL_EXTREMA = {"max": "amax", "min": "amin"}
 
 def _lower_extremum(func, args, kwargs, lw):
     """``max`` / ``min``: with a dim as other dim ops; over all elements (``x.max()``) as ``amax``
-    of each row, which takes the same value and spreads the gradient over ties the same way."""
-    if len(args) == 1 and not kwargs and lw.batched == [True]:
+    of each row, which takes the same value. Only where no gradient flows (recorded with grad mode
+    off): ``amax``'s gradient matches ``max()``'s over ties but not at a NaN (all NaN, where
+    eager's goes to the NaN; hostile helper, stop 32). With grad mode on: vmap, as before."""
+    if len(args) == 1 and not kwargs and lw.batched == [True] and lw.step.state is not None \
+            and not lw.step.state[0]:
         op = _FULL_EXTREMA[getattr(func, "__name__", "")]
         return f"{lw.expr(args[0])}.reshape(n, -1).{op}(1)"
     return _DIM1_LOWER(func, args, kwargs, lw)
@@ -542,10 +551,14 @@ def _lower_matmul(func, args, kwargs, lw):
     if len(lw.batched) != 2 or kwargs or getattr(func, "__name__", "") == "__rmatmul__":
         return None
     (ma, mb), (sa, sb) = lw.batched, lw.shapes
-    if (ma and not mb and len(sb) == 2 and len(sa) >= 1) or (ma and mb and len(sa) >= 2 and len(sb) >= 2) \
-            or (mb and not ma and len(sa) == 2 and len(sb) >= 2):
-        return f"{lw.em.name(torch.matmul, 'F')}({lw.expr(args[0])}, {lw.expr(args[1])})"
-    return None
+    if ma and mb and len(sa) >= 2 and len(sb) >= 2:
+        # ranks aligned after the batch dim: matmul broadcasts batch dims from the right
+        for j, (s, other) in enumerate(((sa, sb), (sb, sa))):
+            if len(s) < len(other):
+                lw.wrap(j, lambda e, s=tuple(s), k=len(other) - len(s): f"{e}.reshape((n,) + {(1,) * k + s!r})")
+    elif not ((ma and not mb and len(sb) == 2 and len(sa) >= 1) or (mb and not ma and len(sa) == 2 and len(sb) >= 2)):
+        return None
+    return f"{lw.em.name(torch.matmul, 'F')}({lw.expr(args[0])}, {lw.expr(args[1])})"
 
 
 # -- registrations --------------------------------------------------------------------------------
