@@ -275,3 +275,28 @@ def test_groups_with_big_rows_run_in_their_largest_inputs_source_order(core):
     # laid out in consumer order (the default) the rows are already where the reader wants them
     f = assert_matches_eager(fn, insts, list(mix.parameters()) + [w], core=core)
     assert f.stats.groups_consumer_ordered >= 1 and f.stats.groups_reordered == 0
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_random_factories_inside_a_static_block_draw_per_instance(core):
+    # torch.rand(8) in a block has no per-instance argument: it ran once per group and every
+    # instance got the same draw (hostile helper, stop 32; present before). Now one draw per node,
+    # repeatable with the seed, as outside blocks.
+    lin = torch.nn.Linear(8, 8)
+
+    @static_block
+    def noisy(x):
+        return (lin(x) * torch.rand(8) + torch.randn(2, 4).reshape(8)
+                + torch.bernoulli(torch.full((8,), 0.5)) + torch.multinomial(torch.ones(8), 1).float())
+
+    xs = [torch.ones(8) for _ in range(6)]
+    f = autobatch(noisy, core=core)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        a = f(xs)
+        torch.manual_seed(5)
+        b = f(xs)
+    assert len({tuple(o.tolist()) for o in a}) == len(xs)  # no two instances share a draw
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    assert f.stats.fallbacks == 0

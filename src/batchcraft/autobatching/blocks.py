@@ -350,9 +350,13 @@ class StaticBlock:
     # -- tracing -----------------------------------------------------------------------------------
     def _run_body(self, tracer, args, kwargs):
         stack.push(tracer)
+        # tracing runs a random factory's call once (torch.rand(8)): the CPU generator is put back,
+        # so a first call draws what later calls with the same seed draw
+        rng = torch.get_rng_state()
         try:
             return self.fn(*args, **kwargs)
         finally:
+            torch.set_rng_state(rng)
             stack.pop()
 
     def _finish(self, tracer, out, key, ragged_dids=(), classes=(), rec=None, n_in=None):

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import torch
 
+from batchcraft.autobatching.program import draws
+
 #: groups smaller than this run as they are
 MIN_NODES = 32
 #: run deduplicated only when at most this fraction of the rows is distinct
 MAX_DISTINCT = 0.85
 
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
-_RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson", "uniform", "exponential",
-           "geometric", "cauchy", "random", "shuffle", "rrelu", "gumbel", "fractional")
 _HEAVY = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "einsum", "bilinear", "conv",
           "lstm", "gru", "rnn", "attention")
 
@@ -63,22 +63,11 @@ def eligible(prog, in_descs) -> bool:
     heavy = False
     for st in _walk(prog):
         name = st.name.lower()
-        if _draws(st, name):
+        if draws(st):
             return False
         if any(h in name for h in _HEAVY):
             heavy = True
     return heavy
-
-
-def _draws(step, name: str) -> bool:
-    """Does ``step`` make a random draw? A dropout traced with ``training=False`` (a module in
-    eval mode) does not; any other step whose name says random does, or may."""
-    if "dropout" in name:
-        kw = step.struct[1] if type(step.struct) is tuple and len(step.struct) == 2 else None
-        if type(kw) is tuple and len(kw) == 3 and kw[0] is dict and "training" in kw[1]:
-            return kw[2][kw[1].index("training")] != (bool, False)
-        return True
-    return any(r in name for r in _RANDOM)
 
 
 def distinct(ins):

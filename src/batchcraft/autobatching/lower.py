@@ -26,6 +26,7 @@ from collections import Counter
 import torch
 
 from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.program import draws
 from batchcraft.autobatching.rules import rule_for
 from batchcraft.autobatching.signature import LEAF, call_with, flatten, rebuild
 from batchcraft.errors import AutobatchError
@@ -237,6 +238,9 @@ class Runner:
                 expr = em.call(st.func if not hasattr(st.func, "record_in") else st.func.fn,
                                *self._rebuilt(st, ex))
                 any_b = False
+                if draws(st):  # a random factory (torch.rand(8)): one draw per node, not one per group
+                    expr = f"{em.name(per_node_draws, 'N')}(n, lambda: {expr})"
+                    any_b = True
             else:
                 expr, rname = self._lower_step(em, st, ex, batched)
                 rules[rname] += 1
@@ -353,6 +357,15 @@ class Runner:
     @property
     def fallback_steps(self) -> int:
         return len(self.fallbacks)
+
+
+def per_node_draws(n, draw):
+    """``n`` calls of ``draw`` stacked: each node of a group its own sample (a random factory with
+    no per-instance argument inside a static block; once per group it gave all nodes one draw)."""
+    outs = [draw() for _ in range(n)]
+    if isinstance(outs[0], torch.Tensor):
+        return torch.stack(outs)
+    return type(outs[0])(torch.stack(x) for x in zip(*outs))
 
 
 def _flat_outputs(out) -> list:

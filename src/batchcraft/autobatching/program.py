@@ -61,6 +61,23 @@ class Step:
         return f"Step({self.index}: {self.name}, refs={[r[0] if r[0] != 'val' else r for r in self.refs]})"
 
 
+#: substrings of the names of operations that sample (or may)
+RANDOM_NAMES = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson", "uniform", "exponential",
+                "geometric", "cauchy", "random", "shuffle", "rrelu", "gumbel", "fractional")
+
+
+def draws(step) -> bool:
+    """Does ``step`` make a random draw? A dropout traced with ``training=False`` (a module in eval
+    mode) does not; any other step whose name says random does, or may."""
+    name = step.name.lower()
+    if "dropout" in name:
+        kw = step.struct[1] if type(step.struct) is tuple and len(step.struct) == 2 else None
+        if type(kw) is tuple and len(kw) == 3 and kw[0] is dict and "training" in kw[1]:
+            return kw[2][kw[1].index("training")] != (bool, False)
+        return True
+    return any(r in name for r in RANDOM_NAMES)
+
+
 class Program:
     """Steps in order plus where the outputs come from.
 
