@@ -102,7 +102,8 @@ def _statement(depth: int):
         st.tuples(st.just("shape"), st.sampled_from(SHAPE)),
         st.tuples(st.just("dtype"), st.sampled_from(DTYPE)),
         st.tuples(st.just("newfact"), st.sampled_from(NEWFACT)),
-        st.tuples(st.just("embed"), st.sampled_from(("one", "all", "f_embedding")), st.integers(0, 3)),
+        st.tuples(st.just("embed"), st.sampled_from(("one", "all", "f_embedding", "block_proj")),
+                  st.integers(0, 3)),
         st.tuples(st.just("seq"), st.sampled_from(_allowed("seq", SEQ))),
         st.tuples(st.just("cell"), st.sampled_from(CELL)),
         st.tuples(st.just("tree"), st.sampled_from(TREE)),
@@ -460,6 +461,11 @@ def _embed(name, j, h, inst, P):
         return h + P.emb(torch.tensor(ids)).sum(0)
     if name == "f_embedding":
         return h * F.embedding(torch.tensor(ids[-1]), P.emb.weight).tanh()
+    if name == "block_proj":  # a token-id block: run once per distinct id where no grad flows (dedup.py)
+        blk = P.blocks.get("embed_proj")
+        if blk is None:
+            blk = P.blocks["embed_proj"] = static_block(lambda t: torch.tanh(P.lins[0](P.emb(t))))
+        return h + blk(torch.tensor(ids[j % len(ids)]))
     raise AssertionError(name)
 
 

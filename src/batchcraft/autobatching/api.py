@@ -54,9 +54,9 @@ class AutoBatched:
 def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, max_steps: int | None = None,
               max_pending: int | None = None, core: str = "auto", ragged: bool = True, hoist: bool = True,
               kernels: str = "auto", arenas: bool = True, packed_order: bool = True,
-              consumer_order: bool = True, dedup: bool = True,
-              fuse_recurrences: bool = True, compile_blocks: bool = False, fast_attributes: bool = True, fast_factories: bool = True, fast_modules: bool = True,
-              retain_memory: bool = True) -> AutoBatched:
+              consumer_order: bool = True, dedup: bool = True, fuse_recurrences: bool = True,
+              compile_blocks: bool = False, fast_attributes: bool = True, fast_factories: bool = True,
+              fast_modules: bool = True, retain_memory: bool = True) -> AutoBatched:
     """Return a callable that runs per-instance ``fn`` over many instances in batches.
 
     ``fn`` is ordinary PyTorch code for *one* instance: torch functions, Tensor methods and

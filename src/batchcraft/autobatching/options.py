@@ -79,8 +79,9 @@ class Options:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
-        for name in ("fibers", "ragged", "hoist", "arenas", "packed_order", "consumer_order", "dedup", "fuse_recurrences", "compile_blocks", "fast_attributes", "fast_factories",
-                     "fast_modules", "retain_memory"):
+        for name in ("fibers", "ragged", "hoist", "arenas", "packed_order", "consumer_order", "dedup",
+                     "fuse_recurrences", "compile_blocks", "fast_attributes", "fast_factories", "fast_modules",
+                     "retain_memory"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"autobatch: {name} must be a bool, got {v!r}")
