@@ -38,6 +38,10 @@ from batchcraft.autobatching import buffers as _buffers
 from batchcraft.autobatching import functional as _functional
 from batchcraft.autobatching import memory as _memory
 from batchcraft.autobatching import stack
+# loaded with the package rather than inside the first call (10 of its ~40 ms were these imports)
+from batchcraft.autobatching import kernels as _kernels
+from batchcraft.autobatching import ragged as _ragged  # noqa: F401
+from batchcraft.autobatching import views as _views  # noqa: F401
 from batchcraft.autobatching.execute import Executor
 from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.schedule import make_scheduler
@@ -111,9 +115,7 @@ class Runtime:
         self.stats = RunStats()
         self.rec = _core.make_recorder(self, options)
         self.stats.core = self.rec.core
-        from batchcraft.autobatching import kernels
-
-        self.executor = Executor(self.rec, self.stats, options, kernels.selector(options.kernels))
+        self.executor = Executor(self.rec, self.stats, options, _kernels.selector(options.kernels))
         self.main = None
         self.exec_time = 0.0
         self.waiter = None  # the greenlet whose value request switched to the scheduler last
