@@ -148,3 +148,21 @@ def test_sampling_ops_keep_a_draw_per_node(core, missed_by_name, monkeypatch):
         for out in (first, again):
             assert not all(torch.equal(out[0], out[k]) for k in range(4, 64, 4))
         assert f.stats.groups_deduplicated == 0
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_train_mode_batch_norm_keeps_every_row_in_its_running_statistics(core):
+    # BatchNorm in train mode inside a token block: its running stats count each node, so the
+    # block is not deduplicated even under no_grad
+    torch.manual_seed(6)
+    emb, lin, bn = torch.nn.Embedding(20, 6), torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(3, momentum=0.5)
+
+    @static_block
+    def norm(t):
+        return bn(lin(emb(t)).reshape(1, 3, 2)).reshape(6)
+
+    ids = [i % 3 for i in range(40)]
+    f = autobatch(lambda i: norm(torch.tensor(i)), core=core)
+    with torch.no_grad():
+        f(ids)
+    assert f.stats.groups_deduplicated == 0

@@ -15,6 +15,7 @@ Applies where (checked once per program, :func:`eligible`):
 * the program makes no random draw (dropout in training mode, ``rand*``, ``bernoulli``,
   ``normal``, ``rrelu``...): a draw per node would differ. Names are checked when the program
   is lowered, and its first deduplicated run checks that the default generator did not move;
+* it has no batch norm (in training mode its running statistics count every row);
 * it does real arithmetic (a matrix product or convolution): for a lookup alone the extra
   ``unique`` and gather cost more than they save.
 
@@ -63,7 +64,7 @@ def eligible(prog, in_descs) -> bool:
     heavy = False
     for st in _walk(prog):
         name = st.name.lower()
-        if draws(st):
+        if draws(st) or "batch_norm" in name:  # (train-mode batch norm updates running stats per row)
             return False
         if any(h in name for h in _HEAVY):
             heavy = True
