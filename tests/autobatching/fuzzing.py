@@ -327,6 +327,20 @@ def _see_top2(h, largest=True):
         MARGIN.see(top[0] - top[1])
 
 
+def _see_top2_rows(k):
+    """:func:`_see_top2` per column of ``k`` (rows: a node's children), for the ragged block's
+    ``amax`` over the children. Eager run only (the block's argument is a tensor there; inside
+    autobatch the block is traced on lazy values and tracking is off). Without it, children whose
+    states tie within rounding (frequent under bf16) sent the amax gradient to different children
+    in eager and batched runs: reliability #27."""
+    if MARGIN.tracking and isinstance(k, torch.Tensor) and k.dim() == 2 and k.shape[0] > 1:
+        top = torch.topk(k.detach().float(), 2, dim=0).values
+        gap = top[0] - top[1]
+        if k.dtype in (torch.bfloat16, torch.float16):  # within a few units of the last place: a tie
+            gap = (gap - 4 * torch.finfo(k.dtype).eps * top[0].abs()).clamp_min(0)
+        MARGIN.see(gap.min())
+
+
 def _reduce(name, h):
     if name == "sum":
         return h + h.sum()
@@ -618,6 +632,7 @@ def _ragged_cell(P, name):
                 k = torch.stack(kids, dim=-2)                      # (k, D): members of a list
                 if name == "ragged_block":
                     att = torch.softmax((k * x.unsqueeze(-2)).sum(-1), dim=-1)   # attention over children
+                    _see_top2_rows(k)  # amax over the children selects, as a branch does
                     x = x + (att.unsqueeze(-1) * torch.tanh(lin(k))).sum(-2) + k.amax(-2)
                 else:
                     x = x + k.mean(-2) * torch.sigmoid(lin(x))
