@@ -159,6 +159,37 @@ def test_batchnorm_running_statistics_update_in_instance_order(core, momentum):
 
 
 @pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("rows", [(3,), (3, 4)])
+def test_train_mode_batchnorm_under_bf16_autocast_keeps_eager_dtype_and_rounding(core, rows):
+    # the long fuzz run (stop 33, reliability #85): the batched train-mode batch norm was a
+    # decomposition in the input's dtype, so a bfloat16 input (a Linear under CPU autocast) gave
+    # a float32 output and bf16 statistics: weight gradients 10% off eager's
+    torch.manual_seed(0)
+    lin, bn = nn.Linear(5, 5), nn.BatchNorm1d(5, momentum=0.3)
+    bn_e = copy.deepcopy(bn)
+
+    def make(norm):
+        def fn(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = lin(x)
+                s = torch.stack([h, h * 0.5 + 1.0, torch.tanh(h)])  # (3, *rows, 5)
+                return norm(s.transpose(1, -1) if s.dim() == 3 else s)
+        return fn
+
+    xs = [torch.randn(*rows[1:], 5) for _ in range(6)] + [torch.randn(*rows[1:], 5)] * 2
+    out = autobatch(make(bn), core=core)(xs)
+    ref = [make(bn_e)(x) for x in xs]
+    for o, r in zip(out, ref):
+        assert o.dtype == r.dtype == torch.bfloat16
+        torch.testing.assert_close(o, r, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(bn.running_mean, bn_e.running_mean)
+    torch.testing.assert_close(bn.running_var, bn_e.running_var)
+    gb = torch.autograd.grad(sum(o.float().sum() for o in out), lin.weight)[0]
+    ge = torch.autograd.grad(sum(r.float().sum() for r in ref), lin.weight)[0]
+    torch.testing.assert_close(gb, ge, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("core", CORES)
 def test_batchnorm_in_eval_mode_reads_running_statistics(core):
     bn = nn.BatchNorm1d(3)
     bn.running_mean.uniform_(-1, 1)

@@ -28,27 +28,36 @@ def _dims(rank: int) -> list:
     return [0] + list(range(2, rank))
 
 
+def _stats(x, dims):
+    """Mean and unbiased variance of ``x`` over ``dims`` in float32 at least (eager's batch norm
+    accumulates a bfloat16/float16 input in float32, and its running statistics are float32)."""
+    xs = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    var_b, mean = torch.var_mean(xs, dims, unbiased=False)
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    return mean, var_b * (count / max(count - 1, 1))
+
+
 def batch_norm_train(x, weight, bias, eps: float):
     """Train-mode batch norm of one instance's ``x`` (N, C, *spatial): ``(out, mean, var)``.
 
-    ``mean`` and ``var`` (unbiased) are (C,), the statistics the running averages take in.
+    ``out`` is torch's own kernel without running statistics (so its dtype and rounding are
+    eager's: a bfloat16 input under autocast gives a bfloat16 output); ``mean`` and ``var``
+    (unbiased) are (C,), the statistics the running averages take in.
     """
-    dims = _dims(x.dim())
-    mean = x.mean(dims)
-    var_b = x.var(dims, unbiased=False)
-    count = x.numel() // x.shape[1]
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    out = (x - mean.view(shape)) * torch.rsqrt(var_b.view(shape) + eps)
-    if weight is not None:
-        out = out * weight.view(shape)
-    if bias is not None:
-        out = out + bias.view(shape)
-    var_u = var_b * (count / max(count - 1, 1))
+    out = F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
+    mean, var_u = _stats(x.detach(), _dims(x.dim()))
     return out, mean, var_u
 
 
 def rule_batch_norm_train(func, struct, leaves, mask, shapes, n):
-    """Batched :func:`batch_norm_train`: statistics over each instance's own dims."""
+    """Batched :func:`batch_norm_train`: each instance's channels become channels of their own.
+
+    ``x`` (n, N, C, *spatial) is laid out as (N, n * C, *spatial) and normalised by torch's batch
+    norm with the weight and bias repeated per instance: per (instance, channel) statistics,
+    the same kernel, dtype and backward as eager's.
+    """
     from batchcraft.autobatching.rules import _args, rule_vmap
 
     args, _ = _args(struct, leaves)
@@ -56,20 +65,14 @@ def rule_batch_norm_train(func, struct, leaves, mask, shapes, n):
     if not mask[0] or any(mask[1:]):
         return rule_vmap(func, struct, leaves, mask, shapes, n)
     rank = len(shapes[0])
-    dims = [d + 1 for d in _dims(rank)]
-    mean = x.mean(dims)
-    var_b = x.var(dims, unbiased=False)
-    count = 1
-    for d in _dims(rank):
-        count *= shapes[0][d]
-    shape = [n, 1, -1] + [1] * (rank - 2)
-    out = (x - mean.view(shape)) * torch.rsqrt(var_b.view(shape) + eps)
-    pshape = [1, 1, -1] + [1] * (rank - 2)
-    if weight is not None:
-        out = out * weight.view(pshape)
-    if bias is not None:
-        out = out + bias.view(pshape)
-    return out, mean, var_b * (count / max(count - 1, 1))
+    N, C, rest = x.shape[1], x.shape[2], tuple(x.shape[3:])
+    xt = x.transpose(0, 1).reshape((N, n * C) + rest)
+    w = weight.repeat(n) if weight is not None else None
+    b = bias.repeat(n) if bias is not None else None
+    out = F.batch_norm(xt, None, None, w, b, True, 0.0, eps)
+    out = out.reshape((N, n, C) + rest).transpose(0, 1).contiguous()
+    mean, var_u = _stats(x.detach(), [d + 1 for d in _dims(rank)])
+    return out, mean, var_u
 
 
 def parse_batch_norm(args, kwargs):
