@@ -393,6 +393,10 @@ class RecorderBase:
 
     def general(self, func, args, kwargs):
         """:meth:`record_general`, also returning the SigInfo used (None: no node was recorded)."""
+        if type(func) is _MethodWrapper and len(args) == 1 and not kwargs and type(args[0]) is not self.lazy_type:
+            # a property of a tensor from outside the instance (``weight.device`` in a model's
+            # forward, once per instance): nothing to record, nothing written
+            return self.run_concrete(func, args, kwargs), None
         _refuse(func)
         if func in _IDENTITY and len(args) == 1 and not kwargs and type(args[0]) is self.lazy_type \
                 and args[0].rec is self and DESCS[args[0].did][1] is not torch.bool:
