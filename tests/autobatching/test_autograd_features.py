@@ -219,3 +219,25 @@ def test_positive_under_no_grad_returns_the_value_itself_as_in_eager(core):
     xs = [torch.randn(n, 1, generator=g) for n in (1, 2, 3)]
     assert_matches_eager(fn, xs, list(cell.parameters()), core=core, fibers=False)
     assert_matches_eager(fn, xs, list(cell.parameters()), core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_train_mode_batchnorm_keeps_each_instance_layout(core):
+    # a hostile helper (stop 33): the batched batch norm returned contiguous rows for a
+    # channels_last input, so `.view(-1)` worked where eager's raises; contiguous stays contiguous
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3)
+
+    def fn(x):
+        return bn(x).view(-1).sum()
+
+    cl = [torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="view size"):
+        fn(cl[0])
+    with pytest.raises(Exception, match="view size"):
+        autobatch(fn, core=core)(cl)
+    xs = [x.contiguous() for x in cl]
+    out = autobatch(fn, core=core)(xs)
+    bn_e = copy.deepcopy(bn)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, bn_e(x).view(-1).sum(), atol=1e-4, rtol=1e-4)

@@ -179,3 +179,39 @@ def test_a_counter_that_nothing_reads_costs_no_sync(core):
     f = autobatch(lambda x: bn(lin(x).unsqueeze(0).expand(3, 4) * torch.arange(1.0, 4.0).unsqueeze(1)), core=core)
     f([torch.randn(4) for _ in range(5)])
     assert f.stats.syncs == 0 and int(bn.num_batches_tracked) == 5
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("how", ["clamp", "setitem", "read_after_write", "per_instance_write"])
+def test_detach_of_a_shared_tensor_aliases_it_as_in_eager(core, how):
+    # a hostile helper (stop 33, present before): `w.detach()` inside instance code became a
+    # per-instance copy, so writes through it were lost (weight clipping) and a read recorded
+    # before a write of the shared tensor saw the written value
+    xs = [torch.ones(2) * (i + 1) for i in range(3)]
+
+    def make(w):
+        def fn(x):
+            t = w.detach()
+            if how == "clamp":
+                t.clamp_(-1.0, 1.0)
+            elif how == "setitem":
+                t[0, 0] = 0.0
+            elif how == "per_instance_write":
+                t[0].add_(x)
+            y1 = x @ t
+            w.data.mul_(2.0)  # no per-instance value: runs at once, as in eager
+            return y1, x @ t
+        return fn
+
+    w_e = torch.tensor([[1.0, -3.0], [3.0, 4.0]])
+    w_b = w_e.clone()
+    if how == "per_instance_write":
+        with pytest.raises(UnsupportedOperationError, match="shared tensor"):
+            autobatch(make(w_b), core=core)(xs)
+        return
+    ref = [make(w_e)(x) for x in xs]
+    out = autobatch(make(w_b), core=core)(xs)
+    torch.testing.assert_close(w_b, w_e)
+    for (a1, a2), (b1, b2) in zip(out, ref):
+        torch.testing.assert_close(a1, b1)
+        torch.testing.assert_close(a2, b2)

@@ -684,3 +684,34 @@ def test_a_mode_entered_inside_a_static_block_is_refused_by_name(core):
 
     with pytest.raises(AutobatchError, match=r"torch-function mode \(_Halve\) entered inside a static block"):
         autobatch(f, core=core)([torch.ones(4), torch.zeros(4)])
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("first", ["inference_grad", "plain"])
+def test_inference_mode_with_grad_enabled_inside_is_its_own_state(core, first):
+    # a hostile helper (stop 33): `inference_mode()` with `enable_grad()` inside has grad mode on
+    # *and* inference mode on; a state word that took grad-on to mean no inference mode let such
+    # a call and an ordinary one share signatures (requires_grad False in training, or a hook
+    # registered on a tensor that does not require grad)
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        y = torch.tanh(lin(x))
+        return y, y.requires_grad
+
+    xs = [torch.randn(4) for _ in range(3)]
+    f = autobatch(fn, core=core)
+    calls = ["inference_grad", "plain"] if first == "inference_grad" else ["plain", "inference_grad"]
+    for how in calls:
+        if how == "plain":
+            out, ref = f(xs), [fn(x) for x in xs]
+        else:
+            with torch.inference_mode(), torch.enable_grad():
+                out, ref = f(xs), [fn(x) for x in xs]
+        for (y, flag), (ey, eflag) in zip(out, ref):
+            assert flag == eflag and y.requires_grad == ey.requires_grad
+            torch.testing.assert_close(y, ey)
+        if how == "plain":
+            sum(y.sum() for y, _ in out).backward()
+            assert lin.weight.grad is not None

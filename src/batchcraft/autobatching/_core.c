@@ -911,7 +911,6 @@ static inline int state_word(uint64_t *out) {
     int ac = (a == Py_True);
     Py_DECREF(a);
     if (ac) return 1;
-    if (grad) { *out = TAG(K_STATE, 1); return 0; }  /* inference mode turns grad mode off */
     PyObject *inf = PyObject_CallNoArgs(g_is_inference);
     if (!inf) return -1;
     int im = (inf == Py_True);

@@ -69,8 +69,9 @@ def rule_batch_norm_train(func, struct, leaves, mask, shapes, n):
     xt = x.transpose(0, 1).reshape((N, n * C) + rest)
     w = weight.repeat(n) if weight is not None else None
     b = bias.repeat(n) if bias is not None else None
-    out = F.batch_norm(xt, None, None, w, b, True, 0.0, eps)
-    out = out.reshape((N, n, C) + rest).transpose(0, 1).contiguous()
+    out = F.batch_norm(xt, None, None, w, b, True, 0.0, eps).reshape((N, n, C) + rest).transpose(0, 1)
+    # laid out as the input, as eager's kernel lays each instance's output (channels_last stays so)
+    out = torch.empty_like(x, dtype=out.dtype).copy_(out)
     mean, var_u = _stats(x.detach(), [d + 1 for d in _dims(rank)])
     return out, mean, var_u
 

@@ -86,12 +86,15 @@ def _flat_lazies(args, kwargs) -> list:
 
 
 def _aliases_input(out, args) -> bool:
-    """``out`` shares storage with a tensor argument (a view of it, or the tensor itself)."""
-    if out._base is None and not any(out is a for a in args):
-        return False
+    """``out`` shares storage with a tensor argument (a view of it, ``detach()`` of it, or the
+    tensor itself)."""
+    if any(out is a for a in args):
+        return True
     try:
         ptr = out.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # no storage (e.g. meta, sparse)
+        return False
+    if ptr == 0:  # an empty storage shares no memory
         return False
     for a in args:
         if isinstance(a, _Tensor):
@@ -521,8 +524,12 @@ class RecorderBase:
             if type(func) is _MethodWrapper or (isinstance(out, _Tensor) and _aliases_input(out, args)):
                 # a property (.data, .T, .grad) or a view of a tensor from outside the instance
                 # aliases shared state: it stays shared (writes into it reach that tensor, as in eager)
-                if isinstance(out, _Tensor) and out._base is not None:
-                    self.made_views[id(out)] = out  # keyed by what it reads (shared_descriptor)
+                if isinstance(out, _Tensor) and (out._base is not None or (
+                        type(func) is not _MethodWrapper and not out.requires_grad
+                        and not any(out is a for a in args))):
+                    # a view, or an alias made by this call (``w.detach()``): keyed by what it
+                    # reads (shared_descriptor); a property may hand back an older tensor (.grad)
+                    self.made_views[id(out)] = out
                 return out
         if isinstance(out, _Tensor):
             scalar = (func is _torch_tensor and args and type(args[0]) in _PY_SCALARS and not out.requires_grad)

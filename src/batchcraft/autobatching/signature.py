@@ -132,6 +132,10 @@ def shared_descriptor(t: torch.Tensor, made_views=None) -> tuple:
         if base is not None:
             return ("shared_view", id(base), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device,
                     t.requires_grad, t.is_conj(), t.is_neg())
+        # an alias without a base (``w.detach()``): by the storage it reads, which the signature's
+        # stored alias keeps alive (so the address cannot come back for other memory)
+        return ("shared_alias", t.untyped_storage().data_ptr(), t.data_ptr(), tuple(t.shape), t.stride(),
+                t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg())
     return ("shared", id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
