@@ -12,9 +12,10 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from batchcraft import autobatch
+from batchcraft import autobatch, static_block
 
 from equivalence import assert_matches_eager
 
@@ -241,3 +242,55 @@ def test_train_mode_batchnorm_keeps_each_instance_layout(core):
     bn_e = copy.deepcopy(bn)
     for o, x in zip(out, xs):
         torch.testing.assert_close(o, bn_e(x).view(-1).sum(), atol=1e-4, rtol=1e-4)
+
+
+# Open, found by a hostile helper at stop 33 and present before it (docs/reliability.md #89-#91).
+@pytest.mark.xfail(strict=True, reason="reliability #89: running statistics made inside the instance, under no_grad", raises=AssertionError)
+@pytest.mark.parametrize("core", CORES)
+def test_batch_norm_updates_running_statistics_made_inside_the_instance(core):
+    def fn(x):
+        rm, rv = torch.zeros(3), torch.ones(3)
+        y = F.batch_norm(x, rm, rv, None, None, True, 0.5)
+        return y, rm, rv
+
+    xs = [torch.randn(5, 3) for _ in range(2)]
+    with torch.no_grad():
+        out = autobatch(fn, core=core)(xs)
+        ref = [fn(x) for x in xs]
+    for o, r in zip(out, ref):
+        for a, b in zip(o, r):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.xfail(strict=True, reason="reliability #90: momentum=None with a value wait between two calls", raises=AssertionError)
+@pytest.mark.parametrize("core", CORES)
+def test_cumulative_batchnorm_statistics_with_a_value_wait_between_calls(core):
+    torch.manual_seed(0)
+    bn_e = nn.BatchNorm1d(3, momentum=None)
+    bn_b = copy.deepcopy(bn_e)
+
+    def make(bn):
+        def fn(x):
+            y = bn(x)
+            if y.sum() > 0:  # a value wait: other instances' first calls run meanwhile
+                pass
+            return bn(y * 3)
+        return fn
+
+    xs = [torch.randn(4, 3) for _ in range(3)]
+    [make(bn_e)(x) for x in xs]
+    autobatch(make(bn_b), core=core)(xs)
+    torch.testing.assert_close(bn_b.running_var, bn_e.running_var)
+
+
+@pytest.mark.xfail(strict=True, reason="reliability #91: a train-mode BatchNorm as a static block", raises=AssertionError)
+@pytest.mark.parametrize("core", CORES)
+def test_static_block_batchnorm_updates_running_statistics_per_instance_in_order(core):
+    torch.manual_seed(0)
+    bn_e = nn.BatchNorm1d(1, momentum=0.5, affine=False)
+    bn_b = static_block(copy.deepcopy(bn_e))
+    xs = [torch.randn(n, 1) for n in (2, 4, 2)]
+    [bn_e(x) for x in xs]
+    autobatch(lambda x: bn_b(x), core=core)(xs)
+    torch.testing.assert_close(bn_b.running_mean, bn_e.running_mean)
+    assert int(bn_b.num_batches_tracked) == int(bn_e.num_batches_tracked)
