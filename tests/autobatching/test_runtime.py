@@ -323,3 +323,29 @@ def test_property_reads_of_shared_tensors_match_eager(core):
         ey, efacts = fn(x)
         assert facts == efacts
         torch.testing.assert_close(y, ey)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fill_factory_leaves_follow_the_default_dtype_and_stay_per_instance(core, dtype):
+    # torch.zeros(int, ...) becomes a leaf without the general path; its descriptor is built from
+    # the sizes and the made tensor (dtype, device): the default dtype must reach it, and an
+    # in-place update of one instance's zeros must not reach another's
+    def fn(x):
+        h = torch.zeros(3)
+        o = torch.ones(2, 3)
+        h.add_(x)
+        return h * 2, o.sum(0) + h, h.dtype
+
+    xs = [torch.randn(3, dtype=dtype) for _ in range(4)]
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        out = autobatch(fn, core=core)(xs)
+        ref = [fn(x) for x in xs]
+    finally:
+        torch.set_default_dtype(prev)
+    for o, r in zip(out, ref):
+        assert o[2] == r[2] == dtype and o[0].dtype == r[0].dtype
+        torch.testing.assert_close(o[0], r[0])
+        torch.testing.assert_close(o[1], r[1])
