@@ -90,6 +90,8 @@ def _aliases_input(out, args) -> bool:
     tensor itself)."""
     if any(out is a for a in args):
         return True
+    if not any(isinstance(a, _Tensor) for a in args):
+        return False  # (a factory: no storage read to compare with)
     try:
         ptr = out.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # no storage (e.g. meta, sparse)
