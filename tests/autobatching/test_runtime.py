@@ -325,6 +325,45 @@ def test_property_reads_of_shared_tensors_match_eager(core):
         torch.testing.assert_close(y, ey)
 
 
+class _Tagged(torch.Tensor):
+    """A Tensor subclass with torch's default ``__torch_function__`` (results keep the type)."""
+
+
+class _Logged(torch.Tensor):
+    calls: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_captured_tensor_subclass_reads_keep_their_type_as_in_eager(core):
+    # reliability #93: .T, .data and .t() of a captured subclass came back as plain Tensors
+    tagged = torch.randn(3, 3).as_subclass(_Tagged)
+    logged = torch.randn(3, 3).as_subclass(_Logged)
+    param = torch.nn.Parameter(torch.randn(3, 3))
+
+    def fn(x):
+        outs = (tagged.T, tagged.data, tagged.t(), logged.t(), param.T, param.t())
+        return x @ tagged.t(), tuple(type(o).__name__ for o in outs), tagged.t().data_ptr() == tagged.data_ptr()
+
+    xs = [torch.randn(3) for _ in range(3)]
+    _Logged.calls.clear()
+    ref = [fn(x) for x in xs]
+    eager_calls = sorted(_Logged.calls)
+    _Logged.calls.clear()
+    out = autobatch(fn, core=core)(xs)
+    # the subclass's handler ran once per call, as in eager (the recorder's own reads of
+    # ``requires_grad`` for its signature keys also reach it, as property ``__get__`` calls)
+    assert sorted(c for c in _Logged.calls if c != "__get__") == eager_calls
+    for o, r in zip(out, ref):
+        assert o[1] == r[1] == ("_Tagged", "_Tagged", "_Tagged", "_Logged", "Tensor", "Tensor")
+        assert o[2] and r[2]
+        torch.testing.assert_close(o[0].as_subclass(torch.Tensor), r[0].as_subclass(torch.Tensor))
+
+
 @pytest.mark.parametrize("core", CORES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fill_factory_leaves_follow_the_default_dtype_and_stay_per_instance(core, dtype):

@@ -21,10 +21,13 @@ import functools
 import torch
 from torch import nn
 
-from batchcraft.autobatching import _native, cells as _cells, stack
+from batchcraft.autobatching import _native, buffers as _buffers, cells as _cells, stack
 from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.devices import with_factory_device
+from batchcraft.autobatching.functional import writes_first
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
+from batchcraft.autobatching.modstate import roots
+from batchcraft.autobatching.patches import SharedPatch
 from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.program import Program, Step
 from batchcraft.autobatching.signature import (LEAF, RAGGED, SCALAR_TYPES, SIGNATURES, SigInfo, flatten,
@@ -34,6 +37,24 @@ from batchcraft.errors import AutobatchError
 
 _current = stack.current
 _Lazy = LazyTensor
+
+
+class _SharedWrite(Exception):
+    """Raised while a block is traced: its body writes state that outlives the call (a module's
+    running statistics, a counter buffer) or updates a value in place. A program replayed once
+    per group would apply such writes once per group, not once per instance in instance order,
+    so the block runs unblocked instead (:meth:`StaticBlock.run_unblocked`)."""
+
+
+def _shared_write(func, args, kwargs):
+    """Why ``func(*args, **kwargs)`` cannot be part of a block's program, or None."""
+    if func in _buffers.BATCH_NORMS:
+        b = _buffers.parse_batch_norm(args, kwargs)
+        if b is not None and b["training"] and (b["running_mean"] is not None or b["running_var"] is not None):
+            return "a train-mode batch norm updates running statistics"
+    if args and isinstance(args[0], torch.Tensor) and writes_first(func, kwargs):
+        return f"{getattr(func, '__name__', func)} writes a tensor shared by all instances in place"
+    return None
 
 
 class TracedList(list):
@@ -90,6 +111,7 @@ class BlockTracer:
         self.blocks_checked = getattr(parent, "blocks_checked", set())
         self.options = getattr(parent, "options", None)
         self.factory_device = getattr(parent, "factory_device", None)
+        self.nested_blocks: set = set()  # blocks called by this body: part of its fingerprint
 
     # -- lazy protocol ---------------------------------------------------------------------------
     def note_shape(self, x=None) -> None:
@@ -117,13 +139,10 @@ class BlockTracer:
                              hint="register the hook on the block's output, outside the block")
 
     def inplace(self, x, func, args, kwargs):
-        raise AutobatchError(f"static block {self.block.name!r}: in-place .{getattr(func, '__name__', func)}() "
-                             f"inside a static block is not supported",
-                             hint="write the block out of place (y = f(y)); in-place updates work outside blocks")
+        raise _SharedWrite(f"in-place .{getattr(func, '__name__', func)}()")
 
     def setitem(self, x, key, value):
-        raise AutobatchError(f"static block {self.block.name!r}: item assignment inside a static block is not "
-                             f"supported", hint="write the block out of place, e.g. with torch.where or torch.cat")
+        raise _SharedWrite("item assignment")
 
     def materialize(self, x, why):
         raise AutobatchError(
@@ -175,6 +194,9 @@ class BlockTracer:
 
     # -- recording ---------------------------------------------------------------------------------
     def record(self, func, args, kwargs):
+        why = _shared_write(func, args, kwargs)
+        if why is not None:
+            raise _SharedWrite(why)
         if func in _cells.CELL_FUNCS:
             out = _cells.record_cell(self, func, args, kwargs)
             if out is not NotImplemented:
@@ -232,6 +254,8 @@ class StaticBlock:
         self.__name__ = self.name
         self._fingerprint = None
         self.ragged_ok: dict = {}   # list-argument pattern -> bool (None: not traced yet)
+        self.unblocked: str | None = None  # why the body runs unblocked (_SharedWrite), None: it does not
+        self.nested: set = set()  # blocks its traces called (their changes trace this block again)
         if not isinstance(fn, nn.Module):
             functools.update_wrapper(self, fn, updated=())
 
@@ -256,19 +280,42 @@ class StaticBlock:
             self._check_fingerprint()
             rec.blocks_checked.add(self)
         if getattr(rec, "is_tracer", False):
+            rec.nested_blocks.add(self)
+            if self.unblocked is not None:  # inside another block's trace: that block runs unblocked too
+                return self.fn(*args, **kwargs)
             return rec.record(self, args, kwargs)
         return self._record_slow(rec, args, kwargs)[0]
 
     def _record_slow(self, rec, args, kwargs):
         """Record one call off the C fast path: ``(outputs, SigInfo or None, ragged or None)``."""
-        opts = rec.options
-        if opts is not None and opts.ragged and not kwargs:
-            res = self._record_ragged(rec, args)
-            if res is not NotImplemented:
-                return res[0], res[1], True
-        # without lazy arguments the recorder runs the block now and makes its outputs leaves
-        out, info = rec.general(self, args, kwargs)
-        return out, info, (False if info is not None else None)
+        if self.unblocked is None:
+            try:
+                opts = rec.options
+                if opts is not None and opts.ragged and not kwargs:
+                    res = self._record_ragged(rec, args)
+                    if res is not NotImplemented:
+                        return res[0], res[1], True
+                # without lazy arguments the recorder runs the block now and makes its outputs leaves
+                out, info = rec.general(self, args, kwargs)
+                return out, info, (False if info is not None else None)
+            except _SharedWrite as exc:
+                self.unblocked = str(exc)
+        return self.run_unblocked(rec, args, kwargs), None, None
+
+    def run_unblocked(self, rec, args, kwargs):
+        """Run the body as ordinary instance code, recorded operation by operation.
+
+        For a body that writes state outliving the call (``_SharedWrite``): train-mode
+        ``BatchNorm`` updates its running statistics and ``num_batches_tracked`` once per
+        instance, in instance order, as in eager; in-place updates of values follow the usual
+        rules. Counted in ``stats.fallback_reasons``; the block is traced again when its
+        module's parameters, buffers or ``training`` flags change.
+        """
+        runtime = getattr(rec, "runtime", None)
+        if runtime is not None:
+            runtime.stats.note_fallback(f"static block {self.name}: runs unblocked, operation by operation "
+                                        f"({self.unblocked})")
+        return self.fn(*args, **kwargs)
 
     def _record_ragged(self, rec, args):
         """Record with list arguments keyed empty / non-empty (NotImplemented: not applicable)."""
@@ -335,17 +382,30 @@ class StaticBlock:
         if fp != self._fingerprint:
             SIGNATURES.drop_func(self)
             self.ragged_ok.clear()
+            self.unblocked = None
             self._fingerprint = fp
 
-    def _fingerprint_now(self):
-        # traces hold the device= their factory calls got from a default device (devices.py):
-        # another default device traces again
+    def _fingerprint_now(self, visiting=None):
+        """What the block's traces depend on beside their arguments: the parameters, buffers and
+        ``training`` flags of its module (a function block: of the modules it reaches, see
+        ``modstate.roots``), the fingerprints of the blocks its traces called, and the default
+        device (traces hold the ``device=`` their factory calls got: devices.py)."""
         fdev = getattr(_current(), "factory_device", None)
-        if self.module is None:
-            return fdev
-        tensors = tuple((id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
-                        for t in list(self.module.parameters()) + list(self.module.buffers()))
-        return tensors + tuple(m.training for m in self.module.modules()) + (fdev,)
+        visiting = visiting if visiting is not None else set()
+        visiting.add(self)
+        modules = [self.module] if self.module is not None else roots(self.fn)
+        seen, parts = set(), []
+        for root in modules:
+            for m in root.modules():
+                if id(m) in seen:
+                    continue
+                seen.add(id(m))
+                parts.append(m.training)
+                for t in list(m._parameters.values()) + list(m._buffers.values()):
+                    if t is not None:
+                        parts.append((id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad))
+        nested = tuple(b._fingerprint_now(visiting) for b in list(self.nested) if b not in visiting)
+        return tuple(parts) + nested + (fdev,)
 
     # -- tracing -----------------------------------------------------------------------------------
     def _run_body(self, tracer, args, kwargs):
@@ -358,6 +418,10 @@ class StaticBlock:
         finally:
             torch.set_rng_state(rng)
             stack.pop()
+            if not tracer.nested_blocks <= self.nested:  # a block called for the first time
+                self.nested |= tracer.nested_blocks
+                with torch._C.DisableTorchFunction():
+                    self._fingerprint = self._fingerprint_now()
 
     def _finish(self, tracer, out, key, ragged_dids=(), classes=(), rec=None, n_in=None):
         out_leaves: list = []
@@ -438,6 +502,23 @@ class StaticBlock:
         return SIGNATURES.add(key, lambda sid: SigInfo(sid, key, self, ("ragged", tuple(pattern)), leaves, _Lazy,
                                                        state[0], state, prog.out_struct, prog.out_dids, prog.out_rg,
                                                        program=prog, ragged=ragged_dids, lens_classes=classes))
+
+
+_MODULE_TRAIN = nn.Module.train
+
+
+def _recording_train(self, mode: bool = True):
+    """``nn.Module.train`` while calls record: blocks check their module's fingerprint again
+    (a block's module switched by ``eval()``/``train()`` inside instance code is traced, or run
+    unblocked, for its new mode)."""
+    out = _MODULE_TRAIN(self, mode)
+    forget = getattr(_current(), "forget_block_checks", None)
+    if forget is not None:
+        forget()
+    return out
+
+
+MODULE_TRAIN = SharedPatch(nn.Module, "train", _recording_train)
 
 
 def _python_call(self, *args, **kwargs):

@@ -96,27 +96,71 @@ def parse_batch_norm(args, kwargs):
 
 def record_batch_norm(rec, args, kwargs):
     """Record a train-mode batch norm with running statistics (see the module docstring), or
-    return NotImplemented when the call is not of that kind."""
+    return NotImplemented when the call is not of that kind.
+
+    Running statistics made inside the instance (lazy values) are updated there and then, as
+    recorded in-place operations of that instance; shared ones (a module's buffers) are kept for
+    :func:`apply_deferred`.
+
+    Raises:
+        TypeError: ``momentum=None``, as eager's ``F.batch_norm`` does (``nn.BatchNorm`` passes
+            its cumulative factor as a float).
+    """
     b = parse_batch_norm(args, kwargs)
     if b is None or not b["training"] or type(b["input"]) is not rec.lazy_type:
         return NotImplemented
     rm, rv = b["running_mean"], b["running_var"]
-    if not (isinstance(rm, torch.Tensor) and isinstance(rv, torch.Tensor)):
+    lazy = rec.lazy_type
+    if not all(isinstance(t, torch.Tensor) or type(t) is lazy for t in (rm, rv)):
         return NotImplemented
-    out, mean, var = rec.record(batch_norm_train, (b["input"], b["weight"], b["bias"], float(b["eps"])), {})
     momentum = b["momentum"]
-    rec.deferred.append((rec.instance, mean, var, rm, rv, 0.1 if momentum is None else float(momentum)))
+    if momentum is None:
+        raise TypeError("batch_norm(): argument 'momentum' (position 7) must be float, not NoneType")
+    momentum = float(momentum)
+    out, mean, var = rec.record(batch_norm_train, (b["input"], b["weight"], b["bias"], float(b["eps"])), {})
+    for buf, stat in ((rm, mean), (rv, var)):
+        if type(buf) is lazy:
+            # the instance's own tensor: an in-place update of that instance, in recording order
+            if buf.dtype != stat.dtype:
+                stat = rec.general(torch.Tensor.to, (stat, buf.dtype), {})[0]
+            rec.inplace(buf, torch.Tensor.mul_, (buf, 1 - momentum), {})
+            rec.inplace(buf, torch.Tensor.add_, (buf, stat), {"alpha": momentum})
+        else:
+            rec.deferred.append((rec.instance, len(rec.deferred), stat, buf, momentum))
     return out
 
 
+def _eager_factors(entries):
+    """The momentum factors in the order eager would use them.
+
+    ``nn.BatchNorm(momentum=None)`` computes its factor from ``num_batches_tracked`` at call
+    time (1/1, 1/2, ...): a running count that instances interleaved by value waits consume in
+    another order than eager's. When one buffer's factors, in recording order, are exactly such
+    a count (1/k, 1/(k+1), ...), the k-th update in eager order takes the k-th factor; other
+    factors (constant momentum, or any other sequence) stay with their call.
+    """
+    by_rec = sorted(entries, key=lambda d: d[1])
+    inv = [1.0 / d[4] if d[4] else 0.0 for d in by_rec]
+    cumulative = all(v == round(v) and v >= 1 for v in inv) and all(
+        b - a == 1 for a, b in zip(inv, inv[1:]))
+    if not cumulative:
+        return [d[4] for d in entries]
+    return [d[4] for d in by_rec]
+
+
 def apply_deferred(rec) -> None:
-    """After the call: the running-statistics updates, instance by instance, in order."""
+    """After the call: the running-statistics updates of shared buffers, instance by instance,
+    in order (within an instance, in recording order)."""
     if not rec.deferred:
         return
+    per_buffer: dict = {}
+    for d in rec.deferred:
+        per_buffer.setdefault(id(d[3]), []).append(d)
     with torch.no_grad():
-        for _, mean, var, rm, rv, m in sorted(rec.deferred, key=lambda d: d[0]):
-            rm.mul_(1 - m).add_(rec.resolve(mean).to(rm.dtype), alpha=m)
-            rv.mul_(1 - m).add_(rec.resolve(var).to(rv.dtype), alpha=m)
+        for entries in per_buffer.values():
+            entries.sort(key=lambda d: (d[0], d[1]))
+            for (_, _, stat, buf, _), m in zip(entries, _eager_factors(entries)):
+                buf.mul_(1 - m).add_(rec.resolve(stat).to(buf.dtype), alpha=m)
 
 
 __all__ = ["batch_norm_train", "record_batch_norm", "apply_deferred", "rule_batch_norm_train"]

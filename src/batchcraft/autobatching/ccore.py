@@ -92,6 +92,10 @@ class CRecorder(_c.Recorder, RecorderBase):
         self.fast_factories = 1 if options.fast_factories and self.factory_device is None else 0
         self.fast_calls = FAST_FACTORIES if options.fast_factories else None
 
+    def forget_block_checks(self) -> None:
+        RecorderBase.forget_block_checks(self)
+        self.checked_blocks.clear()  # the C fast path's own set (record_block)
+
     def set_factory_device(self, device) -> None:
         # a default device applies: factory calls go to mode_call, which adds device= (the C
         # paths make CPU leaves), torch.tensor(scalar) on it once per dtype (then in C)

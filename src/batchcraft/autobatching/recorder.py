@@ -44,6 +44,22 @@ _torch_tensor = torch.tensor
 #: factories whose int-size calls become leaves directly (:meth:`RecorderBase.factory_leaf`)
 FILL_FACTORIES = frozenset({torch.zeros, torch.ones})
 _PY_SCALARS = (int, float, bool)
+_NO_HANDLER = torch._C._disabled_torch_function_impl
+
+
+def _has_subclass_handler(x) -> bool:
+    """True for a Tensor subclass whose ``__torch_function__`` runs in eager (``Parameter``'s
+    does not: its results are plain tensors)."""
+    t = type(x)
+    return t is not _Tensor and t is not torch.nn.Parameter and isinstance(x, _Tensor) and \
+        getattr(t.__torch_function__, "__func__", t.__torch_function__) is not _NO_HANDLER
+
+
+def _run_with_subclass_handler(func, args, kwargs):
+    """``func(*args, **kwargs)`` through the subclass's ``__torch_function__`` (not the
+    recorder's mode, which is not entered again: no lazy argument is involved)."""
+    t = type(args[0])
+    return t.__torch_function__(func, (t,), args, kwargs or {})
 _SCALAR_KW = frozenset({"dtype", "device"})
 _I64 = 2 ** 63
 _CPU = torch.device("cpu")
@@ -222,6 +238,11 @@ class RecorderBase:
 
     def inplace(self, x, func, args, kwargs):
         return _functional.inplace(self, x, func, args, kwargs)
+
+    def forget_block_checks(self) -> None:
+        """Static blocks check their module's fingerprint again at their next call (a module's
+        ``train()``/``eval()`` inside instance code)."""
+        self.blocks_checked.clear()
 
     def setitem(self, x, key, value) -> None:
         _functional.setitem(self, x, key, value)
@@ -524,7 +545,12 @@ class RecorderBase:
         if isinstance(func, _StaticBlock):  # (no import statement here: on 3.11 each costs a formatted error)
             func = func.fn
         with torch._C.DisableTorchFunction():
-            out = func(*args, **kwargs)
+            if args and _has_subclass_handler(args[0]):
+                # a Tensor subclass with its own __torch_function__ (captured from outside the
+                # instance): its handler runs, as in eager, and returns its type (reliability #93)
+                out = _run_with_subclass_handler(func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
             if type(func) is _MethodWrapper or (isinstance(out, _Tensor) and _aliases_input(out, args)):
                 # a property (.data, .T, .grad) or a view of a tensor from outside the instance
                 # aliases shared state: it stays shared (writes into it reach that tensor, as in eager)

@@ -1,0 +1,110 @@
+"""Static blocks (blocks.py): when a block's traces are reused, and when its body runs unblocked.
+
+A trace is reused while nothing it depends on changed (its module's, or for a function block the
+modules it reaches, parameters, buffers and ``training`` flags, and the blocks it calls). A body
+that writes state outliving the call (running statistics, a counter buffer) or updates a value in
+place runs unblocked, operation by operation, with eager's results (reliability #82, #91, #94).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from batchcraft import autobatch, static_block
+
+from equivalence import CORES, assert_matches_eager
+
+
+def _close(out, ref):
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_function_block_sees_a_replaced_parameter_of_a_module_it_calls(core):
+    # reliability #94: the trace held the old weight
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+    blk = static_block(lambda x: torch.tanh(lin(x)))
+    xs = [torch.randn(3) for _ in range(4)]
+    f = autobatch(lambda x: blk(x), core=core)
+    _close(f(xs), [torch.tanh(lin(x)) for x in xs])
+    lin.weight = nn.Parameter(torch.randn(3, 3))
+    _close(f(xs), [torch.tanh(lin(x)) for x in xs])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_function_block_follows_train_and_eval_of_a_module_block_it_calls(core):
+    # reliability #94: a nested module block switched to train() ran its eval trace
+    torch.manual_seed(1)
+    lin = nn.Linear(2, 2)
+    bn_e = nn.BatchNorm1d(2)
+    bn_b = static_block(copy.deepcopy(bn_e))
+    outer = static_block(lambda x: torch.tanh(bn_b(lin(x))))
+    xs = [torch.randn(n, 2) for n in (2, 4, 3, 4)]
+    f = autobatch(lambda x: outer(x), core=core)
+    for train in (False, True, False):
+        bn_e.train(train)
+        bn_b.train(train)
+        ref = [torch.tanh(bn_e(lin(x))) for x in xs]
+        _close(f(xs), ref)
+        torch.testing.assert_close(bn_b.running_mean, bn_e.running_mean)
+        assert int(bn_b.num_batches_tracked) == int(bn_e.num_batches_tracked)
+        assert bool(f.stats.fallback_reasons) == train  # batched again in eval mode
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_function_block_follows_dropout_eval(core):
+    torch.manual_seed(2)
+    lin, drop = nn.Linear(4, 4), nn.Dropout(0.5)
+    blk = static_block(lambda x: drop(lin(x)))
+    xs = [torch.randn(4) for _ in range(3)]
+    f = autobatch(lambda x: blk(x), core=core)
+    f(xs)  # traced in train mode
+    drop.eval()
+    _close(f(xs), [lin(x) for x in xs])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_in_place_updates_inside_a_block_run_unblocked_as_eager(core):
+    lin = nn.Linear(3, 3)
+
+    @static_block
+    def blk(x, y):
+        h = lin(x)
+        h += y          # in place on a value of the block
+        h[0] = h[1] * 2  # item assignment
+        return h.relu_()
+
+    xs = [torch.randn(3) for _ in range(4)]
+    assert_matches_eager(lambda x: blk(x, x * 3), xs, list(lin.parameters()), core=core)
+    f = autobatch(lambda x: blk(x, x * 3), core=core)
+    f(xs)
+    (reason,) = f.stats.fallback_reasons
+    assert "blk" in reason and "runs unblocked" in reason
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_counter_buffer_in_a_block_counts_every_instance(core):
+    # reliability #82: ``self.calls += 1`` on a buffer inside a static block
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.calls += 1
+            return self.lin(x)
+
+    torch.manual_seed(3)
+    eager = Counted()
+    blk = static_block(copy.deepcopy(eager))
+    xs = [torch.randn(3) for _ in range(5)]
+    ref = [eager(x) for x in xs]
+    _close(autobatch(lambda x: blk(x), core=core)(xs), ref)
+    assert float(blk.calls) == float(eager.calls) == 5
