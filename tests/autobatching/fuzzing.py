@@ -123,6 +123,9 @@ def _statement(depth: int):
         st.tuples(st.just("reduce"), st.sampled_from(REDUCE[:10])),
         st.tuples(st.just("catsplit"), st.sampled_from(CATSPLIT), st.integers(0, 5)),
         st.tuples(st.just("shape"), st.sampled_from(SHAPE)),
+        # writes inside a block make it run unblocked (blocks.py, reliability #82/#91)
+        st.tuples(st.just("inplace"), st.sampled_from(INPLACE), st.integers(0, 4)),
+        st.tuples(st.just("buffer"), st.sampled_from(("bn_train", "bn_eval"))),
     ), min_size=1, max_size=4).map(tuple)
     return st.one_of(
         simple,

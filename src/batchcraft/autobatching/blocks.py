@@ -10,8 +10,15 @@ List arguments (a node's children) are keyed as *empty* or *non-empty* when the 
 is ragged-safe (:mod:`ragged`): nodes with any number of children then run as one group.
 Otherwise a list's length is part of the signature. Rules for block code: no branching on
 tensor values (a clear error); Python control flow on shapes or non-tensor arguments is fine,
-because those are part of the signature. A module block re-traces when its parameters,
-buffers or ``training`` flags change.
+because those are part of the signature. A block re-traces when its fingerprint changes: the
+parameters, buffers and ``training`` flags of its module (a function block: of the modules it
+reaches, ``modstate.roots``), and the fingerprints of the blocks its traces called.
+
+A body that writes state outliving the call (a train-mode batch norm's running statistics, a
+buffer updated in place) or updates one of its values in place cannot be a program replayed once
+per group: such writes must happen once per instance, in instance order. Its trace stops at the
+first such call (:class:`_SharedWrite`, before the write runs) and the block then runs unblocked,
+as ordinary instance code, until its fingerprint changes (counted in ``stats.fallback_reasons``).
 """
 
 from __future__ import annotations
