@@ -215,3 +215,73 @@ def test_detach_of_a_shared_tensor_aliases_it_as_in_eager(core, how):
     for (a1, a2), (b1, b2) in zip(out, ref):
         torch.testing.assert_close(a1, b1)
         torch.testing.assert_close(a2, b2)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("grad", [False, True])
+def test_writes_through_a_detached_alias_of_a_value_reach_it(core, grad):
+    # reliability #95: ``y.detach()`` of a per-instance value was a copy, so a write through it
+    # (``a.add_(1)``) did not reach ``y``; with grad, ``y`` keeps its autograd history as in eager
+    lin = nn.Linear(3, 3)
+
+    def fn(x):
+        y = lin(x) * 1.5
+        a = y.detach()
+        a.add_(1)
+        b = y.detach()[1:]
+        b.mul_(2)
+        return y * x, a, b.requires_grad
+
+    xs = [torch.randn(3, requires_grad=grad) for _ in range(3)]
+    params = list(lin.parameters()) + (xs if grad else [])
+    assert_matches_eager(lambda x: fn(x)[:2], xs, params, core=core)
+    for o, x in zip(autobatch(fn, core=core)(xs), xs):
+        assert o[2] is fn(x)[2] is False
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_copy_and_deepcopy_of_values_follow_the_tensor_protocol(core):
+    # reliability #67: copy.copy / copy.deepcopy of a lazy value raised "cannot pickle"
+    import copy
+
+    def fn(x):
+        y = x * 2.0
+        shallow = copy.copy(y)   # an alias of y's storage, a leaf with y's requires_grad
+        deep = copy.deepcopy(x)  # a new leaf: its own storage
+        if not x.requires_grad:  # (in-place updates of leaves that require grad: #96)
+            shallow.add_(1)       # reaches y, as in eager
+            deep.mul_(3)          # does not reach x
+        pair = copy.deepcopy([x, x])
+        return y, deep, x, pair[0] is pair[1], shallow.requires_grad, shallow.is_leaf, deep.requires_grad
+
+    for rg in (False, True):
+        xs = [torch.randn(3, requires_grad=rg) for _ in range(3)]
+        out = autobatch(fn, core=core)([x.detach().clone().requires_grad_(rg) for x in xs])
+        for o, x in zip(out, xs):
+            r = fn(x.detach().clone().requires_grad_(rg))
+            for a, b in zip(o[:3], r[:3]):
+                torch.testing.assert_close(a, b)
+            assert o[3:] == r[3:]
+
+    def refused(x):
+        return copy.deepcopy(x * 2)  # a value with autograd history: refused, as in eager
+
+    with pytest.raises(Exception, match="graph leaves"):
+        autobatch(refused, core=core)([torch.randn(3, requires_grad=True)])
+
+
+@pytest.mark.xfail(strict=True, reason="reliability #96: in-place update of a leaf that requires grad, under no_grad",
+                   raises=Exception)
+@pytest.mark.parametrize("core", CORES)
+def test_in_place_update_of_an_input_leaf_under_no_grad(core):
+    def fn(x):
+        with torch.no_grad():
+            x.mul_(3)  # eager allows this under no_grad; x stays a leaf that requires grad
+        return x * 2, x.requires_grad, x.is_leaf
+
+    xs = [torch.randn(3, requires_grad=True) for _ in range(2)]
+    out = autobatch(fn, core=core)([x.detach().clone().requires_grad_() for x in xs])
+    for o, x in zip(out, xs):
+        r = fn(x.detach().clone().requires_grad_())
+        torch.testing.assert_close(o[0], r[0])
+        assert o[1:] == r[1:]

@@ -316,6 +316,29 @@ class LazyTensor(_Base):
     def numpy(self):
         return self._convert("call .numpy()", torch.Tensor.numpy)
 
+    # -- copy module: as torch.Tensor's protocol does (reliability #67) -------------------------
+    def __copy__(self):
+        """``copy.copy``: a tensor sharing this one's storage, without autograd history (as
+        ``copy.copy`` of a tensor, which rebuilds it from its storage)."""
+        out = self.detach()
+        return out.requires_grad_(True) if self.requires_grad else out
+
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy``: a new leaf with this value (and its ``requires_grad``); like
+        eager, refused for a value computed with autograd history."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               "protocol at the moment.  If you were attempting to deepcopy a module, this may "
+                               "be because of a torch.nn.utils.weight_norm usage, see "
+                               "https://github.com/pytorch/pytorch/pull/103001")
+        out = self.detach().clone()
+        if self.requires_grad:
+            out.requires_grad_(True)
+        memo[id(self)] = out
+        return out
+
     def __iter__(self):
         self.rec.note_shape()
         shape = DESCS[self.did][0]

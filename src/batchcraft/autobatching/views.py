@@ -2,7 +2,7 @@
 
 A lazy value made by a view operation (basic indexing, ``select``, ``narrow``, ``unsqueeze``,
 ``squeeze``, ``view``, ``t``, ``transpose``, ``permute``, ``diagonal``, ``unbind``/``split``/
-``chunk`` members) remembers its base. Writing into it computes the base's new value with the
+``chunk`` members, ``detach``) remembers its base. Writing into it computes the base's new value with the
 inverse of the view, so the base (and its other views) change as they do in eager.
 Operations that copy in eager (advanced indexing, ``reshape``/``flatten`` of non-contiguous
 values, ``clone``) are not views.
@@ -30,7 +30,7 @@ VIEW_FUNCS = {T.__getitem__, T.select, torch.select, T.narrow, torch.narrow, T.u
               T.squeeze, torch.squeeze, T.view, T.view_as, T.t, torch.t, T.transpose, torch.transpose,
               T.permute, torch.permute, T.diagonal, torch.diagonal, T.unbind, torch.unbind, T.split,
               torch.split, T.chunk, torch.chunk, T.swapaxes, torch.swapaxes, T.movedim, torch.movedim,
-              T.expand, T.expand_as}
+              T.expand, T.expand_as, T.detach, torch.detach}
 
 
 def is_view_call(func, struct) -> bool:
@@ -80,6 +80,12 @@ def view_scatter(rec, func, struct, leaves, slot, base, new_view, shape):
             raise RuntimeError("unsupported operation: more than one element of the written-to tensor refers "
                                "to a single memory location (an expanded view)")
         return new_view.reshape(shape)
+    if func in (T.detach, torch.detach):
+        if base.requires_grad:
+            # eager's write through a detached alias changes the base's values and leaves its
+            # autograd history as it was: the new value, with the base's gradient path (+ 0)
+            return new_view + (base - base.detach())
+        return new_view
     if func in (T.t, torch.t):
         return new_view.t() if len(shape) == 2 else new_view
     if func in (T.transpose, torch.transpose, T.swapaxes, torch.swapaxes):
