@@ -376,3 +376,59 @@ def test_static_block_module_switched_to_train_inside_instance_code(core):
         torch.testing.assert_close(o, r)
     torch.testing.assert_close(bn_b.running_mean, bn_e.running_mean)
     assert int(bn_b.num_batches_tracked) == int(bn_e.num_batches_tracked)
+
+
+# Found by the hostile helper on stop 34's own changes (docs/reliability.md #97-#99).
+@pytest.mark.parametrize("core", CORES)
+def test_per_instance_momenta_that_look_cumulative_stay_with_their_call(core):
+    # #97: factors 1/1, 1/2 in recording order were taken for nn.BatchNorm's running count
+    def make(rm, rv):
+        def fn(x):
+            if x.shape[0] == 4 and (x * 2).sum() > -100:  # a value wait in instance 0 only
+                x = x + 0
+            return F.batch_norm(x, rm, rv, None, None, True, 1.0 / (x.shape[0] - 2))
+        return fn
+
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 3), torch.randn(3, 3) + 5]
+    rm_e, rv_e, rm_b, rv_b = torch.zeros(3), torch.ones(3), torch.zeros(3), torch.ones(3)
+    [make(rm_e, rv_e)(x) for x in xs]
+    autobatch(make(rm_b, rv_b), core=core)(xs)
+    torch.testing.assert_close(rm_b, rm_e)
+    torch.testing.assert_close(rv_b, rv_e)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_cumulative_batchnorm_at_counts_whose_reciprocal_is_inexact(core):
+    # #97: 1 / (1 / 49) != 49 in floating point; the counts read are used as they are
+    torch.manual_seed(4)
+    bn_e = nn.BatchNorm1d(3, momentum=None)
+    bn_e.num_batches_tracked.fill_(46)
+    bn_b = copy.deepcopy(bn_e)
+
+    def make(bn):
+        def fn(x):
+            y = bn(x)
+            if y.sum() > 0:
+                pass
+            return bn(y * 3)
+        return fn
+
+    xs = [torch.randn(4, 3) for _ in range(3)]
+    [make(bn_e)(x) for x in xs]
+    autobatch(make(bn_b), core=core)(xs)
+    torch.testing.assert_close(bn_b.running_mean, bn_e.running_mean)
+    torch.testing.assert_close(bn_b.running_var, bn_e.running_var)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_running_statistics_of_another_dtype_raise_as_in_eager(core):
+    # #98: float64 statistics with a float32 input
+    def fn(x):
+        rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+        return F.batch_norm(x, rm, rv, None, None, True, 0.5)
+
+    with pytest.raises(RuntimeError, match="mixed dtype"):
+        fn(torch.randn(4, 3))
+    with pytest.raises(Exception, match="mixed dtype"):
+        autobatch(fn, core=core)([torch.randn(4, 3), torch.randn(5, 3)])

@@ -108,3 +108,49 @@ def test_a_counter_buffer_in_a_block_counts_every_instance(core):
     ref = [eager(x) for x in xs]
     _close(autobatch(lambda x: blk(x), core=core)(xs), ref)
     assert float(blk.calls) == float(eager.calls) == 5
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_buffer_no_trace_reads_may_be_reassigned_every_call_without_retracing(core, monkeypatch):
+    # #99: the fingerprint held every buffer's id, so ``model.ema = ...`` retraced every call
+    from batchcraft.autobatching import blocks
+
+    traces = []
+    orig = blocks.StaticBlock.trace
+    monkeypatch.setattr(blocks.StaticBlock, "trace", lambda self, *a, **k: traces.append(1) or orig(self, *a, **k))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(4, 4)
+            self.register_buffer("ema", torch.zeros(4))
+
+    model = Model()
+    step = static_block(lambda x, h: torch.tanh(model.out(x + h)))
+
+    def fn(xs):
+        h = torch.zeros(4)
+        for x in xs:
+            h = step(x, h)
+        with torch.no_grad():
+            model.ema = 0.9 * model.ema + 0.1 * h
+        return h
+
+    data = [[torch.randn(4) for _ in range(3)] for _ in range(4)]
+    f = autobatch(fn, core=core)
+    f(data)
+    n = len(traces)
+    for _ in range(3):
+        f(data)
+    assert len(traces) == n
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_in_place_torch_functions_and_inplace_modules_inside_a_block(core):
+    # #99: nn.ReLU(inplace=True) and torch.clamp_ inside a block, with grad on, raised
+    lin = nn.Linear(3, 3)
+    seq = static_block(nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True)))
+    clamp = static_block(lambda h: torch.clamp_(lin(h) * 1.0, -0.2, 0.2))
+    xs = [torch.randn(3) for _ in range(4)]
+    params = list(lin.parameters()) + list(seq.parameters())
+    assert_matches_eager(lambda x: clamp(seq(x)), xs, params, core=core)

@@ -388,3 +388,16 @@ def test_fill_factory_leaves_follow_the_default_dtype_and_stay_per_instance(core
         assert o[2] == r[2] == dtype and o[0].dtype == r[0].dtype
         torch.testing.assert_close(o[0], r[0])
         torch.testing.assert_close(o[1], r[1])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_captured_subclass_that_is_not_the_first_argument_keeps_its_handler(core):
+    # #99 (a gap in #93's fix): torch.add(plain, sub), plain * sub, torch.cat([plain, sub])
+    plain, tagged = torch.ones(3), torch.ones(3).as_subclass(_Tagged)
+
+    def fn(x):  # (inside instance code a computed tensor is a lazy value: the outputs are compared)
+        return x, torch.add(plain, tagged), plain * tagged, torch.cat([plain, tagged])
+
+    out = autobatch(fn, core=core)([torch.randn(3), torch.randn(3)])
+    for o in out:
+        assert [type(t) for t in o[1:]] == [type(t) for t in fn(torch.randn(3))[1:]] == [_Tagged] * 3

@@ -31,7 +31,7 @@ from torch import nn
 from batchcraft.autobatching import _native, buffers as _buffers, cells as _cells, stack
 from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.devices import with_factory_device
-from batchcraft.autobatching.functional import writes_first
+from batchcraft.autobatching.functional import is_inplace_call, writes_first
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.modstate import roots
 from batchcraft.autobatching.patches import SharedPatch
@@ -59,8 +59,13 @@ def _shared_write(func, args, kwargs):
         b = _buffers.parse_batch_norm(args, kwargs)
         if b is not None and b["training"] and (b["running_mean"] is not None or b["running_var"] is not None):
             return "a train-mode batch norm updates running statistics"
+    name = getattr(func, "__name__", func)
     if args and isinstance(args[0], torch.Tensor) and writes_first(func, kwargs):
-        return f"{getattr(func, '__name__', func)} writes a tensor shared by all instances in place"
+        return f"{name} writes a tensor shared by all instances in place"
+    if kwargs and kwargs.get("out") is not None:
+        return f"{name}(..., out=...) writes its out= tensor"
+    if args and type(args[0]) is _Lazy and is_inplace_call(func, args, kwargs, _Lazy):
+        return f"in-place {name}"
     return None
 
 
@@ -119,6 +124,7 @@ class BlockTracer:
         self.options = getattr(parent, "options", None)
         self.factory_device = getattr(parent, "factory_device", None)
         self.nested_blocks: set = set()  # blocks called by this body: part of its fingerprint
+        self.const_ids: set = set()  # ids of tensors from outside the block its steps read
 
     # -- lazy protocol ---------------------------------------------------------------------------
     def note_shape(self, x=None) -> None:
@@ -221,6 +227,8 @@ class BlockTracer:
                 batched.append(True)
                 specs.append(("lazy", x.did, rg))
             else:
+                if isinstance(x, torch.Tensor):
+                    self.const_ids.add(id(x))
                 refs.append(("const", x))
                 dids.append(None)
                 batched.append(False)
@@ -263,6 +271,7 @@ class StaticBlock:
         self.ragged_ok: dict = {}   # list-argument pattern -> bool (None: not traced yet)
         self.unblocked: str | None = None  # why the body runs unblocked (_SharedWrite), None: it does not
         self.nested: set = set()  # blocks its traces called (their changes trace this block again)
+        self.const_ids: set = set()  # ids of module buffers its traces read (held by the traces)
         if not isinstance(fn, nn.Module):
             functools.update_wrapper(self, fn, updated=())
 
@@ -390,7 +399,9 @@ class StaticBlock:
             SIGNATURES.drop_func(self)
             self.ragged_ok.clear()
             self.unblocked = None
-            self._fingerprint = fp
+            self.const_ids = set()  # (its traces, which held those tensors, are dropped)
+            with torch._C.DisableTorchFunction():
+                self._fingerprint = self._fingerprint_now()
 
     def _fingerprint_now(self, visiting=None):
         """What the block's traces depend on beside their arguments: the parameters, buffers and
@@ -408,9 +419,15 @@ class StaticBlock:
                     continue
                 seen.add(id(m))
                 parts.append(m.training)
-                for t in list(m._parameters.values()) + list(m._buffers.values()):
+                for t in m._parameters.values():
                     if t is not None:
                         parts.append((id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad))
+                # a buffer counts by identity only where a trace read it: instance code may assign
+                # a new one every call (``self.ema = ...``) that no trace reads
+                for t in m._buffers.values():
+                    if t is not None:
+                        parts.append((id(t) if id(t) in self.const_ids else 0, tuple(t.shape), t.dtype,
+                                      t.device, t.requires_grad))
         nested = tuple(b._fingerprint_now(visiting) for b in list(self.nested) if b not in visiting)
         return tuple(parts) + nested + (fdev,)
 
@@ -425,8 +442,10 @@ class StaticBlock:
         finally:
             torch.set_rng_state(rng)
             stack.pop()
-            if not tracer.nested_blocks <= self.nested:  # a block called for the first time
+            if not (tracer.nested_blocks <= self.nested and tracer.const_ids <= self.const_ids):
+                # a block called, or a buffer read, for the first time: part of the fingerprint now
                 self.nested |= tracer.nested_blocks
+                self.const_ids |= tracer.const_ids
                 with torch._C.DisableTorchFunction():
                     self._fingerprint = self._fingerprint_now()
 
@@ -518,10 +537,13 @@ def _recording_train(self, mode: bool = True):
     """``nn.Module.train`` while calls record: blocks check their module's fingerprint again
     (a block's module switched by ``eval()``/``train()`` inside instance code is traced, or run
     unblocked, for its new mode)."""
+    rec = _current()
+    changed = rec is not None and any(m.training != bool(mode) for m in self.modules())
     out = _MODULE_TRAIN(self, mode)
-    forget = getattr(_current(), "forget_block_checks", None)
-    if forget is not None:
-        forget()
+    if changed:
+        forget = getattr(rec, "forget_block_checks", None)
+        if forget is not None:
+            forget()
     return out
 
 

@@ -94,6 +94,21 @@ def parse_batch_norm(args, kwargs):
     return bound
 
 
+_SCALAR_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.bfloat16: "BFloat16", torch.float16: "Half"}
+
+
+def _check_stat_dtypes(x, rm, rv) -> None:
+    """Eager's CPU rule: running statistics have the input's dtype, or float32 for a bfloat16 /
+    float16 input (raised at record time, as eager raises at the call)."""
+    if x.device.type != "cpu":
+        return
+    allowed = (x.dtype, torch.float32) if x.dtype in (torch.bfloat16, torch.float16) else (x.dtype,)
+    for t in (rm, rv):
+        if t.dtype not in allowed:
+            want = "Float" if x.dtype in (torch.bfloat16, torch.float16) else _SCALAR_NAMES.get(x.dtype, str(x.dtype))
+            raise RuntimeError(f"mixed dtype (CPU): expect parameter to have scalar type of {want}")
+
+
 def record_batch_norm(rec, args, kwargs):
     """Record a train-mode batch norm with running statistics (see the module docstring), or
     return NotImplemented when the call is not of that kind.
@@ -116,7 +131,12 @@ def record_batch_norm(rec, args, kwargs):
     momentum = b["momentum"]
     if momentum is None:
         raise TypeError("batch_norm(): argument 'momentum' (position 7) must be float, not NoneType")
+    _check_stat_dtypes(b["input"], rm, rv)
     momentum = float(momentum)
+    read = rec.counter_read  # nn.BatchNorm's cumulative factor: 1.0 / float(num_batches_tracked)
+    c = read[1] if read is not None and read[0] == rec.instance else None
+    counted = c if (type(c) is float and c > 0 and 1.0 / c == momentum) else None
+    rec.counter_read = None
     out, mean, var = rec.record(batch_norm_train, (b["input"], b["weight"], b["bias"], float(b["eps"])), {})
     for buf, stat in ((rm, mean), (rv, var)):
         if type(buf) is lazy:
@@ -126,26 +146,24 @@ def record_batch_norm(rec, args, kwargs):
             rec.inplace(buf, torch.Tensor.mul_, (buf, 1 - momentum), {})
             rec.inplace(buf, torch.Tensor.add_, (buf, stat), {"alpha": momentum})
         else:
-            rec.deferred.append((rec.instance, len(rec.deferred), stat, buf, momentum))
+            rec.deferred.append((rec.instance, len(rec.deferred), stat, buf, momentum, counted))
     return out
 
 
 def _eager_factors(entries):
     """The momentum factors in the order eager would use them.
 
-    ``nn.BatchNorm(momentum=None)`` computes its factor from ``num_batches_tracked`` at call
-    time (1/1, 1/2, ...): a running count that instances interleaved by value waits consume in
-    another order than eager's. When one buffer's factors, in recording order, are exactly such
-    a count (1/k, 1/(k+1), ...), the k-th update in eager order takes the k-th factor; other
-    factors (constant momentum, or any other sequence) stay with their call.
+    ``nn.BatchNorm(momentum=None)`` computes its factor as ``1.0 / float(num_batches_tracked)``
+    right after ``num_batches_tracked.add_(1)``: a shared count that instances interleaved by
+    value waits consume in another order than eager's. When every update of one buffer took
+    such a factor (its momentum is exactly ``1.0 / c`` for the count ``c`` read just before),
+    the counts, in recording order, go to the updates in instance order; any other factors
+    (constant, per instance) stay with their call.
     """
-    by_rec = sorted(entries, key=lambda d: d[1])
-    inv = [1.0 / d[4] if d[4] else 0.0 for d in by_rec]
-    cumulative = all(v == round(v) and v >= 1 for v in inv) and all(
-        b - a == 1 for a, b in zip(inv, inv[1:]))
-    if not cumulative:
+    if not all(d[5] is not None for d in entries):
         return [d[4] for d in entries]
-    return [d[4] for d in by_rec]
+    counts = [d[5] for d in sorted(entries, key=lambda d: d[1])]
+    return [1.0 / c for c in counts]
 
 
 def apply_deferred(rec) -> None:
@@ -159,7 +177,7 @@ def apply_deferred(rec) -> None:
     with torch.no_grad():
         for entries in per_buffer.values():
             entries.sort(key=lambda d: (d[0], d[1]))
-            for (_, _, stat, buf, _), m in zip(entries, _eager_factors(entries)):
+            for (_, _, stat, buf, _, _), m in zip(entries, _eager_factors(entries)):
                 buf.mul_(1 - m).add_(rec.resolve(stat).to(buf.dtype), alpha=m)
 
 

@@ -45,6 +45,7 @@ _torch_tensor = torch.tensor
 FILL_FACTORIES = frozenset({torch.zeros, torch.ones})
 _PY_SCALARS = (int, float, bool)
 _NO_HANDLER = torch._C._disabled_torch_function_impl
+_TENSOR_FLOAT = torch.Tensor.__float__
 
 
 def _has_subclass_handler(x) -> bool:
@@ -55,10 +56,25 @@ def _has_subclass_handler(x) -> bool:
         getattr(t.__torch_function__, "__func__", t.__torch_function__) is not _NO_HANDLER
 
 
-def _run_with_subclass_handler(func, args, kwargs):
-    """``func(*args, **kwargs)`` through the subclass's ``__torch_function__`` (not the
-    recorder's mode, which is not entered again: no lazy argument is involved)."""
-    t = type(args[0])
+def _subclass_arg(args):
+    """The first argument (or member of a list/tuple argument) that is a Tensor subclass with a
+    ``__torch_function__`` of its own, or None."""
+    for a in args:
+        if type(a) is _Tensor:
+            continue
+        if type(a) is list or type(a) is tuple:
+            for b in a:
+                if type(b) is not _Tensor and _has_subclass_handler(b):
+                    return b
+        elif _has_subclass_handler(a):
+            return a
+    return None
+
+
+def _run_with_subclass_handler(func, sub, args, kwargs):
+    """``func(*args, **kwargs)`` through the subclass's ``__torch_function__`` (``sub`` is its
+    argument; not the recorder's mode, which is not entered again: no lazy argument is involved)."""
+    t = type(sub)
     return t.__torch_function__(func, (t,), args, kwargs or {})
 _SCALAR_KW = frozenset({"dtype", "device"})
 _I64 = 2 ** 63
@@ -191,6 +207,7 @@ class RecorderBase:
         self.hooks: dict = {}
         self.writebacks: list = []
         self.deferred: list = []
+        self.counter_read = None  # the last float() of a tensor from outside the instance (buffers.py)
         self.keepalive: list = []
         self.input_leaves: dict = {}
         self.hooked: set = set()
@@ -545,12 +562,15 @@ class RecorderBase:
         if isinstance(func, _StaticBlock):  # (no import statement here: on 3.11 each costs a formatted error)
             func = func.fn
         with torch._C.DisableTorchFunction():
-            if args and _has_subclass_handler(args[0]):
+            sub = _subclass_arg(args) if args else None
+            if sub is not None:
                 # a Tensor subclass with its own __torch_function__ (captured from outside the
                 # instance): its handler runs, as in eager, and returns its type (reliability #93)
-                out = _run_with_subclass_handler(func, args, kwargs)
+                out = _run_with_subclass_handler(func, sub, args, kwargs)
             else:
                 out = func(*args, **kwargs)
+            if func is _TENSOR_FLOAT:  # nn.BatchNorm(momentum=None): 1 / float(num_batches_tracked)
+                self.counter_read = (self.instance, out)
             if type(func) is _MethodWrapper or (isinstance(out, _Tensor) and _aliases_input(out, args)):
                 # a property (.data, .T, .grad) or a view of a tensor from outside the instance
                 # aliases shared state: it stays shared (writes into it reach that tensor, as in eager)
