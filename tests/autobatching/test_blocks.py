@@ -154,3 +154,65 @@ def test_in_place_torch_functions_and_inplace_modules_inside_a_block(core):
     xs = [torch.randn(3) for _ in range(4)]
     params = list(lin.parameters()) + list(seq.parameters())
     assert_matches_eager(lambda x: clamp(seq(x)), xs, params, core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_block_that_reassigns_module_state_runs_unblocked(core):
+    # #101: ``self.calls = self.calls + 1`` / an EMA re-assigned inside a module block left the
+    # trace's lazy value on the module (every later use of the module failed)
+    class Tracked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.register_buffer("calls", torch.zeros(()))
+            self.register_buffer("ema", torch.zeros(3))
+
+        def forward(self, x):
+            h = self.lin(x)
+            self.calls = self.calls + 1
+            with torch.no_grad():
+                self.ema = 0.9 * self.ema + 0.1 * h
+            return h
+
+    torch.manual_seed(5)
+    eager = Tracked()
+    blk = static_block(copy.deepcopy(eager))
+    xs = [torch.randn(3) for _ in range(4)]
+    ref = [eager(x) for x in xs]
+    f = autobatch(lambda x: blk(x), core=core)
+    _close(f(xs), ref)
+    assert type(blk.calls) is torch.Tensor and float(blk.calls) == float(eager.calls) == 4
+    torch.testing.assert_close(blk.ema, eager.ema)
+    assert any("assigns Tracked." in k for k in f.stats.fallback_reasons)
+    blk.state_dict()  # usable afterwards
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_decorated_method_block_follows_its_module(core):
+    # #100 (its method part): ``self`` is an argument of the block, so its module's state was not
+    # in the fingerprint: a replaced weight and train() ran the old trace
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.drop = nn.Dropout(0.5)
+
+        @static_block
+        def step(self, x):
+            return self.drop(torch.tanh(self.lin(x)))
+
+        def forward(self, x):
+            return self.step(x)
+
+    torch.manual_seed(0)
+    m = M().eval()
+    xs = [torch.randn(3) for _ in range(4)]
+    f = autobatch(m, core=core)
+    f(xs)
+    m.lin.weight = nn.Parameter(torch.randn(3, 3))
+    _close(f(xs), [m(x) for x in xs])
+    m.train()
+    out = f(xs)
+    assert sum(int((o == 0).sum()) for o in out) > 0  # dropout is on (traced again in train mode)
+    m2 = M().eval()
+    _close(autobatch(m2, core=core)(xs), [m2(x) for x in xs])

@@ -24,6 +24,7 @@ as ordinary instance code, until its fingerprint changes (counted in ``stats.fal
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -99,6 +100,22 @@ class TracedList(list):
     def __reversed__(self):
         self._touch()
         return list.__reversed__(self)
+
+
+def _restore_module_state(saved, tracer):
+    """Undo what a traced body stored on modules (``self.ema = 0.9 * self.ema + 0.1 * h``): the
+    trace's lazy values must not stay there. Returns the first such attribute's name, or None."""
+    assigned = None
+    for m, attrs, buffers in saved:
+        for store, before in ((m.__dict__, attrs), (m._buffers, buffers)):
+            for k, v in list(store.items()):
+                if type(v) is _Lazy and v.rec is tracer:
+                    assigned = assigned or f"{type(m).__name__}.{k}"
+                    if k in before:
+                        store[k] = before[k]
+                    else:
+                        del store[k]
+    return assigned
 
 
 class BlockTracer:
@@ -272,6 +289,7 @@ class StaticBlock:
         self.unblocked: str | None = None  # why the body runs unblocked (_SharedWrite), None: it does not
         self.nested: set = set()  # blocks its traces called (their changes trace this block again)
         self.const_ids: set = set()  # ids of module buffers its traces read (held by the traces)
+        self.bound = weakref.WeakSet()  # modules a decorated method was bound to
         if not isinstance(fn, nn.Module):
             functools.update_wrapper(self, fn, updated=())
 
@@ -284,6 +302,8 @@ class StaticBlock:
     def __get__(self, obj, objtype=None):  # decorating a method
         if obj is None:
             return self
+        if isinstance(obj, nn.Module) and obj not in self.bound:
+            self.bound.add(obj)  # its state is part of the fingerprint (``self`` is an argument)
         return functools.partial(self.__call__, obj)
 
     def __repr__(self) -> str:
@@ -403,6 +423,14 @@ class StaticBlock:
             with torch._C.DisableTorchFunction():
                 self._fingerprint = self._fingerprint_now()
 
+    def reached_modules(self) -> list:
+        """The modules whose state the block's traces may read: its module, or for a function
+        block those its closure and globals name (``modstate.roots``) and those a decorated
+        method was bound to."""
+        if self.module is not None:
+            return [self.module]
+        return roots(self.fn) + list(self.bound)
+
     def _fingerprint_now(self, visiting=None):
         """What the block's traces depend on beside their arguments: the parameters, buffers and
         ``training`` flags of its module (a function block: of the modules it reaches, see
@@ -411,8 +439,8 @@ class StaticBlock:
         fdev = getattr(_current(), "factory_device", None)
         visiting = visiting if visiting is not None else set()
         visiting.add(self)
-        modules = [self.module] if self.module is not None else roots(self.fn)
         seen, parts = set(), []
+        modules = self.reached_modules()
         for root in modules:
             for m in root.modules():
                 if id(m) in seen:
@@ -437,17 +465,23 @@ class StaticBlock:
         # tracing runs a random factory's call once (torch.rand(8)): the CPU generator is put back,
         # so a first call draws what later calls with the same seed draw
         rng = torch.get_rng_state()
+        saved = [(m, dict(m.__dict__), dict(m._buffers)) for root in self.reached_modules() for m in root.modules()]
+        assigned = None
         try:
-            return self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
         finally:
             torch.set_rng_state(rng)
             stack.pop()
+            assigned = _restore_module_state(saved, tracer)
             if not (tracer.nested_blocks <= self.nested and tracer.const_ids <= self.const_ids):
                 # a block called, or a buffer read, for the first time: part of the fingerprint now
                 self.nested |= tracer.nested_blocks
                 self.const_ids |= tracer.const_ids
                 with torch._C.DisableTorchFunction():
                     self._fingerprint = self._fingerprint_now()
+        if assigned is not None:
+            raise _SharedWrite(f"assigns {assigned} on a module")
+        return out
 
     def _finish(self, tracer, out, key, ragged_dids=(), classes=(), rec=None, n_in=None):
         out_leaves: list = []
