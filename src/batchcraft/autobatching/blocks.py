@@ -60,6 +60,10 @@ def _shared_write(func, args, kwargs):
         b = _buffers.parse_batch_norm(args, kwargs)
         if b is not None and b["training"] and (b["running_mean"] is not None or b["running_var"] is not None):
             return "a train-mode batch norm updates running statistics"
+    if func in _buffers.INSTANCE_NORMS:
+        b = _buffers.parse_instance_norm(args, kwargs)
+        if b is not None and b["use_input_stats"] and (b["running_mean"] is not None or b["running_var"] is not None):
+            return "an instance norm with input statistics updates running statistics"
     name = getattr(func, "__name__", func)
     if args and isinstance(args[0], torch.Tensor) and writes_first(func, kwargs):
         return f"{name} writes a tensor shared by all instances in place"

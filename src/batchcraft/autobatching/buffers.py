@@ -13,6 +13,9 @@ Reads of a running statistic inside instance code during the call see its value 
 call (eager would see earlier instances' updates); ``num_batches_tracked.add_(1)`` (no
 per-instance value) runs at once, as in eager.
 
+``F.instance_norm`` with input statistics and running statistics (``InstanceNorm*`` with
+``track_running_stats=True`` in train mode) is handled the same way (:func:`instance_norm_train`).
+
 Source: FIELD-FAULTS.md, "Batch statistics" (giotto-deep #75, yolov5 #1630).
 """
 
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 BATCH_NORMS = (F.batch_norm,)
+INSTANCE_NORMS = (F.instance_norm,)
 
 
 def _dims(rank: int) -> list:
@@ -74,6 +78,66 @@ def rule_batch_norm_train(func, struct, leaves, mask, shapes, n):
     out = torch.empty_like(x, dtype=out.dtype).copy_(out)
     mean, var_u = _stats(x.detach(), [d + 1 for d in _dims(rank)])
     return out, mean, var_u
+
+
+def instance_norm_train(x, weight, bias, eps: float):
+    """Instance norm of one instance's ``x`` (N, C, *spatial) with input statistics:
+    ``(out, mean, var)``; ``mean`` and ``var`` (C,) are what eager's running averages take in,
+    the per-sample channel means and unbiased variances averaged over N (``F.instance_norm``
+    runs batch norm over (1, N * C, *spatial) and averages the N running copies)."""
+    out = F.instance_norm(x, None, None, weight, bias, True, 0.0, eps)
+    mean, var_u = _stats(x.detach().unsqueeze(0), list(range(3, x.dim() + 1)))  # (1, N, C) -> per sample
+    return out, mean[0].mean(0), var_u[0].mean(0)
+
+
+def rule_instance_norm_train(func, struct, leaves, mask, shapes, n):
+    """Batched :func:`instance_norm_train`: per-sample statistics do not mix instances, so the
+    instances' samples are one larger batch of samples."""
+    from batchcraft.autobatching.rules import _args, rule_vmap
+
+    args, _ = _args(struct, leaves)
+    x, weight, bias, eps = args
+    if not mask[0] or any(mask[1:]):
+        return rule_vmap(func, struct, leaves, mask, shapes, n)
+    flat = x.reshape((-1,) + tuple(x.shape[2:]))
+    out = F.instance_norm(flat, None, None, weight, bias, True, 0.0, eps).reshape(x.shape)
+    spatial = list(range(3, x.dim()))
+    mean, var_u = _stats(x.detach(), spatial)  # (n, N, C)
+    return out, mean.mean(1), var_u.mean(1)
+
+
+def parse_instance_norm(args, kwargs):
+    """The arguments of ``F.instance_norm`` as a dict (None when they do not bind)."""
+    names = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
+    defaults = {"running_mean": None, "running_var": None, "weight": None, "bias": None,
+                "use_input_stats": True, "momentum": 0.1, "eps": 1e-5}
+    if len(args) > len(names):
+        return None
+    bound = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k not in names or k in bound:
+            return None
+        bound[k] = v
+    for k, v in defaults.items():
+        bound.setdefault(k, v)
+    return bound if "input" in bound else None
+
+
+def record_instance_norm(rec, args, kwargs):
+    """Record an instance norm that updates running statistics (``use_input_stats`` with
+    ``running_mean``/``running_var``) as :func:`instance_norm_train` plus the updates, applied
+    as for batch norm (:func:`apply_deferred`); NotImplemented for any other call."""
+    b = parse_instance_norm(args, kwargs)
+    if b is None or not b["use_input_stats"] or type(b["input"]) is not rec.lazy_type:
+        return NotImplemented
+    rm, rv = b["running_mean"], b["running_var"]
+    lazy = rec.lazy_type
+    if rm is None or rv is None or not all(isinstance(t, torch.Tensor) or type(t) is lazy for t in (rm, rv)):
+        return NotImplemented
+    momentum = float(b["momentum"])
+    out, mean, var = rec.record(instance_norm_train, (b["input"], b["weight"], b["bias"], float(b["eps"])), {})
+    _update(rec, ((rm, mean), (rv, var)), momentum, None)
+    return out
 
 
 def parse_batch_norm(args, kwargs):
@@ -138,7 +202,14 @@ def record_batch_norm(rec, args, kwargs):
     counted = c if (type(c) is float and c > 0 and 1.0 / c == momentum) else None
     rec.counter_read = None
     out, mean, var = rec.record(batch_norm_train, (b["input"], b["weight"], b["bias"], float(b["eps"])), {})
-    for buf, stat in ((rm, mean), (rv, var)):
+    _update(rec, ((rm, mean), (rv, var)), momentum, counted)
+    return out
+
+
+def _update(rec, pairs, momentum: float, counted) -> None:
+    """Running-statistics updates ``buf = (1 - m) buf + m stat`` for each ``(buf, stat)``."""
+    lazy = rec.lazy_type
+    for buf, stat in pairs:
         if type(buf) is lazy:
             # the instance's own tensor: an in-place update of that instance, in recording order
             if buf.dtype != stat.dtype:
@@ -147,7 +218,6 @@ def record_batch_norm(rec, args, kwargs):
             rec.inplace(buf, torch.Tensor.add_, (buf, stat), {"alpha": momentum})
         else:
             rec.deferred.append((rec.instance, len(rec.deferred), stat, buf, momentum, counted))
-    return out
 
 
 def _eager_factors(entries):
@@ -181,4 +251,5 @@ def apply_deferred(rec) -> None:
                 buf.mul_(1 - m).add_(rec.resolve(stat).to(buf.dtype), alpha=m)
 
 
-__all__ = ["batch_norm_train", "record_batch_norm", "apply_deferred", "rule_batch_norm_train"]
+__all__ = ["batch_norm_train", "record_batch_norm", "apply_deferred", "rule_batch_norm_train",
+           "instance_norm_train", "record_instance_norm", "rule_instance_norm_train"]

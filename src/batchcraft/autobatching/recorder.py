@@ -458,6 +458,10 @@ class RecorderBase:
             out = _buffers.record_batch_norm(self, args, kwargs)
             if out is not NotImplemented:
                 return out, None
+        if func in _buffers.INSTANCE_NORMS:
+            out = _buffers.record_instance_norm(self, args, kwargs)
+            if out is not NotImplemented:
+                return out, None
         if func in _cells.CELL_FUNCS:
             out = _cells.record_cell(self, func, args, kwargs)
             if out is not NotImplemented:

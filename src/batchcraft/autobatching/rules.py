@@ -709,7 +709,8 @@ _register([torch.select_scatter, torch.slice_scatter, torch.diagonal_scatter], R
 
 
 def _register_functional():
-    from batchcraft.autobatching.buffers import batch_norm_train, rule_batch_norm_train
+    from batchcraft.autobatching.buffers import (batch_norm_train, instance_norm_train, rule_batch_norm_train,
+                                                 rule_instance_norm_train)
     from batchcraft.autobatching.functional import setitem_functional
 
     from batchcraft.autobatching.cells import GATES, lower_gates, rule_gates
@@ -717,6 +718,7 @@ def _register_functional():
     _register([setitem_functional], Rule("setitem", rule_setitem_functional))
     _register(list(GATES), Rule("gates", rule_gates, lower_gates))
     _register([batch_norm_train], Rule("batch_norm", rule_batch_norm_train))
+    _register([instance_norm_train], Rule("instance_norm", rule_instance_norm_train))
 
 
 _register_functional()
