@@ -216,3 +216,78 @@ def test_a_decorated_method_block_follows_its_module(core):
     assert sum(int((o == 0).sum()) for o in out) > 0  # dropout is on (traced again in train mode)
     m2 = M().eval()
     _close(autobatch(m2, core=core)(xs), [m2(x) for x in xs])
+
+
+class _Holder:
+    """A plain object holding a module (reached through its attributes)."""
+
+
+_COMPREHENSION_LIN = nn.Linear(3, 3)  # a module-level global named only inside a comprehension
+
+
+def _reach_cases(lin):
+    import types
+
+    holder = _Holder()
+    holder.layer = lin
+    helper = types.ModuleType("helper")  # a Python module the block's code names
+    helper.lin = lin
+    exec("def apply(x):\n    return lin(x)", helper.__dict__)
+
+    class Stepper:
+        def __init__(self, m):
+            self.m = m
+
+        def step(self, x):
+            return self.m(x)
+
+    class Cell(nn.Module):  # a module block whose forward uses a module from outside it
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.inner(x) + lin(x)
+
+    mods, table = [lin], {"l": lin}
+    return {
+        "list": lambda x: mods[0](x),
+        "dict": lambda x: table["l"](x),
+        "object attribute": lambda x: holder.layer(x),
+        "comprehension": lambda x: torch.stack([_COMPREHENSION_LIN(x) for _ in range(1)])[0],
+        "python module": lambda x: helper.apply(x),
+        "bound method of an object": Stepper(lin).step,
+        "module block": Cell(),
+    }
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("case", ["list", "dict", "object attribute", "comprehension", "python module",
+                                  "bound method of an object", "module block"])
+def test_blocks_see_a_replaced_weight_of_modules_they_reach(core, case):
+    # reliability #100: modules reached through containers, objects, nested code and other Python
+    # modules were not in the fingerprint: the old weight ran (and got the gradient)
+    torch.manual_seed(7)
+    lin = _COMPREHENSION_LIN if case == "comprehension" else nn.Linear(3, 3)
+    body = _reach_cases(lin)[case]
+    blk = static_block(body)
+    xs = [torch.randn(3) for _ in range(3)]
+    f = autobatch(lambda x: blk(x), core=core)
+    f(xs)
+    lin.weight = nn.Parameter(torch.randn(3, 3))
+    _close(f(xs), [body(x) for x in xs])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_block_sees_a_captured_tensor_rebound_or_made_to_require_grad(core):
+    # reliability #100: a captured plain tensor re-bound (``W = ...``) or switched to requires_grad
+    state = {"W": torch.randn(3, 3)}
+    W = state["W"]
+    blk = static_block(lambda x: torch.tanh(x @ W))
+    xs = [torch.randn(3) for _ in range(3)]
+    f = autobatch(lambda x: blk(x), core=core)
+    f(xs)
+    W.requires_grad_()
+    out = f(xs)
+    assert all(o.requires_grad for o in out)
+    _close(out, [torch.tanh(x @ W) for x in xs])

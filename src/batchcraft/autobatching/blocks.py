@@ -12,7 +12,8 @@ Otherwise a list's length is part of the signature. Rules for block code: no bra
 tensor values (a clear error); Python control flow on shapes or non-tensor arguments is fine,
 because those are part of the signature. A block re-traces when its fingerprint changes: the
 parameters, buffers and ``training`` flags of its module (a function block: of the modules it
-reaches, ``modstate.roots``), and the fingerprints of the blocks its traces called.
+reaches, ``reach.py``), the tensors it captures outside modules, and the fingerprints of the
+blocks its traces called.
 
 A body that writes state outliving the call (a train-mode batch norm's running statistics, a
 buffer updated in place) or updates one of its values in place cannot be a program replayed once
@@ -34,7 +35,7 @@ from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.devices import with_factory_device
 from batchcraft.autobatching.functional import is_inplace_call, writes_first
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
-from batchcraft.autobatching.modstate import roots
+from batchcraft.autobatching.reach import reach
 from batchcraft.autobatching.patches import SharedPatch
 from batchcraft.autobatching.lazy import LazyTensor
 from batchcraft.autobatching.program import Program, Step
@@ -428,23 +429,31 @@ class StaticBlock:
                 self._fingerprint = self._fingerprint_now()
 
     def reached_modules(self) -> list:
-        """The modules whose state the block's traces may read: its module, or for a function
-        block those its closure and globals name (``modstate.roots``) and those a decorated
-        method was bound to."""
+        """The modules whose state the block's traces may read: its module and those its
+        ``forward`` reaches, or for a function block those the function reaches (``reach.py``)
+        and those a decorated method was bound to."""
+        return self._reached()[0]
+
+    def _reached(self):
         if self.module is not None:
-            return [self.module]
-        return roots(self.fn) + list(self.bound)
+            modules, tensors = reach(type(self.module).forward)
+            return [self.module] + modules, tensors
+        modules, tensors = reach(self.fn)
+        return modules + list(self.bound), tensors
 
     def _fingerprint_now(self, visiting=None):
         """What the block's traces depend on beside their arguments: the parameters, buffers and
         ``training`` flags of its module (a function block: of the modules it reaches, see
-        ``modstate.roots``), the fingerprints of the blocks its traces called, and the default
-        device (traces hold the ``device=`` their factory calls got: devices.py)."""
+        ``reach.py``), the tensors it captures outside modules, the fingerprints of the blocks its
+        traces called, and the default device (traces hold the ``device=`` their factory calls
+        got: devices.py)."""
         fdev = getattr(_current(), "factory_device", None)
         visiting = visiting if visiting is not None else set()
         visiting.add(self)
         seen, parts = set(), []
-        modules = self.reached_modules()
+        modules, tensors = self._reached()
+        # tensors captured outside modules (a global ``W`` re-bound or switched to requires_grad)
+        parts += [(id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors]
         for root in modules:
             for m in root.modules():
                 if id(m) in seen:
