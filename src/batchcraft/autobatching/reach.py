@@ -11,10 +11,11 @@ follows what Python code can reach without running it: a bound method's object, 
 module it names (``helper.apply``), other Python functions (with their own globals), the members
 of lists, tuples, sets and dicts, and the attributes of plain objects. It stops at modules (their
 submodules are walked by the fingerprint) and at tensors (a captured ``W``: its identity,
-shape, dtype and ``requires_grad`` are part of the fingerprint too), at :data:`MAX_DEPTH` steps from the start and after
-:data:`MAX_ITEMS` members of one container. What it does not see: modules reached only through
-values computed at run time (``getattr(self, name)`` with a computed ``name``, a registry looked up
-by key), which the README states.
+shape, dtype and ``requires_grad`` are part of the fingerprint too), at :data:`MAX_DEPTH` steps
+from the start, after :data:`MAX_ITEMS` members of one container and after :data:`MAX_VISITS`
+objects. What it does not see: modules reached only through values computed at run time
+(``getattr(self, name)`` with a computed ``name``, a registry looked up by key; the README says
+so). Libraries (:data:`_LIBRARIES`: ``torch``, ``math``...) are not walked.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ import torch
 from torch import nn
 
 #: steps from the block's callable (function -> global -> container -> object -> module)
-MAX_DEPTH = 4
+MAX_DEPTH = 6
 #: members of one list, tuple, set or dict looked at
 MAX_ITEMS = 256
+#: objects looked at in one walk (a block's fingerprint is taken once per call)
+MAX_VISITS = 4096
 
 _SCALARS = (int, float, complex, str, bytes, bool, type(None))
 _LIBRARIES = frozenset({"torch", "batchcraft", "math", "numpy", "functools", "itertools", "operator",
@@ -54,7 +57,7 @@ def reach(start) -> tuple[list, list]:
     outside any module (a captured ``W``), in walk order."""
     found, tensors, seen = [], [], set()
     todo = [(start, 0)]
-    while todo:
+    while todo and len(seen) < MAX_VISITS:
         x, depth = todo.pop()
         if id(x) in seen or isinstance(x, _SCALARS):
             continue
@@ -102,4 +105,4 @@ def reach(start) -> tuple[list, list]:
     return found, tensors
 
 
-__all__ = ["reach", "reachable_modules", "MAX_DEPTH", "MAX_ITEMS"]
+__all__ = ["reach", "reachable_modules", "MAX_DEPTH", "MAX_ITEMS", "MAX_VISITS"]
