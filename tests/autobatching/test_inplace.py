@@ -285,3 +285,85 @@ def test_in_place_update_of_an_input_leaf_under_no_grad(core):
         r = fn(x.detach().clone().requires_grad_())
         torch.testing.assert_close(o[0], r[0])
         assert o[1:] == r[1:]
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("case", ["add_then_mul", "two_aliases", "copy_then_base_write", "view_of_detached"])
+def test_writes_with_autograd_history_through_detached_aliases_match_eager(core, case):
+    # a hostile helper's find on the #95 fix: ``a = y.detach(); a.add_(w)`` lost a's history
+    # (w's gradient 12 against eager's 20) and gave y a path to w
+    torch.manual_seed(0)
+    w, v = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+
+    def fn(x):
+        y = x * v
+        if case == "add_then_mul":
+            a = y.detach()
+            a.add_(w)
+            a.mul_(2)
+            y.add_(1)  # changes a's value, not its history
+            return y * 3 + a * 5, a.requires_grad
+        if case == "two_aliases":
+            a = y.detach()
+            a.mul_(w)
+            b = y.detach()
+            return y * 3 + a * 5 + b * 7, b.requires_grad
+        if case == "copy_then_base_write":
+            a = y.detach()
+            a.copy_(w * x)
+            y.mul_(2)
+            return a * y, a.requires_grad
+        y = y.detach()
+        a = y[1:]
+        a.mul_(w[1:])
+        return y * 2, y.requires_grad
+
+    xs = [torch.randn(3) for _ in range(4)]
+    assert_matches_eager(lambda x: fn(x)[0], xs, [w, v], core=core)
+    out = autobatch(fn, core=core)(xs)
+    assert [o[1] for o in out] == [fn(x)[1] for x in xs]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_writes_through_data_reach_the_value_and_the_callers_input(core):
+    # a hostile helper's find (stop 34): ``y.data.add_(1)`` was dropped silently; an input's
+    # ``x.data`` write must reach the caller's tensor (a leaf that requires grad) as in eager
+    w = nn.Parameter(torch.randn(3))
+
+    def fn(x):
+        x.data.mul_(2)
+        y = x + w
+        y.data.add_(1)
+        return y * x  # (a .data write after a tensor was saved for backward is #83's case)
+
+    xs = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    xe = [x.detach().clone().requires_grad_() for x in xs]
+    out = autobatch(fn, core=core)(xs)
+    ref = [fn(x) for x in xe]
+    for o, r, a, b in zip(out, ref, xs, xe):
+        torch.testing.assert_close(o, r)
+        torch.testing.assert_close(a, b)  # the caller's inputs were written
+    sum(o.sum() for o in out).backward()
+    gw = w.grad.clone()
+    w.grad = None
+    sum(r.sum() for r in ref).backward()
+    torch.testing.assert_close(gw, w.grad)
+    for a, b in zip(xs, xe):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_deepcopy_of_a_value_and_its_view_keeps_them_sharing_storage(core):
+    # a hostile helper's find (stop 34): copies of ``[y, y[1:]]`` were separate tensors
+    import copy
+
+    def fn(x):
+        y = x * 1.0
+        a, b = copy.deepcopy([y, y[1:]])
+        a.add_(1)  # shows in b, as in eager
+        return b, y
+
+    xs = [torch.zeros(3) for _ in range(2)]
+    for o, x in zip(autobatch(fn, core=core)(xs), xs):
+        for p, q in zip(o, fn(x)):
+            torch.testing.assert_close(p, q)

@@ -107,19 +107,54 @@ class TracedList(list):
         return list.__reversed__(self)
 
 
+def _forget(table: dict, key, _ref) -> None:
+    table.pop(key, None)
+
+
+def _snapshot(m) -> tuple:
+    """What a traced body could store on module ``m``: its attributes, buffers, and the contents
+    of the lists, dicts and plain objects among its attributes (``self.history.append(h)``)."""
+    inner = []
+    for v in m.__dict__.values():
+        if type(v) is list:
+            inner.append((v, list(v)))
+        elif type(v) is dict:
+            inner.append((v, dict(v)))
+        elif not isinstance(v, (nn.Module, torch.Tensor, type)) and type(v).__module__ not in ("builtins", "torch") \
+                and isinstance(getattr(v, "__dict__", None), dict):
+            inner.append((v, dict(vars(v))))
+    return m, dict(m.__dict__), dict(m._buffers), inner
+
+
+def _holds(value, tracer) -> bool:
+    return type(value) is _Lazy and value.rec is tracer
+
+
 def _restore_module_state(saved, tracer):
-    """Undo what a traced body stored on modules (``self.ema = 0.9 * self.ema + 0.1 * h``): the
-    trace's lazy values must not stay there. Returns the first such attribute's name, or None."""
+    """Undo what a traced body stored on modules (``self.ema = 0.9 * self.ema + 0.1 * h``,
+    ``self.history.append(h)``): the trace's lazy values must not stay there. Returns where the
+    first one was stored, or None."""
     assigned = None
-    for m, attrs, buffers in saved:
+    for m, attrs, buffers, inner in saved:
         for store, before in ((m.__dict__, attrs), (m._buffers, buffers)):
             for k, v in list(store.items()):
-                if type(v) is _Lazy and v.rec is tracer:
+                if _holds(v, tracer):
                     assigned = assigned or f"{type(m).__name__}.{k}"
                     if k in before:
                         store[k] = before[k]
                     else:
                         del store[k]
+        for obj, before in inner:
+            if type(obj) is list:
+                if any(_holds(v, tracer) for v in obj):
+                    assigned = assigned or f"into a list of {type(m).__name__}"
+                    obj[:] = before
+            else:
+                d = obj if type(obj) is dict else vars(obj)
+                if any(_holds(v, tracer) for v in d.values()):
+                    assigned = assigned or f"into {type(obj).__name__} of {type(m).__name__}"
+                    d.clear()
+                    d.update(before)
     return assigned
 
 
@@ -294,7 +329,7 @@ class StaticBlock:
         self.unblocked: str | None = None  # why the body runs unblocked (_SharedWrite), None: it does not
         self.nested: set = set()  # blocks its traces called (their changes trace this block again)
         self.const_ids: set = set()  # ids of module buffers its traces read (held by the traces)
-        self.bound = weakref.WeakSet()  # modules a decorated method was bound to
+        self.arg_modules: dict = {}  # id -> weakref: modules its traces got as arguments (a method's self)
         if not isinstance(fn, nn.Module):
             functools.update_wrapper(self, fn, updated=())
 
@@ -307,8 +342,6 @@ class StaticBlock:
     def __get__(self, obj, objtype=None):  # decorating a method
         if obj is None:
             return self
-        if isinstance(obj, nn.Module) and obj not in self.bound:
-            self.bound.add(obj)  # its state is part of the fingerprint (``self`` is an argument)
         return functools.partial(self.__call__, obj)
 
     def __repr__(self) -> str:
@@ -430,30 +463,24 @@ class StaticBlock:
 
     def reached_modules(self) -> list:
         """The modules whose state the block's traces may read: its module and those its
-        ``forward`` reaches, or for a function block those the function reaches (``reach.py``)
-        and those a decorated method was bound to."""
+        ``forward`` reaches, or for a function block those the function reaches (``reach.py``),
+        and the modules its traces got as arguments (a decorated method's ``self``)."""
         return self._reached()[0]
 
     def _reached(self):
+        args = [m for m in (r() for r in list(self.arg_modules.values())) if m is not None]
         if self.module is not None:
             modules, tensors = reach(type(self.module).forward)
-            return [self.module] + modules, tensors
+            return [self.module] + modules + args, tensors
         modules, tensors = reach(self.fn)
-        return modules + list(self.bound), tensors
+        return modules + args, tensors
 
-    def _fingerprint_now(self, visiting=None):
-        """What the block's traces depend on beside their arguments: the parameters, buffers and
-        ``training`` flags of its module (a function block: of the modules it reaches, see
-        ``reach.py``), the tensors it captures outside modules, the fingerprints of the blocks its
-        traces called, and the default device (traces hold the ``device=`` their factory calls
-        got: devices.py)."""
-        fdev = getattr(_current(), "factory_device", None)
-        visiting = visiting if visiting is not None else set()
-        visiting.add(self)
-        seen, parts = set(), []
-        modules, tensors = self._reached()
+    def _modules_fingerprint(self, modules, tensors) -> list:
+        """Parameters, buffers and ``training`` flags of ``modules`` and their submodules, and
+        the identity and metadata of captured ``tensors``."""
         # tensors captured outside modules (a global ``W`` re-bound or switched to requires_grad)
-        parts += [(id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors]
+        parts = [(id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors]
+        seen = set()
         for root in modules:
             for m in root.modules():
                 if id(m) in seen:
@@ -469,6 +496,19 @@ class StaticBlock:
                     if t is not None:
                         parts.append((id(t) if id(t) in self.const_ids else 0, tuple(t.shape), t.dtype,
                                       t.device, t.requires_grad))
+        return parts
+
+    def _fingerprint_now(self, visiting=None):
+        """What the block's traces depend on beside their arguments: the parameters, buffers and
+        ``training`` flags of its module (a function block: of the modules it reaches, see
+        ``reach.py``), the tensors it captures outside modules, the fingerprints of the blocks its
+        traces called, and the default device (traces hold the ``device=`` their factory calls
+        got: devices.py)."""
+        fdev = getattr(_current(), "factory_device", None)
+        visiting = visiting if visiting is not None else set()
+        visiting.add(self)
+        modules, tensors = self._reached()
+        parts = self._modules_fingerprint(modules, tensors)
         nested = tuple(b._fingerprint_now(visiting) for b in list(self.nested) if b not in visiting)
         return tuple(parts) + nested + (fdev,)
 
@@ -478,7 +518,8 @@ class StaticBlock:
         # tracing runs a random factory's call once (torch.rand(8)): the CPU generator is put back,
         # so a first call draws what later calls with the same seed draw
         rng = torch.get_rng_state()
-        saved = [(m, dict(m.__dict__), dict(m._buffers)) for root in self.reached_modules() for m in root.modules()]
+        self._note_arg_modules(args, kwargs)
+        saved = [_snapshot(m) for root in self.reached_modules() for m in root.modules()]
         assigned = None
         try:
             out = self.fn(*args, **kwargs)
@@ -493,8 +534,15 @@ class StaticBlock:
                 with torch._C.DisableTorchFunction():
                     self._fingerprint = self._fingerprint_now()
         if assigned is not None:
-            raise _SharedWrite(f"assigns {assigned} on a module")
+            raise _SharedWrite(f"stores a value ({assigned})")
         return out
+
+    def _note_arg_modules(self, args, kwargs) -> None:
+        """Modules among the arguments of a call being traced (``step(model, x)``, a decorated
+        method's ``self``): their state is part of the fingerprint from now on."""
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, nn.Module) and id(a) not in self.arg_modules:
+                self.arg_modules[id(a)] = weakref.ref(a, functools.partial(_forget, self.arg_modules, id(a)))
 
     def _finish(self, tracer, out, key, ragged_dids=(), classes=(), rec=None, n_in=None):
         out_leaves: list = []

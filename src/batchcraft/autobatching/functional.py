@@ -150,6 +150,12 @@ def write(rec, x, new) -> None:
         return
     new_base = rec.view_scatter(x, base, new)
     write(rec, base, new_base)  # re-derives x (a live view of base) too
+    if rec.is_detach_view(x) and rec.requires_grad_of(new):
+        # a detached alias written with a value that has autograd history keeps that history
+        # (eager's ``a = y.detach(); a.add_(w)``): base's value, new's gradient
+        from batchcraft.autobatching.views import detached_alias
+
+        rebind(rec, x, rec.record(detached_alias, (base, new), {}))
 
 
 def _check_result(x, new, name):

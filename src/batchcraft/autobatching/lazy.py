@@ -16,6 +16,8 @@ value is its own. In-place methods and item assignment are functionalised by the
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from batchcraft.autobatching import _native, stack
@@ -203,6 +205,12 @@ class LazyTensor(_Base):
         return torch.strided
 
     @property
+    def data(self):
+        """``y.data``: an alias of the value without autograd history, as ``y.detach()`` (writes
+        through it reach ``y``: views.py)."""
+        return self.detach()
+
+    @property
     def requires_grad(self) -> bool:
         return self.rec.requires_grad_of(self)
 
@@ -328,6 +336,12 @@ class LazyTensor(_Base):
         eager, refused for a value computed with autograd history."""
         if id(self) in memo:
             return memo[id(self)]
+        if self.base is not None and not self.requires_grad:
+            # a view: the same view of its base's copy, so that copies of views of one value share
+            # one new storage, as eager's deep copy of their storage does
+            out = self.rec.view_of(self, copy.deepcopy(self.base, memo))
+            memo[id(self)] = out
+            return out
         if not self.is_leaf:
             raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
                                "protocol at the moment.  If you were attempting to deepcopy a module, this may "

@@ -7,7 +7,8 @@ the call these are lazy values; left there, the module would be unusable afterwa
 :func:`resolve_module_state` replaces every lazy value of the call found in the attributes,
 buffers and parameters of the modules the function reaches (itself, a bound method's object, a
 ``functools.partial``'s arguments, closure cells, the module-level globals its code names, and
-their submodules) by its value.
+their submodules), and in the lists, dicts and plain objects those attributes hold
+(``self.history.append(h)``), by its value.
 
 Which value: the last assignment batchcraft executed. Instances run in fibers in instance order
 and each runs until it waits for a value, so without value waits the assignments happen in eager's
@@ -58,6 +59,28 @@ def roots(fn) -> list:
     return out
 
 
+_MODULE_TABLES = frozenset({"_buffers", "_parameters", "_modules"})  # (walked as tables above)
+
+
+def _resolve_inside(v, where: str, rec, lazy_type, replaced: list) -> None:
+    """The lazy values of ``rec`` in a list, dict or plain object held by a module attribute
+    (``self.history.append(h)``, ``self.log.last = h``): one level deep."""
+    if type(v) is list:
+        items = enumerate(v)
+    elif type(v) is dict:
+        items = list(v.items())
+    elif not isinstance(v, (nn.Module, type)) and type(v).__module__ not in ("builtins", "torch") \
+            and isinstance(getattr(v, "__dict__", None), dict):
+        v = vars(v)
+        items = list(v.items())
+    else:
+        return
+    for k, x in list(items):
+        if type(x) is lazy_type and x.rec is rec:
+            v[k] = rec.resolve(x)
+            replaced.append(f"{where}[{k!r}]")
+
+
 def resolve_module_state(fn, rec, lazy_type, interleaved: bool) -> list[str]:
     """Replace the lazy values of recorder ``rec`` on ``fn``'s modules by ``rec.resolve(value)``;
     return what was replaced (``"Type.name"``). ``interleaved``: the call had value waits."""
@@ -73,6 +96,8 @@ def resolve_module_state(fn, rec, lazy_type, interleaved: bool) -> list[str]:
                     if type(v) is lazy_type and v.rec is rec:
                         table[name] = rec.resolve(v)
                         replaced.append(f"{type(m).__name__}.{name}")
+                    elif table is d and name not in _MODULE_TABLES:
+                        _resolve_inside(v, f"{type(m).__name__}.{name}", rec, lazy_type, replaced)
     if replaced and interleaved:
         warnings.warn(f"batchcraft.autobatch: instance code stored per-instance values on modules "
                       f"({', '.join(sorted(set(replaced)))}) in a call whose instances waited for values: "

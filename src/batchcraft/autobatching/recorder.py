@@ -689,7 +689,14 @@ class RecorderBase:
         leaves = self.node_leaves(x.node, first=base)
         return views.view_scatter(self, info.func, info.struct, leaves, x.slot, base, new, DESCS[base.did][0])
 
-    def view_rederive(self, v, base) -> None:
+    def is_detach_view(self, x) -> bool:
+        """True when ``x`` is a detached alias of its base (``y.detach()``)."""
+        from batchcraft.autobatching import views
+
+        return x.base is not None and views.is_detach_view(SIGNATURES.by_sid[self.node_sid(x.node)].func)
+
+    def view_of(self, v, base):
+        """View ``v``'s operation applied to ``base`` instead of its own base (a new lazy value)."""
         info = SIGNATURES.by_sid[self.node_sid(v.node)]
         it = iter(self.node_leaves(v.node, first=base))
         args = rebuild(info.struct[0], it)
@@ -699,7 +706,10 @@ class RecorderBase:
             flat: list = []
             flatten(out, flat, self.lazy_type)
             out = flat[v.slot]
-        _functional.rebind(self, v, out)
+        return out
+
+    def view_rederive(self, v, base) -> None:
+        _functional.rebind(self, v, self.view_of(v, base))
 
     def note_rebind(self, x) -> None:
         """``x`` is about to be re-pointed: remember instance inputs for the write-back."""

@@ -252,7 +252,10 @@ class Runtime:
         rec = self.rec
         for inst, tensor, handle in sorted(rec.writebacks, key=lambda w: w[0]):
             value = rec.resolve(handle)
-            with torch.set_grad_enabled(value.requires_grad or tensor.requires_grad):
+            # a leaf that requires grad was written without history (``x.data.add_``,
+            # ``x.detach().mul_``): its values change, its autograd identity stays, as in eager
+            grad = (value.requires_grad or tensor.requires_grad) and not (tensor.is_leaf and tensor.requires_grad)
+            with torch.set_grad_enabled(grad):
                 tensor.copy_(value)
 
     def _run_sequential(self, instances):

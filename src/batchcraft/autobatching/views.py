@@ -26,11 +26,24 @@ def _is_basic(struct) -> bool:
     return True
 
 
+def detached_alias(base, history):
+    """A detached alias of ``base`` after a write that carried autograd history: ``base``'s value
+    (exactly: ``+ 0``) with ``history``'s gradient. Eager's ``a = y.detach(); a.add_(w)`` leaves
+    ``a`` with the write's history and ``y`` with its own; later writes into ``y`` change ``a``'s
+    value, not its history (reliability #95)."""
+    return base.detach() + (history - history.detach())
+
+
 VIEW_FUNCS = {T.__getitem__, T.select, torch.select, T.narrow, torch.narrow, T.unsqueeze, torch.unsqueeze,
               T.squeeze, torch.squeeze, T.view, T.view_as, T.t, torch.t, T.transpose, torch.transpose,
               T.permute, torch.permute, T.diagonal, torch.diagonal, T.unbind, torch.unbind, T.split,
               torch.split, T.chunk, torch.chunk, T.swapaxes, torch.swapaxes, T.movedim, torch.movedim,
-              T.expand, T.expand_as, T.detach, torch.detach}
+              T.expand, T.expand_as, T.detach, torch.detach, detached_alias}
+
+
+def is_detach_view(func) -> bool:
+    """True for the detached aliases (``detach`` and :func:`detached_alias`)."""
+    return func is T.detach or func is torch.detach or func is detached_alias
 
 
 def is_view_call(func, struct) -> bool:
@@ -80,12 +93,12 @@ def view_scatter(rec, func, struct, leaves, slot, base, new_view, shape):
             raise RuntimeError("unsupported operation: more than one element of the written-to tensor refers "
                                "to a single memory location (an expanded view)")
         return new_view.reshape(shape)
-    if func in (T.detach, torch.detach):
-        if base.requires_grad:
-            # eager's write through a detached alias changes the base's values and leaves its
-            # autograd history as it was: the new value, with the base's gradient path (+ 0)
-            return new_view + (base - base.detach())
-        return new_view
+    if func in (T.detach, torch.detach, detached_alias):
+        # eager's write through a detached alias changes the base's values and leaves its
+        # autograd history as it was: the new value, with the base's gradient path (+ 0); the
+        # alias's own history is kept by functional.write (detached_alias)
+        value = new_view.detach() if new_view.requires_grad else new_view
+        return value + (base - base.detach()) if base.requires_grad else value
     if func in (T.t, torch.t):
         return new_view.t() if len(shape) == 2 else new_view
     if func in (T.transpose, torch.transpose, T.swapaxes, torch.swapaxes):
