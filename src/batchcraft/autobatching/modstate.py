@@ -8,7 +8,8 @@ the call these are lazy values; left there, the module would be unusable afterwa
 buffers and parameters of the modules the function reaches (itself, a bound method's object, a
 ``functools.partial``'s arguments, closure cells, the module-level globals its code names, and
 their submodules), and in the lists, dicts and plain objects those attributes hold
-(``self.history.append(h)``), by its value.
+(``self.history.append(h)``; the last :data:`MAX_SCANNED` entries of a list, dicts of at most
+that many), by its value.
 
 Which value: the last assignment batchcraft executed. Instances run in fibers in instance order
 and each runs until it waits for a value, so without value waits the assignments happen in eager's
@@ -60,14 +61,20 @@ def roots(fn) -> list:
 
 
 _MODULE_TABLES = frozenset({"_buffers", "_parameters", "_modules"})  # (walked as tables above)
+#: entries of one list or dict attribute looked at after a call (a list: its last ones)
+MAX_SCANNED = 1024
 
 
 def _resolve_inside(v, where: str, rec, lazy_type, replaced: list) -> None:
     """The lazy values of ``rec`` in a list, dict or plain object held by a module attribute
     (``self.history.append(h)``, ``self.log.last = h``): one level deep."""
     if type(v) is list:
-        items = enumerate(v)
+        # appends land at the end: a long list (a vocabulary) is looked at in its last entries
+        start = max(0, len(v) - MAX_SCANNED)
+        items = zip(range(start, len(v)), v[start:])
     elif type(v) is dict:
+        if len(v) > MAX_SCANNED:
+            return
         items = list(v.items())
     elif not isinstance(v, (nn.Module, type)) and type(v).__module__ not in ("builtins", "torch") \
             and isinstance(getattr(v, "__dict__", None), dict):
