@@ -376,3 +376,49 @@ def test_a_decorated_method_of_an_unhashable_module_runs_outside_autobatch():
     m = M()
     x = torch.randn(3)
     torch.testing.assert_close(m.step(x), m.lin(x))
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("how", ["tuple", "list", "object"])
+def test_a_module_inside_a_container_argument_is_part_of_the_fingerprint(core, how):
+    # a hostile helper's find (stop 34, third pass): ``step((m,), x)`` ran the old trace
+    import types
+
+    @static_block
+    def step(holder, x):
+        m = holder.m if how == "object" else holder[0]
+        return torch.tanh(m(x))
+
+    torch.manual_seed(10)
+    m = nn.Linear(3, 3)
+    holder = {"tuple": (m,), "list": [m], "object": types.SimpleNamespace(m=m)}[how]
+    xs = [torch.randn(3) for _ in range(3)]
+    f = autobatch(lambda x: step(holder, x), core=core)
+    f(xs)
+    m.weight = nn.Parameter(torch.randn(3, 3))
+    _close(f(xs), [step(holder, x) for x in xs])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_block_storing_a_new_list_on_its_module_runs_unblocked(core):
+    # a hostile helper's find (stop 34, third pass): ``self.hist = self.hist + [h]`` left the
+    # trace's value on the module
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.hist = []
+
+        def forward(self, x):
+            h = self.lin(x)
+            self.hist = self.hist + [h]
+            return h
+
+    torch.manual_seed(11)
+    eager = M()
+    blk = static_block(copy.deepcopy(eager))
+    xs = [torch.randn(3) for _ in range(3)]
+    ref = [eager(x) for x in xs]
+    _close(autobatch(lambda x: blk(x), core=core)(xs), ref)
+    assert len(blk.hist) == 3 and all(type(h) is torch.Tensor for h in blk.hist)
+    _close(blk.hist, eager.hist)

@@ -367,3 +367,94 @@ def test_deepcopy_of_a_value_and_its_view_keeps_them_sharing_storage(core):
     for o, x in zip(autobatch(fn, core=core)(xs), xs):
         for p, q in zip(o, fn(x)):
             torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("op", ["zero_", "fill_", "copy_"])
+def test_overwriting_a_value_that_requires_grad_keeps_it_requiring_grad(core, op):
+    # a hostile helper's finds (stop 34, third pass): ``y.copy_(c)`` / ``zero_`` / ``fill_`` on a
+    # value that requires grad dropped requires_grad (eager keeps it, with a zero gradient), and
+    # the same on a detached alias that had history kept the old history (w.grad 6 against 0)
+    w, v = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+
+    def overwrite(t, x):
+        if op == "zero_":
+            return t.zero_()
+        if op == "fill_":
+            return t.fill_(2.0)
+        return t.copy_(x * 5)
+
+    def fn(x):
+        y = x * v
+        overwrite(y, x)
+        a = (x * 2).detach()
+        a.add_(w)
+        overwrite(a, x)
+        return y * 3 + a * 2 + x, y.requires_grad, a.requires_grad
+
+    xs = [torch.randn(3) for _ in range(3)]
+    assert_matches_eager(lambda x: fn(x)[0], xs, [w, v], core=core)
+    for o, x in zip(autobatch(fn, core=core)(xs), xs):
+        assert o[1:] == fn(x)[1:] == (True, True)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_an_input_written_through_data_stays_a_leaf(core):
+    # a hostile helper's find (stop 34, third pass): after ``x.data.mul_(2)`` instance code saw
+    # is_leaf False, and a following ``x.add_(1)`` wrote the caller's leaf where eager raises
+    def reads(x):
+        x.data.mul_(2)
+        x.detach().add_(1)
+        return x * 1, x.is_leaf, x.requires_grad
+
+    xs = [torch.randn(3, requires_grad=True) for _ in range(2)]
+    xe = [x.detach().clone().requires_grad_() for x in xs]
+    for o, x in zip(autobatch(reads, core=core)(xs), xe):
+        r = reads(x)
+        torch.testing.assert_close(o[0], r[0])
+        assert o[1:] == r[1:] == (True, True)
+
+    def writes(x):
+        x.data.mul_(2)
+        x.add_(1)  # eager: a leaf that requires grad, in place: refused
+        return x
+
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        writes(torch.randn(3, requires_grad=True))
+    with pytest.raises(Exception, match="leaf Variable"):
+        autobatch(writes, core=core)([torch.randn(3, requires_grad=True) for _ in range(2)])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_inputs_that_are_views_of_a_leaf_are_written_through_data(core):
+    # a hostile helper's find (stop 34, third pass): inputs ``big[i]`` (views of a leaf that
+    # requires grad) written through ``.data`` raised in the write-back, after the call
+    big = torch.ones(3, 3, requires_grad=True)
+    big_e = big.detach().clone().requires_grad_()
+
+    def fn(x):
+        x.data.mul_(2)
+        return x * 3
+
+    out = autobatch(fn, core=core)([big[i] for i in range(3)])
+    ref = [fn(big_e[i]) for i in range(3)]
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+    torch.testing.assert_close(big.detach(), big_e.detach())
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_deepcopy_of_a_detached_alias_of_a_value_with_history(core):
+    # a hostile helper's find on this stop's deepcopy (third pass): it copied the base, which is
+    # not a leaf, and raised; eager copies the alias
+    import copy
+
+    w = nn.Parameter(torch.randn(3))
+
+    def fn(x):
+        y = x * w
+        return copy.deepcopy(y.detach()) + copy.deepcopy(y.data)
+
+    xs = [torch.randn(3) for _ in range(2)]
+    for o, x in zip(autobatch(fn, core=core)(xs), xs):
+        torch.testing.assert_close(o, fn(x))

@@ -107,6 +107,21 @@ class TracedList(list):
         return list.__reversed__(self)
 
 
+#: modules given as arguments whose state one block's fingerprint follows (each is checked at every
+#: call; traces keyed by further ones are not re-checked: README)
+MAX_ARG_MODULES = 64
+
+
+def _may_hold_modules(a) -> bool:
+    """An argument worth walking for modules: not a value, a tensor, a scalar or a list of values
+    (a TracedList is never iterated here: that would mark the trace ragged-unsafe)."""
+    if type(a) is _Lazy or type(a) is TracedList or isinstance(a, (torch.Tensor, int, float, bool, str, type(None))):
+        return False
+    if type(a) is list or type(a) is tuple:
+        return not all(type(b) is _Lazy for b in a)
+    return True
+
+
 def _forget(table: dict, key, _ref) -> None:
     table.pop(key, None)
 
@@ -138,7 +153,9 @@ def _restore_module_state(saved, tracer):
     for m, attrs, buffers, inner in saved:
         for store, before in ((m.__dict__, attrs), (m._buffers, buffers)):
             for k, v in list(store.items()):
-                if _holds(v, tracer):
+                if _holds(v, tracer) or (before.get(k) is not v and type(v) in (list, tuple, dict)
+                                         and any(_holds(e, tracer) for e in (v.values() if type(v) is dict else v))):
+                    # a value, or a new container holding one (``self.hist = self.hist + [h]``)
                     assigned = assigned or f"{type(m).__name__}.{k}"
                     if k in before:
                         store[k] = before[k]
@@ -540,8 +557,9 @@ class StaticBlock:
     def _note_arg_modules(self, args, kwargs) -> None:
         """Modules among the arguments of a call being traced (``step(model, x)``, a decorated
         method's ``self``): their state is part of the fingerprint from now on."""
-        for a in list(args) + list(kwargs.values()):
-            if isinstance(a, nn.Module) and id(a) not in self.arg_modules:
+        others = [a for a in list(args) + list(kwargs.values()) if _may_hold_modules(a)]
+        for a in (reach(others)[0] if others else ()):  # also in containers and objects among them
+            if id(a) not in self.arg_modules and len(self.arg_modules) < MAX_ARG_MODULES:
                 self.arg_modules[id(a)] = weakref.ref(a, functools.partial(_forget, self.arg_modules, id(a)))
 
     def _finish(self, tracer, out, key, ragged_dids=(), classes=(), rec=None, n_in=None):

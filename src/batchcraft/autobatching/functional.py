@@ -148,14 +148,24 @@ def write(rec, x, new) -> None:
     if base is None:
         rebind(rec, x, new)
         return
+    detached = rec.is_detach_view(x)
+    leaf = detached and rec.is_input_leaf_requiring_grad(base)
     new_base = rec.view_scatter(x, base, new)
     write(rec, base, new_base)  # re-derives x (a live view of base) too
-    if rec.is_detach_view(x) and rec.requires_grad_of(new):
+    if leaf:
+        # an instance input that requires grad, written without history (``x.data.mul_(2)``):
+        # still a leaf for instance code, as in eager (in-place updates of it stay refused)
+        rec.note_written_leaf(base)
+    if detached:
         # a detached alias written with a value that has autograd history keeps that history
-        # (eager's ``a = y.detach(); a.add_(w)``): base's value, new's gradient
+        # (eager's ``a = y.detach(); a.add_(w)``: base's value, new's gradient); written with one
+        # that has none (``a.zero_()``), it has none
         from batchcraft.autobatching.views import detached_alias
 
-        rebind(rec, x, rec.record(detached_alias, (base, new), {}))
+        if rec.requires_grad_of(new):
+            rebind(rec, x, rec.record(detached_alias, (base, new), {}))
+        elif rec.requires_grad_of(x):
+            rebind(rec, x, rec.record(torch.Tensor.detach, (base,), {}))
 
 
 def _check_result(x, new, name):
@@ -194,8 +204,19 @@ def inplace(rec, x, func, args, kwargs):
         raise RuntimeError(f"result type {ndtype} can't be cast to the desired output type {dtype}")
     if ndtype != dtype:
         new = rec.record(torch.Tensor.to, (new, dtype), {})
+    if torch.is_grad_enabled() and rec.requires_grad_of(x) and not rec.requires_grad_of(new):
+        # eager's in-place result on a tensor that requires grad still does (``y.zero_()``,
+        # ``y.copy_(c)``, ``y.fill_(2)``): the new value, a zero gradient into y's history
+        new = rec.record(keep_history, (new, x), {})
     write(rec, x, new)
     return x
+
+
+def keep_history(new, old):
+    """``new``'s values with ``old``'s autograd graph behind them at zero gradient (an in-place
+    overwrite of a tensor that requires grad, as eager's ``zero_``/``fill_``/``copy_``); a
+    ``where`` rather than an arithmetic trick: exact values, no NaN from infinite ``old``."""
+    return torch.where(torch.ones_like(new, dtype=torch.bool), new, old)
 
 
 def repoint(rec, x, new, name: str) -> None:

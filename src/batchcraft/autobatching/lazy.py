@@ -336,7 +336,7 @@ class LazyTensor(_Base):
         eager, refused for a value computed with autograd history."""
         if id(self) in memo:
             return memo[id(self)]
-        if self.base is not None and not self.requires_grad:
+        if self.base is not None and not self.requires_grad and self.base.is_leaf:
             # a view: the same view of its base's copy, so that copies of views of one value share
             # one new storage, as eager's deep copy of their storage does
             out = self.rec.view_of(self, copy.deepcopy(self.base, memo))

@@ -208,6 +208,7 @@ class RecorderBase:
         self.writebacks: list = []
         self.deferred: list = []
         self.counter_read = None  # the last float() of a tensor from outside the instance (buffers.py)
+        self.written_leaves: set = set()  # (node, slot) of inputs written through detached aliases
         self.keepalive: list = []
         self.input_leaves: dict = {}
         self.hooked: set = set()
@@ -231,7 +232,14 @@ class RecorderBase:
     def requires_grad_of(self, x) -> bool:
         return bool(self.rg_bit(x.node, x.slot))
 
+    def note_written_leaf(self, x) -> None:
+        """Handle ``x``, an input that requires grad, now holds a value written through a
+        detached alias: it stays a leaf for :meth:`is_leaf_of` and in-place checks."""
+        self.written_leaves.add((x.node, x.slot))
+
     def is_leaf_of(self, x) -> bool:
+        if (x.node, x.slot) in self.written_leaves:
+            return True
         if self.node_sid(x.node) == 0:
             # a tensor made by a concrete call of instance code (``w * 2``, w a parameter) has
             # autograd history: not a leaf, as in eager
@@ -720,6 +728,8 @@ class RecorderBase:
     def is_input_leaf_requiring_grad(self, x) -> bool:
         """``x`` is a leaf tensor that requires grad (an in-place update of it is an error, as in
         eager); a concrete call's result with autograd history is not (reliability #53)."""
+        if (x.node, x.slot) in self.written_leaves:
+            return True
         return (self.node_sid(x.node) == 0 and bool(self.rg_bit(x.node, x.slot))
                 and _is_leaf(self.leaf_value(x.node)))
 

@@ -254,7 +254,8 @@ class Runtime:
             value = rec.resolve(handle)
             # a leaf that requires grad was written without history (``x.data.add_``,
             # ``x.detach().mul_``): its values change, its autograd identity stays, as in eager
-            grad = (value.requires_grad or tensor.requires_grad) and not (tensor.is_leaf and tensor.requires_grad)
+            root = tensor._base if tensor._base is not None else tensor  # (an input may be a view: big[i])
+            grad = (value.requires_grad or tensor.requires_grad) and not (root.is_leaf and root.requires_grad)
             with torch.set_grad_enabled(grad):
                 tensor.copy_(value)
 
