@@ -60,23 +60,27 @@ def roots(fn) -> list:
     return out
 
 
-_MODULE_TABLES = frozenset({"_buffers", "_parameters", "_modules"})  # (walked as tables above)
+#: attributes every ``nn.Module`` has (its tables and hooks): not where instance code stores values
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+_SCALARS = (int, float, bool, str, type(None))
 #: entries of one list or dict attribute looked at after a call (a list: its last ones)
 MAX_SCANNED = 1024
+_PLAIN_MODULES = ("builtins", "torch")
 
 
-def _resolve_inside(v, where: str, rec, lazy_type, replaced: list) -> None:
-    """The lazy values of ``rec`` in a list, dict or plain object held by a module attribute
-    (``self.history.append(h)``, ``self.log.last = h``): one level deep."""
-    if type(v) is list:
+def _resolve_inside(m, name: str, v, rec, lazy_type, replaced: list) -> None:
+    """The lazy values of ``rec`` in a list, dict or plain object held by attribute ``name`` of
+    module ``m`` (``self.history.append(h)``, ``self.log.last = h``): one level deep."""
+    t = type(v)
+    if t is list:
         # appends land at the end: a long list (a vocabulary) is looked at in its last entries
         start = max(0, len(v) - MAX_SCANNED)
         items = zip(range(start, len(v)), v[start:])
-    elif type(v) is dict:
+    elif t is dict:
         if len(v) > MAX_SCANNED:
             return
         items = list(v.items())
-    elif not isinstance(v, (nn.Module, type)) and type(v).__module__ not in ("builtins", "torch") \
+    elif t.__module__ not in _PLAIN_MODULES and not isinstance(v, (nn.Module, type)) \
             and isinstance(getattr(v, "__dict__", None), dict):
         v = vars(v)
         items = list(v.items())
@@ -85,7 +89,7 @@ def _resolve_inside(v, where: str, rec, lazy_type, replaced: list) -> None:
     for k, x in list(items):
         if type(x) is lazy_type and x.rec is rec:
             v[k] = rec.resolve(x)
-            replaced.append(f"{where}[{k!r}]")
+            replaced.append(f"{type(m).__name__}.{name}[{k!r}]")
 
 
 def resolve_module_state(fn, rec, lazy_type, interleaved: bool) -> list[str]:
@@ -100,11 +104,13 @@ def resolve_module_state(fn, rec, lazy_type, interleaved: bool) -> list[str]:
             d = m.__dict__
             for table in (d, d.get("_buffers") or {}, d.get("_parameters") or {}):
                 for name, v in list(table.items()):
-                    if type(v) is lazy_type and v.rec is rec:
-                        table[name] = rec.resolve(v)
-                        replaced.append(f"{type(m).__name__}.{name}")
-                    elif table is d and name not in _MODULE_TABLES:
-                        _resolve_inside(v, f"{type(m).__name__}.{name}", rec, lazy_type, replaced)
+                    t = type(v)
+                    if t is lazy_type:
+                        if v.rec is rec:
+                            table[name] = rec.resolve(v)
+                            replaced.append(f"{type(m).__name__}.{name}")
+                    elif table is d and t not in _SCALARS and name not in _MODULE_INTERNALS:
+                        _resolve_inside(m, name, v, rec, lazy_type, replaced)
     if replaced and interleaved:
         warnings.warn(f"batchcraft.autobatch: instance code stored per-instance values on modules "
                       f"({', '.join(sorted(set(replaced)))}) in a call whose instances waited for values: "

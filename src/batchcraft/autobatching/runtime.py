@@ -29,7 +29,7 @@ import greenlet
 import torch
 
 from batchcraft.autobatching import attrs as _attrs
-from batchcraft.autobatching.blocks import MODULE_TRAIN
+from batchcraft.autobatching.blocks import install_train_hook
 from batchcraft.autobatching.cells import FAST_CELLS
 from batchcraft.autobatching.devices import SET_DEFAULT_DEVICE, factory_device, global_context, set_global_context
 from batchcraft.autobatching.dispatch import FAST_DISPATCH
@@ -198,7 +198,8 @@ class Runtime:
         gc.disable()
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
             _functional.intercept_function_apply(True)
-            with attrs, cells, dispatch, retention, SET_DEFAULT_DEVICE, MODULE_TRAIN:
+            install_train_hook()
+            with attrs, cells, dispatch, retention, SET_DEFAULT_DEVICE:
                 return self._run(instances, t_start)
         finally:
             try:
