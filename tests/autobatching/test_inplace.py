@@ -458,3 +458,39 @@ def test_deepcopy_of_a_detached_alias_of_a_value_with_history(core):
     xs = [torch.randn(3) for _ in range(2)]
     for o, x in zip(autobatch(fn, core=core)(xs), xs):
         torch.testing.assert_close(o, fn(x))
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("op", ["zero_", "copy_", "setitem"])
+def test_overwriting_under_no_grad_keeps_the_autograd_graph(core, op):
+    # a hostile helper's find (stop 34, fourth pass; present before): under no_grad eager changes
+    # y's values and keeps its graph (v.grad flows through it); batched, y stopped requiring grad
+    v = nn.Parameter(torch.randn(3))
+
+    def fn(x):
+        y = x * v
+        with torch.no_grad():
+            if op == "zero_":
+                y.zero_()
+            elif op == "copy_":
+                y.copy_(x)
+            else:
+                y[0] = 1.0
+        return y * 2, y.requires_grad
+
+    xs = [torch.randn(3) for _ in range(3)]
+    assert_matches_eager(lambda x: fn(x)[0], xs, [v], core=core)
+    assert all(o[1] for o in autobatch(fn, core=core)(xs))
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_one_tensor_written_by_two_instances_warns(core):
+    # a hostile helper's find (stop 34, fourth pass; present before): eager's writes compound
+    # (b * 2 * 2), batched each instance starts from the original value; the call says so
+    def fn(x):
+        x.mul_(2)
+        return x * 1
+
+    b = torch.ones(3)
+    with pytest.warns(RuntimeWarning, match="instances 0 and 1 received the same tensor"):
+        autobatch(fn, core=core)([b, b])

@@ -204,12 +204,28 @@ def inplace(rec, x, func, args, kwargs):
         raise RuntimeError(f"result type {ndtype} can't be cast to the desired output type {dtype}")
     if ndtype != dtype:
         new = rec.record(torch.Tensor.to, (new, dtype), {})
-    if torch.is_grad_enabled() and rec.requires_grad_of(x) and not rec.requires_grad_of(new):
-        # eager's in-place result on a tensor that requires grad still does (``y.zero_()``,
-        # ``y.copy_(c)``, ``y.fill_(2)``): the new value, a zero gradient into y's history
-        new = rec.record(keep_history, (new, x), {})
-    write(rec, x, new)
+    write(rec, x, _with_autograd_of(rec, x, new))
     return x
+
+
+def _with_autograd_of(rec, x, new):
+    """``new`` as the in-place result on ``x``: where ``x`` requires grad and ``new`` does not,
+    eager's result still requires grad."""
+    if not rec.requires_grad_of(x) or rec.requires_grad_of(new):
+        return new
+    if torch.is_grad_enabled():
+        # ``y.zero_()``, ``y.copy_(c)``, ``y.fill_(2)``: the new value, a zero gradient into y's history
+        return rec.record(keep_history, (new, x), {})
+    # under no_grad eager changes y's values and keeps its autograd node: the new value, y's own
+    # gradient path (+ 0)
+    with torch.enable_grad():
+        return rec.record(keep_graph, (new, x), {})
+
+
+def keep_graph(new, old):
+    """``new``'s values (exactly: ``+ 0``) with ``old``'s autograd graph behind them at identity
+    gradient: an in-place write under ``no_grad`` into a tensor that requires grad."""
+    return new.detach() + (old - old.detach())
 
 
 def keep_history(new, old):
@@ -238,7 +254,7 @@ def setitem(rec, x, key, value) -> None:
             write(rec, x, new)
         return
     new = rec.record(setitem_functional, (x, key, value), {})
-    write(rec, x, new)
+    write(rec, x, _with_autograd_of(rec, x, new))
 
 
 

@@ -20,6 +20,7 @@ Source: ACRoBat (Fegade et al. 2024) §5, fibers for tensor-dependent control fl
 from __future__ import annotations
 
 import contextvars
+import warnings
 import gc
 import time
 from contextlib import nullcontext
@@ -249,8 +250,22 @@ class Runtime:
         return results
 
     def _write_back(self) -> None:
-        """Copy in-place updates of instance inputs back into the caller's tensors (as eager)."""
+        """Copy in-place updates of instance inputs back into the caller's tensors (as eager).
+
+        Instances whose written inputs share memory (one tensor passed as two instances) are
+        written back in instance order, each computed from the original value, where eager's
+        writes compound: a ``RuntimeWarning`` says so.
+        """
         rec = self.rec
+        owners: dict = {}
+        for inst, tensor, _ in rec.writebacks:
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+            other = owners.setdefault(key, inst)
+            if other != inst:
+                warnings.warn(f"batchcraft.autobatch: instances {other} and {inst} received the same tensor and "
+                              f"wrote it in place; each write started from the original value (eager would "
+                              f"apply them one after another)", RuntimeWarning, stacklevel=4)
+                break
         for inst, tensor, handle in sorted(rec.writebacks, key=lambda w: w[0]):
             value = rec.resolve(handle)
             # a leaf that requires grad was written without history (``x.data.add_``,
