@@ -106,11 +106,9 @@ def rule_instance_norm_train(func, struct, leaves, mask, shapes, n):
     return out, mean.mean(1), var_u.mean(1)
 
 
-def parse_instance_norm(args, kwargs):
-    """The arguments of ``F.instance_norm`` as a dict (None when they do not bind)."""
-    names = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
-    defaults = {"running_mean": None, "running_var": None, "weight": None, "bias": None,
-                "use_input_stats": True, "momentum": 0.1, "eps": 1e-5}
+def _bind(names, defaults, required, args, kwargs):
+    """``args``/``kwargs`` bound to ``names`` with ``defaults`` (None when they do not bind or a
+    ``required`` name is missing)."""
     if len(args) > len(names):
         return None
     bound = dict(zip(names, args))
@@ -120,7 +118,20 @@ def parse_instance_norm(args, kwargs):
         bound[k] = v
     for k, v in defaults.items():
         bound.setdefault(k, v)
-    return bound if "input" in bound else None
+    return bound if all(k in bound for k in required) else None
+
+
+_INSTANCE_NORM = (("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps"),
+                  {"running_mean": None, "running_var": None, "weight": None, "bias": None,
+                   "use_input_stats": True, "momentum": 0.1, "eps": 1e-5}, ("input",))
+_BATCH_NORM = (("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+               {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
+               ("input", "running_mean", "running_var"))
+
+
+def parse_instance_norm(args, kwargs):
+    """The arguments of ``F.instance_norm`` as a dict (None when they do not bind)."""
+    return _bind(*_INSTANCE_NORM, args, kwargs)
 
 
 def record_instance_norm(rec, args, kwargs):
@@ -142,20 +153,7 @@ def record_instance_norm(rec, args, kwargs):
 
 def parse_batch_norm(args, kwargs):
     """The arguments of ``F.batch_norm`` as a dict (None when they do not bind)."""
-    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-    defaults = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
-    if len(args) > len(names):
-        return None
-    bound = dict(zip(names, args))
-    for k, v in kwargs.items():
-        if k not in names or k in bound:
-            return None
-        bound[k] = v
-    for k, v in defaults.items():
-        bound.setdefault(k, v)
-    if "input" not in bound or "running_mean" not in bound or "running_var" not in bound:
-        return None
-    return bound
+    return _bind(*_BATCH_NORM, args, kwargs)
 
 
 _SCALAR_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.bfloat16: "BFloat16", torch.float16: "Half"}

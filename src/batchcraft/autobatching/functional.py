@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from batchcraft.autobatching.lazy import user_mode_on_top
+from batchcraft.autobatching.views import detached_alias
 from batchcraft.errors import UnsupportedOperationError
 
 _INPLACE_KW_FUNCS = None
@@ -160,8 +161,6 @@ def write(rec, x, new) -> None:
         # a detached alias written with a value that has autograd history keeps that history
         # (eager's ``a = y.detach(); a.add_(w)``: base's value, new's gradient); written with one
         # that has none (``a.zero_()``), it has none
-        from batchcraft.autobatching.views import detached_alias
-
         if rec.requires_grad_of(new):
             rebind(rec, x, rec.record(detached_alias, (base, new), {}))
         elif rec.requires_grad_of(x):

@@ -23,6 +23,7 @@ from weakref import ref as _weakref
 import torch
 
 from batchcraft.autobatching import buffers as _buffers
+from batchcraft.autobatching import views as _views
 from batchcraft.autobatching import cells as _cells
 from batchcraft.autobatching import functional as _functional
 from batchcraft.autobatching.descs import DESCS, desc_id
@@ -691,17 +692,13 @@ class RecorderBase:
         return out
 
     def view_scatter(self, x, base, new):
-        from batchcraft.autobatching import views
-
         info = SIGNATURES.by_sid[self.node_sid(x.node)]
         leaves = self.node_leaves(x.node, first=base)
-        return views.view_scatter(self, info.func, info.struct, leaves, x.slot, base, new, DESCS[base.did][0])
+        return _views.view_scatter(self, info.func, info.struct, leaves, x.slot, base, new, DESCS[base.did][0])
 
     def is_detach_view(self, x) -> bool:
         """True when ``x`` is a detached alias of its base (``y.detach()``)."""
-        from batchcraft.autobatching import views
-
-        return x.base is not None and views.is_detach_view(SIGNATURES.by_sid[self.node_sid(x.node)].func)
+        return x.base is not None and _views.is_detach_view(SIGNATURES.by_sid[self.node_sid(x.node)].func)
 
     def view_of(self, v, base):
         """View ``v``'s operation applied to ``base`` instead of its own base (a new lazy value)."""
