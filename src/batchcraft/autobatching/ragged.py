@@ -254,14 +254,22 @@ def _expand_seg(seg, x):
     return seg.view((-1,) + (1,) * (x.dim() - 1)).expand_as(x)
 
 
+def _seg_init(x, n):
+    """The ``self`` of a segment max/min. Forward ignores it (``include_self=False``), but
+    PyTorch's ``scatter_reduce`` backward still counts elements of ``self`` equal to the result
+    when it splits the gradient among ties, so recycled memory holding the same values (frequent:
+    the allocator hands back the previous batch's rows) halved the children's gradients
+    (reliability #27). NaN equals nothing."""
+    shape = (n,) + tuple(x.shape[1:])
+    return x.new_full(shape, float("nan")) if x.is_floating_point() else x.new_empty(shape)
+
+
 def seg_amax(x, seg, n):
-    out = x.new_empty((n,) + tuple(x.shape[1:]))
-    return out.scatter_reduce_(0, _expand_seg(seg, x), x, "amax", include_self=False)
+    return _seg_init(x, n).scatter_reduce_(0, _expand_seg(seg, x), x, "amax", include_self=False)
 
 
 def seg_amin(x, seg, n):
-    out = x.new_empty((n,) + tuple(x.shape[1:]))
-    return out.scatter_reduce_(0, _expand_seg(seg, x), x, "amin", include_self=False)
+    return _seg_init(x, n).scatter_reduce_(0, _expand_seg(seg, x), x, "amin", include_self=False)
 
 
 def _counts_like(cnt, x, n):
