@@ -230,6 +230,9 @@ class BlockTracer:
     def setitem(self, x, key, value):
         raise _SharedWrite("item assignment")
 
+    def scalar(self, x, why, to):
+        return self.materialize(x, why)
+
     def materialize(self, x, why):
         raise AutobatchError(
             f"static block {self.block.name!r} tried to {why}; static blocks must not branch on tensor values",

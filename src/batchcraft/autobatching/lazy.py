@@ -304,19 +304,27 @@ class LazyTensor(_Base):
             return to(v)
 
     def __bool__(self):
-        return self._convert("use a tensor as a Python bool", bool)
+        if torch._C._len_torch_function_stack() > 1:
+            return self._convert("use a tensor as a Python bool", bool)
+        return self.rec.scalar(self, "use a tensor as a Python bool", bool)
 
     def item(self):
-        return self._convert("call .item()", torch.Tensor.item)
+        if torch._C._len_torch_function_stack() > 1:
+            return self._convert("call .item()", torch.Tensor.item)
+        return self.rec.scalar(self, "call .item()", torch.Tensor.item)
 
     def tolist(self):
         return self._convert("call .tolist()", torch.Tensor.tolist)
 
     def __int__(self):
-        return self._convert("convert a tensor to int", int)
+        if torch._C._len_torch_function_stack() > 1:
+            return self._convert("convert a tensor to int", int)
+        return self.rec.scalar(self, "convert a tensor to int", int)
 
     def __float__(self):
-        return self._convert("convert a tensor to float", float)
+        if torch._C._len_torch_function_stack() > 1:
+            return self._convert("convert a tensor to float", float)
+        return self.rec.scalar(self, "convert a tensor to float", float)
 
     def __index__(self):
         return self._convert("use a tensor as a Python index", torch.Tensor.__index__)

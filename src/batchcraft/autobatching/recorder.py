@@ -182,6 +182,9 @@ class _PendingGradFn:
 PENDING_GRAD_FN = _PendingGradFn()
 
 
+_item = torch.Tensor.item
+
+
 class RecorderBase:
     """What both cores share: the slow paths of recording, and value requests.
 
@@ -204,6 +207,7 @@ class RecorderBase:
         self.eager_ops = 0
         self.blocks_checked: set = set()
         self.buffers: list = []
+        self.scalar_rows: dict = {}  # buffer index -> (rows as Python scalars, floating): scalar()
         self.made_views: dict = {}  # id -> view of a shared tensor made by instance code this call
         self.hooks: dict = {}
         self.writebacks: list = []
@@ -646,6 +650,38 @@ class RecorderBase:
             return t[row]
         with torch.enable_grad():  # the row keeps its autograd history (read under the caller's no_grad)
             return t[row]
+
+    def scalar(self, x, why: str, to):
+        """``to(value of x)`` for a Python scalar conversion (``bool``, ``float``, ``.item()``,
+        ``int`` of an integer tensor), the wait of data-dependent control flow.
+
+        After a flush every waiting instance reads its row of the same batched results: the
+        first read converts a whole result with one ``tolist()`` and the others index that list,
+        instead of one row view and one ``item()`` each (about 1 µs an instance and wait, issue
+        14). The lists are dropped at the next flush. Anything else (a leaf, a row of more than one element,
+        a complex value, ``int`` of a float) takes :meth:`materialize`'s path."""
+        if x.rec is self:
+            node = x.node
+            if self.node_sid(node) != 0:
+                if not self.is_done(node):
+                    self.runtime.wait_for(x, why)
+                buf, row = self.location(node)
+                key = buf + x.slot
+                rows = self.scalar_rows.get(key)
+                if rows is None:
+                    t = self.buffers[key]
+                    if t.dim() == 0 or t.numel() != t.shape[0] or t.is_complex():
+                        rows = False  # rows of more than one element: torch's conversion raises
+                    else:
+                        with torch._C.DisableTorchFunction():
+                            rows = (t.reshape(-1).tolist(), t.is_floating_point())
+                    self.scalar_rows[key] = rows
+                if rows and (to is not int or not rows[1]):
+                    v = rows[0][row]
+                    return v if to is _item else to(v)
+        v = self.materialize(x, why)
+        with torch._C.DisableTorchFunction():
+            return to(v) if to is not _item else v.item()
 
     def materialize(self, x, why: str) -> torch.Tensor:
         """Concrete value of ``x``; runs pending work first if needed (its fiber waits here)."""

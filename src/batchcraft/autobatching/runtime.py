@@ -132,6 +132,7 @@ class Runtime:
         if rec.n_pending > self.stats.peak_pending:
             self.stats.peak_pending = rec.n_pending
         t0 = _perf()
+        rec.scalar_rows.clear()  # RecorderBase.scalar: lists of the last flush's results
         # no recorder is active while batched programs run: a static block called from batched
         # code must execute, not record (flushes also happen mid-recording: syncs, max_pending)
         stack.push(None)

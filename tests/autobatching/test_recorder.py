@@ -1,0 +1,112 @@
+"""Value requests of the recorder (recorder.py): Python scalars read after a wait.
+
+``bool``, ``float``, ``int`` and ``.item()`` of a pending value wait for a flush; every waiting
+instance then reads its row of the same batched result from one ``tolist()`` (``RecorderBase.scalar``).
+These conversions must give exactly what eager's give, for every dtype and shape torch accepts, and
+raise where eager raises.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from batchcraft import autobatch
+from batchcraft.errors import InstanceError
+
+from equivalence import CORES
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.uint8, torch.bool]
+CONVERSIONS = {"bool": bool, "float": float, "int": int, "item": lambda t: t.item()}
+
+
+def _values(dtype):
+    base = torch.tensor([0.0, -2.7, 3.5, 1e-3, 255.0, -0.0, 7.25, 100.5])
+    return [base[i].to(dtype) for i in range(len(base))]
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("conv", sorted(CONVERSIONS))
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=str)
+def test_scalar_conversions_after_a_wait_match_eager(core, dtype, conv, shape):
+    to = CONVERSIONS[conv]
+
+    def fn(x):
+        y = (x * 1).reshape(shape)  # a pending value: the conversion waits for a flush
+        v = to(y)
+        return torch.tensor(float(v)), type(v).__name__
+
+    xs = _values(dtype)
+    out = autobatch(fn, core=core)(xs)
+    for (o, kind), x in zip(out, xs):
+        r, rkind = fn(x)
+        assert kind == rkind
+        assert torch.equal(o, r), (o, r)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_int_of_a_float_nan_and_conversions_of_many_elements_raise_as_eager(core):
+    def fn(x):
+        return int(x * 1)
+
+    for x in (torch.tensor(math.nan), torch.tensor(math.inf)):
+        with pytest.raises(Exception) as eager:
+            fn(x)
+        with pytest.raises(InstanceError, match=type(eager.value).__name__):
+            autobatch(fn, core=core)([torch.tensor(1.5), x])
+
+    def two(x):
+        return bool(x * 1)
+
+    with pytest.raises(InstanceError, match="more than one"):
+        autobatch(two, core=core)([torch.ones(2), torch.ones(2)])
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_values_read_across_flushes_are_each_flush_own(core):
+    # the rows converted after one flush must not be served after the next (the lists are dropped)
+    def fn(x):
+        h = x * 1
+        seen = []
+        for _ in range(4):
+            h = h * 2 + 1
+            seen.append(h.item())
+            if bool(h > 1e6):
+                break
+        return torch.tensor(seen)
+
+    xs = [torch.tensor(float(i)) for i in range(6)]
+    for o, x in zip(autobatch(fn, core=core)(xs), xs):
+        torch.testing.assert_close(o, fn(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_scalar_read_under_a_mode_of_the_user_goes_through_the_mode(core):
+    # a TorchFunctionMode entered inside the instance sees the conversion, as in eager
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    def fn(x):
+        y = x * 2
+        with Count() as m:
+            v = y.item()
+        return torch.tensor(v), "item" in m.names
+
+    xs = [torch.tensor(1.0), torch.tensor(2.0)]
+    out = autobatch(fn, core=core)(xs)
+    for (o, saw), x in zip(out, xs):
+        r, rsaw = fn(x)
+        assert saw == rsaw
+        torch.testing.assert_close(o, r)
