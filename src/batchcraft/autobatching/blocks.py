@@ -30,7 +30,7 @@ import weakref
 import torch
 from torch import nn
 
-from batchcraft.autobatching import _native, buffers as _buffers, cells as _cells, stack
+from batchcraft.autobatching import _native, buffers as _buffers, cells as _cells, embedding as _embedding, stack
 from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.devices import with_factory_device
 from batchcraft.autobatching.functional import is_inplace_call, writes_first
@@ -290,6 +290,12 @@ class BlockTracer:
             out = _cells.record_cell(self, func, args, kwargs)
             if out is not NotImplemented:
                 return out
+        if func in _embedding.EMBEDDINGS:
+            form = _embedding.one_index_form(func, args, kwargs or {}, _Lazy)
+            if form == "per_instance":
+                raise _SharedWrite("embedding with scale_grad_by_freq over several indices per call")
+            if form is not None:
+                args, kwargs = form
         leaves: list = []
         struct = (flatten(args, leaves, _Lazy), flatten(kwargs, leaves, _Lazy) if kwargs else None)
         refs, dids, batched, specs = [], [], [], []

@@ -22,7 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from batchcraft.autobatching import stack as _stack
-from batchcraft.autobatching.mode import NOT_ON_TOP, as_mode_handler
+from batchcraft.autobatching.patches import PatchSet, SharedPatch
+
+_tf_len, _tf_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+_tf_pop, _tf_push = torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack
 
 CELL_FUNCS = (torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell)
 
@@ -167,9 +170,16 @@ def _fast_cell(original, n_states, gates_of):
             if None not in key[3:]:
                 _checked(rec)[key] = weights  # holds the weights: their ids stay theirs
         w_ih, w_hh, b_ih, b_hh = weights
-        out = as_mode_handler(rec, lambda: rec.record(
-            gates, (rec.record(F.linear, (input, w_ih, b_ih), {}), *states, w_hh, b_hh), {}))
-        return original(self, input, hx) if out is NOT_ON_TOP else out
+        # as mode.as_mode_handler (inlined: the hot path of plain recurrent models)
+        mode = rec.mode
+        n = _tf_len()
+        if mode is None or not n or _tf_at(n - 1) is not mode:
+            return original(self, input, hx)  # a mode of the user's is innermost: it sees torch's calls
+        _tf_pop()
+        try:
+            return rec.record(gates, (rec.record(F.linear, (input, w_ih, b_ih), {}), *states, w_hh, b_hh), {})
+        finally:
+            _tf_push(mode)
 
     forward.__wrapped__ = original
     forward.__doc__ = original.__doc__
@@ -192,32 +202,13 @@ def _rnn_gates(cell):
 def _fast_modules():
     from torch import nn
 
-    from batchcraft.autobatching.patches import SharedPatch
-
     return tuple(SharedPatch(cls, "forward", _fast_cell(cls.forward, n_states, gates_of))
                  for cls, n_states, gates_of in ((nn.LSTMCell, 2, lambda cell: lstm_gates),
                                                  (nn.GRUCell, 1, lambda cell: gru_gates),
                                                  (nn.RNNCell, 1, _rnn_gates)))
 
 
-class _Patches:
-    """Enter/exit several :class:`~batchcraft.autobatching.patches.SharedPatch` as one."""
-
-    def __init__(self, patches):
-        self.patches = patches
-
-    def __enter__(self):
-        for p in self.patches:
-            p.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for p in reversed(self.patches):
-            p.__exit__(*exc)
-        return False
-
-
 #: enter/exit around a recording call: the cell modules' forward records directly
-FAST_CELLS = _Patches(_fast_modules())
+FAST_CELLS = PatchSet(_fast_modules())
 
 __all__ = ["CELL_FUNCS", "GATES", "record_cell", "lstm_gates", "gru_gates", "FAST_CELLS"]

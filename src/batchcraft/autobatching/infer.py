@@ -15,6 +15,7 @@ Real placeholders also avoid the first ``meta`` call's import of torch's Python 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.signature import LEAF, flatten, rebuild
@@ -99,6 +100,11 @@ def _infer(func, struct, leaf_specs, state, lazy_type, kind):
         it = iter(vals)
         args = rebuild(struct[0], it)
         kwargs = rebuild(struct[1], it) if struct[1] is not None else {}
+        if func is F.embedding and kind == "real" and len(args) > 1 and isinstance(args[1], torch.Tensor) and (
+                kwargs.get("max_norm") is not None or (len(args) > 3 and args[3] is not None)):
+            # max_norm renorms the looked-up rows of the table in place: placeholder indices (0)
+            # must not renorm the shared table's row 0 (found at stop 35)
+            args = (args[0], args[1].detach().clone().requires_grad_(args[1].requires_grad), *args[2:])
         try:
             with torch.set_grad_enabled(grad):
                 out = func(*args, **kwargs)

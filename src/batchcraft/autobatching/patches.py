@@ -21,11 +21,12 @@ class SharedPatch:
         replacement: the value while patched (None: the patch does nothing).
     """
 
-    __slots__ = ("target", "name", "replacement", "original", "depth", "lock")
+    __slots__ = ("target", "name", "replacement", "original", "present", "depth", "lock")
 
     def __init__(self, target, name: str, replacement):
         self.target, self.name, self.replacement = target, name, replacement
         self.original = vars(target).get(name)
+        self.present = name in vars(target)  # else inherited: deleted again on exit (``__call__``)
         self.depth = 0
         self.lock = threading.Lock()
 
@@ -44,7 +45,27 @@ class SharedPatch:
         with self.lock:
             self.depth -= 1
             if self.depth == 0 and vars(self.target).get(self.name) is self.replacement:
-                setattr(self.target, self.name, self.original)
+                if self.present:
+                    setattr(self.target, self.name, self.original)
+                else:
+                    delattr(self.target, self.name)
+        return False
+
+
+class PatchSet:
+    """Enter/exit several :class:`SharedPatch` as one (exit in reverse order)."""
+
+    def __init__(self, patches):
+        self.patches = tuple(patches)
+
+    def __enter__(self) -> "PatchSet":
+        for p in self.patches:
+            p.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for p in reversed(self.patches):
+            p.__exit__(*exc)
         return False
 
 
@@ -85,4 +106,4 @@ class ModuleClassPatch:
         return False
 
 
-__all__ = ["SharedPatch", "ModuleClassPatch"]
+__all__ = ["SharedPatch", "PatchSet", "ModuleClassPatch"]

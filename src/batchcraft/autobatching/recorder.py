@@ -25,6 +25,7 @@ import torch
 from batchcraft.autobatching import buffers as _buffers
 from batchcraft.autobatching import views as _views
 from batchcraft.autobatching import cells as _cells
+from batchcraft.autobatching import embedding as _embedding
 from batchcraft.autobatching import functional as _functional
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.devices import concrete_device, factory_device, with_factory_device
@@ -195,6 +196,7 @@ class RecorderBase:
 
     core = "?"
     lazy_type = LazyTensor
+    is_tracer = False  # a static block's tracer (blocks.BlockTracer) says True
 
     def setup(self, runtime, options) -> None:
         self.runtime = runtime
@@ -479,6 +481,14 @@ class RecorderBase:
             out = _cells.record_cell(self, func, args, kwargs)
             if out is not NotImplemented:
                 return out, None
+        if func in _embedding.EMBEDDINGS:
+            form = _embedding.one_index_form(func, args, kwargs or {}, self.lazy_type)
+            if form == "per_instance":  # gradient scaled by frequencies within this instance's call
+                leaves = []
+                struct = (flatten(args, leaves, self.lazy_type), flatten(kwargs, leaves, self.lazy_type) if kwargs else None)
+                return self.run_on_values(func, struct, leaves, NeedsValues("scale_grad_by_freq")), None
+            if form is not None:
+                args, kwargs = form
         leaves: list = []
         struct = (flatten(args, leaves, self.lazy_type), flatten(kwargs, leaves, self.lazy_type) if kwargs else None)
         lazy_type = self.lazy_type

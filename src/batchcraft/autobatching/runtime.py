@@ -32,6 +32,7 @@ import torch
 from batchcraft.autobatching import attrs as _attrs
 from batchcraft.autobatching.blocks import install_train_hook
 from batchcraft.autobatching.cells import FAST_CELLS
+from batchcraft.autobatching.modcalls import FAST_CALLS
 from batchcraft.autobatching.devices import SET_DEFAULT_DEVICE, factory_device, global_context, set_global_context
 from batchcraft.autobatching.dispatch import FAST_DISPATCH
 from batchcraft.autobatching.modstate import resolve_module_state
@@ -193,6 +194,7 @@ class Runtime:
             or nullcontext()  # attrs.py
         cells = FAST_CELLS if self.options.fast_modules else nullcontext()  # cells.py
         dispatch = FAST_DISPATCH if self.options.fast_modules else nullcontext()  # dispatch.py
+        calls = FAST_CALLS if self.options.fast_modules else nullcontext()  # modcalls.py
         measured = getattr(self.executor.kernels, "n_measured", 0)
         retention = _memory.retain(self.options.retain_memory)
         faults = _minor_faults()
@@ -201,7 +203,7 @@ class Runtime:
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
             _functional.intercept_function_apply(True)
             install_train_hook()
-            with attrs, cells, dispatch, retention, SET_DEFAULT_DEVICE:
+            with attrs, cells, calls, dispatch, retention, SET_DEFAULT_DEVICE:
                 return self._run(instances, t_start)
         finally:
             try:

@@ -1,0 +1,116 @@
+"""Calls of common modules on lazy values, recorded without ``nn.Module.__call__``.
+
+Code written without ``static_block`` calls ``nn.Linear``, ``nn.Embedding`` and the cell modules
+once per instance and step. On a lazy value such a call goes through ``Module.__call__`` (two
+Python frames and the hook checks), the module's ``forward`` (``self.weight`` through
+``Module.__getattr__``), and torch's dispatch of ``F.linear`` / ``F.embedding`` to the
+recording mode: about 1 µs of a 2.5-2.8 µs call here (issue 14, plain models). While a call
+records, :data:`FAST_CALLS` gives these classes a ``__call__`` that, when nothing would make the
+module's call differ from its plain forward, records the same operation the mode would have seen,
+with the same arguments, directly. A module with any hook (its own or global), a compiled call,
+an overridden or instance-level ``forward``, a parameter that is not a plain tensor (replaced,
+parametrized, a subclass), JIT tracing, a static block's tracer, a mode of the user's on top,
+or an input that is not this call's lazy value takes ``Module.__call__``, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as _module
+
+from batchcraft.autobatching import stack as _stack
+from batchcraft.autobatching.mode import NOT_ON_TOP
+from batchcraft.autobatching.patches import PatchSet, SharedPatch
+
+_module_call = nn.Module.__call__
+_tracing = torch._C._get_tracing_state
+_current = _stack.current
+_tf_len, _tf_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+_tf_pop, _tf_push = torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack
+_PLAIN = (torch.Tensor, nn.Parameter)
+_MISSING = object()  # a bias not registered (replaced or deleted): torch's path
+_NONE: dict = {}
+
+
+def _hooked(d) -> bool:
+    """False when ``Module.__call__`` of a module with instance dict ``d`` would only call forward."""
+    return bool(d.get("_forward_hooks", True) or d.get("_forward_pre_hooks", True) or d.get("_backward_hooks", True)
+                or d.get("_backward_pre_hooks", True) or d.get("_compiled_call_impl") is not None or "forward" in d
+                or _module._global_forward_hooks or _module._global_forward_pre_hooks
+                or _module._global_backward_hooks or _module._global_backward_pre_hooks or _tracing() is not None)
+
+
+def _record_on_top(rec, func, args, kwargs):
+    """``rec.record(func, args, kwargs)`` as the recording mode's handler would run it (the mode
+    off the stack), or :data:`NOT_ON_TOP` when a mode of the user's is innermost
+    (:func:`~batchcraft.autobatching.mode.as_mode_handler`, inlined: this is the hot path)."""
+    mode = rec.mode
+    n = _tf_len()
+    if mode is None or not n or _tf_at(n - 1) is not mode:
+        return NOT_ON_TOP
+    _tf_pop()
+    try:
+        return rec.record(func, args, kwargs)
+    finally:
+        _tf_push(mode)
+
+
+def _linear_call(self, *args, **kwargs):
+    if len(args) == 1 and not kwargs and type(self).forward is _LINEAR_FORWARD:
+        x = args[0]
+        rec = _current()
+        d = self.__dict__
+        if (rec is not None and type(x) is rec.lazy_type and x.rec is rec and not rec.is_tracer
+                and not _hooked(d)):
+            params = d.get("_parameters") or _NONE
+            w, b = params.get("weight"), params.get("bias", _MISSING)
+            if type(w) in _PLAIN and (b is None or type(b) in _PLAIN):
+                out = _record_on_top(rec, F.linear, (x, w, b), {})
+                if out is not NOT_ON_TOP:
+                    return out
+    return _module_call(self, *args, **kwargs)
+
+
+def _embedding_call(self, *args, **kwargs):
+    if len(args) == 1 and not kwargs and type(self).forward is _EMBEDDING_FORWARD:
+        x = args[0]
+        rec = _current()
+        d = self.__dict__
+        # max_norm renorms the table in place: torch's own path
+        if (rec is not None and type(x) is rec.lazy_type and x.rec is rec and not rec.is_tracer
+                and d.get("max_norm", 1) is None and not _hooked(d)):
+            w = (d.get("_parameters") or _NONE).get("weight")
+            if type(w) in _PLAIN:
+                # the arguments F.embedding hands to torch's dispatch, so the same signature
+                kw = {"padding_idx": d["padding_idx"], "max_norm": None, "norm_type": d["norm_type"],
+                      "scale_grad_by_freq": d["scale_grad_by_freq"], "sparse": d["sparse"]}
+                out = _record_on_top(rec, F.embedding, (x, w), kw)
+                if out is not NOT_ON_TOP:
+                    return out
+    return _module_call(self, *args, **kwargs)
+
+
+def _forward_call(cls):
+    """``__call__`` of a cell class: its (patched, see cells.py) forward without the hook frames."""
+    def __call__(self, *args, **kwargs):
+        rec = _current()
+        if (rec is not None and args and type(args[0]) is rec.lazy_type and args[0].rec is rec
+                and not rec.is_tracer and not _hooked(self.__dict__)):
+            return type(self).forward(self, *args, **kwargs)
+        return _module_call(self, *args, **kwargs)
+
+    __call__.__qualname__ = f"{cls.__name__}.__call__"
+    return __call__
+
+
+_LINEAR_FORWARD = nn.Linear.forward
+_EMBEDDING_FORWARD = nn.Embedding.forward
+
+#: enter/exit around a recording call (with :data:`batchcraft.autobatching.cells.FAST_CELLS`)
+FAST_CALLS = PatchSet([SharedPatch(nn.Linear, "__call__", _linear_call),
+                       SharedPatch(nn.Embedding, "__call__", _embedding_call)]
+                      + [SharedPatch(c, "__call__", _forward_call(c)) for c in (nn.LSTMCell, nn.GRUCell, nn.RNNCell)])
+
+__all__ = ["FAST_CALLS"]

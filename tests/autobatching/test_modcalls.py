@@ -1,0 +1,208 @@
+"""Module calls recorded without ``nn.Module.__call__`` (modcalls.py).
+
+``nn.Linear``, ``nn.Embedding`` and the cell modules called on a lazy value record their operation
+directly; everything that would make ``Module.__call__`` do more than call ``forward`` (hooks, an
+overridden or instance-level forward, a parametrized or replaced weight, ``max_norm``, a mode of
+the user's) must take torch's own path, with eager's results and side effects.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.overrides import TorchFunctionMode
+
+from batchcraft import autobatch, static_block
+
+from equivalence import CORES, assert_matches_eager
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Embedding(20, 6), nn.Linear(6, 6), nn.GRUCell(6, 6), nn.Linear(6, 1, bias=False)
+
+
+def _seqs():
+    return [[1, 4, 2], [3], [0, 5, 5, 7], [9, 1]]
+
+
+def _run_with(emb, lin, cell, score):
+    def fn(ids):
+        h = torch.zeros(6)
+        for w in ids:
+            h = cell(torch.tanh(lin(emb(torch.tensor(w)))), h)
+        return h, score(h)
+    return fn
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_plain_modules_match_eager(core):
+    emb, lin, cell, score = _model()
+    params = [*emb.parameters(), *lin.parameters(), *cell.parameters(), *score.parameters()]
+    assert_matches_eager(_run_with(emb, lin, cell, score), _seqs(), params, core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("where", ["forward", "forward_pre", "global_forward", pytest.param(
+    "full_backward", marks=pytest.mark.xfail(strict=True, reason="reliability #122: a full backward hook of a module "
+                                                                 "called on a lazy value does not fire"))])
+def test_hooks_fire_per_instance_as_in_eager(core, where):
+    emb, lin, cell, score = _model()
+    seen = []
+    handles = []
+    for m in (emb, lin, cell):
+        if where == "forward":
+            handles.append(m.register_forward_hook(lambda mod, a, out: seen.append(type(mod).__name__) or out * 2))
+        elif where == "forward_pre":
+            handles.append(m.register_forward_pre_hook(lambda mod, a: seen.append(type(mod).__name__)))
+        elif where == "full_backward":
+            handles.append(m.register_full_backward_hook(lambda mod, gi, go: seen.append(type(mod).__name__)))
+    if where == "global_forward":
+        handles.append(nn.modules.module.register_module_forward_hook(
+            lambda mod, a, out: seen.append(type(mod).__name__) if isinstance(mod, (nn.Linear, nn.Embedding)) else None))
+    try:
+        fn = _run_with(emb, lin, cell, score)
+        ref = [fn(s) for s in _seqs()]
+        eager_seen = sorted(seen)
+        seen.clear()
+        out = autobatch(fn, core=core)(_seqs())
+        if where != "full_backward":
+            assert sorted(seen) == eager_seen and eager_seen
+        for (h, s), (rh, rs) in zip(out, ref):
+            torch.testing.assert_close(h, rh)
+            torch.testing.assert_close(s, rs)
+        if where == "full_backward":
+            seen.clear()
+            sum(h.sum() for h, _ in ref).backward()
+            eager_bw = sorted(seen)
+            seen.clear()
+            sum(h.sum() for h, _ in out).backward()
+            assert sorted(seen) == eager_bw and eager_bw
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_overridden_and_instance_forward_are_called(core):
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 3
+
+    torch.manual_seed(0)
+    a, b = Scaled(4, 4), nn.Linear(4, 4)
+    b.forward = lambda x: nn.Linear.forward(b, x) - 1  # an instance-level forward
+
+    def fn(x):
+        return b(a(x * 1))
+
+    assert_matches_eager(fn, [torch.randn(4) for _ in range(3)], [*a.parameters(), *b.parameters()], core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_parametrized_replaced_and_subclass_weights(core):
+    class Sym(nn.Module):
+        def forward(self, w):
+            return (w + w.t()) / 2
+
+    class Tagged(torch.Tensor):
+        pass
+
+    torch.manual_seed(0)
+    p = nn.Linear(4, 4)
+    parametrize.register_parametrization(p, "weight", Sym())
+    r = nn.Linear(4, 4)
+    del r.bias
+    r.bias = torch.ones(4)  # a plain attribute now, not a registered parameter
+    e = nn.Embedding(10, 4)
+    e.weight = nn.Parameter(torch.randn(10, 4).as_subclass(Tagged))
+
+    def fn(i):
+        return r(p(e(torch.tensor(i))))
+
+    f = autobatch(fn, core=core)
+    out = f([1, 2, 3])
+    for o, i in zip(out, [1, 2, 3]):
+        torch.testing.assert_close(o.as_subclass(torch.Tensor), fn(i).as_subclass(torch.Tensor))
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_embedding_options_match_eager(core):
+    torch.manual_seed(0)
+    pad = nn.Embedding(12, 5, padding_idx=-2, scale_grad_by_freq=True)
+
+    def fn(ids):
+        return sum(pad(torch.tensor(i)) for i in ids)
+
+    assert_matches_eager(fn, [[1, 10, 1], [10], [3, 3, 3, 4]], list(pad.parameters()), core=core)
+
+    renorm = nn.Embedding(12, 5, max_norm=0.5)  # renorms the table in place at every lookup
+    renorm_eager = nn.Embedding(12, 5, max_norm=0.5)
+    renorm_eager.load_state_dict(renorm.state_dict())
+    with torch.no_grad():
+        out = autobatch(lambda i: renorm(torch.tensor(i)) * 1, core=core)([1, 2, 1])
+        ref = [renorm_eager(torch.tensor(i)) * 1 for i in [1, 2, 1]]
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+    torch.testing.assert_close(renorm.weight, renorm_eager.weight)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_mode_of_the_user_sees_the_modules_operations(core):
+    class Names(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    emb, lin, cell, _ = _model()
+
+    def fn(i):
+        t = torch.tensor(i)
+        x = emb(t) * 1
+        with Names() as m:
+            y = lin(emb(t + 1) + x)
+        # a cell's forward reads shapes (x.dim()): answered at record time, not seen by the mode
+        # (a documented limit), so only its value is compared
+        return y + cell(x, x), tuple(m.names)
+
+    out = autobatch(fn, core=core)([1, 2])
+    for (y, names), i in zip(out, [1, 2]):
+        ry, rnames = fn(i)
+        # reliability #123: under the C core the mode also sees a read of a scalar leaf's .device
+        names = tuple(n for n in names if n != "device" or core != "c")
+        assert names == rnames and "linear" in names and "embedding" in names
+        torch.testing.assert_close(y, ry)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_modules_inside_a_static_block_and_patches_restored(core):
+    emb, lin, cell, score = _model()
+
+    @static_block
+    def step(x, h):
+        return cell(lin(x), h)
+
+    def fn(ids):
+        h = torch.zeros(6)
+        for w in ids:
+            h = step(emb(torch.tensor(w)), h)
+        return score(h)
+
+    assert_matches_eager(fn, _seqs(), [*emb.parameters(), *lin.parameters(), *cell.parameters()], core=core)
+    for cls in (nn.Linear, nn.Embedding, nn.GRUCell, nn.LSTMCell, nn.RNNCell):
+        assert "__call__" not in vars(cls)
+
+    def bad(ids):
+        lin(emb(torch.tensor(ids[0])))
+        raise ValueError("boom")
+
+    with pytest.raises(Exception, match="boom"):
+        autobatch(bad, core=core)(_seqs())
+    for cls in (nn.Linear, nn.Embedding, nn.GRUCell):
+        assert "__call__" not in vars(cls)
