@@ -74,3 +74,67 @@ def test_ragged_amax_block_gradient_is_stable_across_calls(core):
         out = f(trees)
         (got,) = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), emb.weight)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_a_constant_named_first_is_not_shadowed_by_the_segment_counts(core, n):
+    # hostile find (stop 35): the ragged program's parameter C0 (the children counts) shadowed the
+    # first constant the program names, also "C0": the children were multiplied by their count
+    torch.manual_seed(0)
+    w = torch.randn(4, requires_grad=True)
+
+    @static_block
+    def cell(x, kids):
+        if kids:
+            return x + (torch.stack(kids) * w).sum(0)
+        return x * 1
+
+    def fn(x):
+        return cell(x, [x * 1, x * 2, x * 3])
+
+    xs = [torch.randn(4) for _ in range(n)]
+    f = autobatch(fn, core=core)
+    for _ in range(3):
+        out = f(xs)
+        for o, x in zip(out, xs):
+            torch.testing.assert_close(o, fn(x))
+    assert not f.stats.fallback_reasons
+    (g,) = torch.autograd.grad(sum(o.sum() for o in out), w)
+    (ge,) = torch.autograd.grad(sum(fn(x).sum() for x in xs), w)
+    torch.testing.assert_close(g, ge)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_child_sum_module_whose_first_operation_reads_a_weight_batches(core):
+    # the same clash made F.linear receive the counts as its weight: every ragged group then ran
+    # one instance at a time (correct values, counted in fallback_reasons)
+    class ChildSum(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = torch.nn.Linear(4, 4)
+
+        def forward(self, x, kids):
+            h = self.W(x)
+            if kids:
+                h = h + torch.stack(kids, dim=0).sum(0)
+            return torch.tanh(h)
+
+    torch.manual_seed(0)
+    cell = static_block(ChildSum())
+
+    def encode(tree):
+        x, kids = tree
+        return cell(x, [encode(k) for k in kids])
+
+    def leaf():
+        return (torch.randn(4), ())
+
+    trees = [(torch.randn(4), (leaf(), leaf(), leaf())), (torch.randn(4), (leaf(),)),
+             (torch.randn(4), (leaf(), (torch.randn(4), (leaf(), leaf()))))]
+    f = autobatch(encode, core=core)
+    out = f(trees)
+    for o, t in zip(out, trees):
+        torch.testing.assert_close(o, encode(t))
+    assert not f.stats.fallback_reasons
+    assert f.stats.groups_by_rule.get("ragged_block")

@@ -70,7 +70,9 @@ class Emitter:
         k = id(obj)
         nm = self._ids.get(k)
         if nm is None:
-            nm = self._ids[k] = f"{hint}{len(self._ids)}"
+            # "_" first: never one of the program's parameters (n, I0, R0, S0, C0...), whose names a
+            # constant named "C0" shadowed (a hostile find at stop 35: the counts became the weight)
+            nm = self._ids[k] = f"_{hint}{len(self._ids)}"
             self.ns[nm] = obj
         return nm
 
