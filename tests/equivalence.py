@@ -91,3 +91,49 @@ def available_cores() -> list:
 
 
 CORES = available_cores()
+
+
+def check_inputs_against_eager(fn, xs, core, params=()):
+    """``autobatch(fn)`` on ``xs`` and ``fn`` per instance on copies: the outputs (values,
+    ``requires_grad``, other items equal), the caller's tensors afterwards (values,
+    ``requires_grad``, ``is_leaf``) and, after a backward through the outputs that require grad,
+    the inputs' and ``params``' gradients."""
+    from batchcraft import autobatch
+
+    xe = [x.detach().clone().requires_grad_(x.requires_grad) for x in xs]
+    out = autobatch(fn, core=core)(xs)
+    grads_b = None
+    losses = [t.sum() for o in out for t in (o if isinstance(o, tuple) else (o,))
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    if losses:
+        sum(losses).backward()
+        grads_b = [None if p.grad is None else p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+    ref = [fn(x) for x in xe]
+    for o, r in zip(out, ref):
+        o, r = (o, r) if isinstance(o, tuple) else ((o,), (r,))
+        assert len(o) == len(r)
+        for a, b in zip(o, r):
+            if isinstance(b, torch.Tensor):
+                torch.testing.assert_close(a.detach(), b.detach())
+                assert a.requires_grad == b.requires_grad
+            else:
+                assert a == b
+    for x, y in zip(xs, xe):  # the caller's tensors: changed as eager changed them
+        torch.testing.assert_close(x.detach(), y.detach())
+        assert (x.requires_grad, x.is_leaf) == (y.requires_grad, y.is_leaf)
+    losses = [t.sum() for r in ref for t in (r if isinstance(r, tuple) else (r,))
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    assert bool(losses) == (grads_b is not None)
+    if losses:
+        sum(losses).backward()
+        for x, y in zip(xs, xe):
+            assert (x.grad is None) == (y.grad is None)
+            if y.grad is not None:
+                torch.testing.assert_close(x.grad, y.grad)
+        for g, p in zip(grads_b, params):
+            assert (g is None) == (p.grad is None)
+            if g is not None:
+                torch.testing.assert_close(g, p.grad)
+            p.grad = None

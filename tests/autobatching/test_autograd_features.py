@@ -17,7 +17,7 @@ from torch import nn
 
 from batchcraft import autobatch, static_block
 
-from equivalence import assert_matches_eager
+from equivalence import assert_matches_eager, check_inputs_against_eager
 
 from equivalence import CORES  # noqa: E402
 torch.manual_seed(0)
@@ -103,6 +103,97 @@ def test_requires_grad_false_on_a_computed_value_fails_as_in_eager(core):
         fn(torch.randn(4))
     with pytest.raises(Exception, match="leaf variables"):
         autobatch(fn, core=core)([torch.randn(4)])
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("case", ["data_then_off", "setter", "used_before", "off_then_on", "no_grad_write",
+                                  "detach_write", "made_leaf", "copy_alias", "off_then_write"])
+def test_requires_grad_false_on_a_written_leaf_matches_eager(core, case):
+    # reliability #121 (found at stop 34, fixed at stop 35): ``x.requires_grad_(False)`` after
+    # ``x.data.mul_(2)`` raised "you can only change requires_grad flags of leaf variables"; x is
+    # still a leaf there and eager accepts it. The caller's tensor (eager's x itself) stops
+    # requiring grad after the call, keeps the written values; gradients as eager's
+    v = nn.Parameter(torch.randn(3))
+
+    def fn(x):
+        extra = v * 1.0
+        if case == "data_then_off":
+            x.data.mul_(2)
+            x.requires_grad_(False)
+        elif case == "setter":
+            x.data.add_(1)
+            x.requires_grad = False
+        elif case == "used_before":
+            x.data.mul_(2)
+            extra = x * v  # recorded while x required grad: eager's backward then skips x (no grad)
+            x.requires_grad_(False)
+        elif case == "off_then_on":
+            x.data.mul_(2)
+            x.requires_grad_(False)
+            x.requires_grad_(True)  # the same leaf again: its gradient reaches the caller's tensor
+        elif case == "no_grad_write":
+            with torch.no_grad():
+                x.mul_(3)  # (#96)
+            x.requires_grad_(False)
+        elif case == "detach_write":
+            x.detach().sub_(1)
+            x.requires_grad_(False)
+            x.requires_grad_(False)
+        elif case == "made_leaf":
+            y = x.detach() * 2
+            y.requires_grad_()
+            y.data.mul_(3)
+            y.requires_grad_(False)
+            return y * v + x, y.requires_grad, y.is_leaf, x.requires_grad
+        elif case == "copy_alias":
+            y = x * 2
+            s = copy.copy(y)
+            s.requires_grad_(False)
+            with torch.no_grad():
+                y.add_(1)  # s follows: it still shares y's values
+            return s * v + y, s.requires_grad, s.is_leaf, y.requires_grad
+        else:
+            x.data.mul_(2)
+            x.requires_grad_(False)
+            x.add_(1)  # no longer a leaf that requires grad: an ordinary in-place update
+        return x * v + extra, x.requires_grad, x.is_leaf, x.grad_fn is None
+
+    xs = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    check_inputs_against_eager(fn, xs, core, [v])
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("case", ["computed", "computed_after_data", "view_input", "enable_grad_view"])
+def test_requires_grad_false_on_non_leaves_still_fails_as_in_eager(core, case):
+    # the counterpart of #121's fix: eager refuses requires_grad_(False) on a value with history
+    # (also after a write through .data, also an input that is a view of a leaf); batched too
+    big = torch.randn(3, 3, requires_grad=True)
+
+    def fn(x):
+        if case == "computed":
+            y = x * 2
+            y.data.mul_(2)
+            y.requires_grad_(False)
+        elif case == "computed_after_data":
+            x.data.mul_(2)
+            (x + 1).requires_grad_(False)
+        else:
+            x.data.mul_(2)
+            with torch.enable_grad():
+                x.requires_grad_(False)  # x = big[i]: a view, not a leaf
+        return x * 1
+
+    def inputs():
+        if case in ("view_input", "enable_grad_view"):
+            return [big[i] for i in range(3)]
+        return [torch.randn(3, requires_grad=True) for _ in range(3)]
+
+    with pytest.raises(RuntimeError, match="leaf variables"):
+        fn(inputs()[0])
+    xs = inputs()
+    with pytest.raises(Exception, match="leaf variables"):
+        autobatch(fn, core=core)(xs)
+    assert all(x.requires_grad for x in xs)
 
 
 @pytest.mark.parametrize("core", CORES)

@@ -17,7 +17,7 @@ from torch import nn
 from batchcraft import autobatch
 from batchcraft.errors import UnsupportedOperationError
 
-from equivalence import assert_matches_eager
+from equivalence import assert_matches_eager, check_inputs_against_eager
 
 from equivalence import CORES  # noqa: E402
 torch.manual_seed(0)
@@ -248,7 +248,7 @@ def test_copy_and_deepcopy_of_values_follow_the_tensor_protocol(core):
         y = x * 2.0
         shallow = copy.copy(y)   # an alias of y's storage, a leaf with y's requires_grad
         deep = copy.deepcopy(x)  # a new leaf: its own storage
-        if not x.requires_grad:  # (in-place updates of leaves that require grad: #96)
+        with torch.no_grad():     # (outside no_grad refused for leaves that require grad: #96)
             shallow.add_(1)       # reaches y, as in eager
             deep.mul_(3)          # does not reach x
         pair = copy.deepcopy([x, x])
@@ -270,13 +270,12 @@ def test_copy_and_deepcopy_of_values_follow_the_tensor_protocol(core):
         autobatch(refused, core=core)([torch.randn(3, requires_grad=True)])
 
 
-@pytest.mark.xfail(strict=True, reason="reliability #96: in-place update of a leaf that requires grad, under no_grad",
-                   raises=Exception)
 @pytest.mark.parametrize("core", CORES)
 def test_in_place_update_of_an_input_leaf_under_no_grad(core):
+    # reliability #96 (found at stop 34, fixed at stop 35): eager allows this under no_grad
     def fn(x):
         with torch.no_grad():
-            x.mul_(3)  # eager allows this under no_grad; x stays a leaf that requires grad
+            x.mul_(3)  # x stays a leaf that requires grad, its values change
         return x * 2, x.requires_grad, x.is_leaf
 
     xs = [torch.randn(3, requires_grad=True) for _ in range(2)]
@@ -285,6 +284,139 @@ def test_in_place_update_of_an_input_leaf_under_no_grad(core):
         r = fn(x.detach().clone().requires_grad_())
         torch.testing.assert_close(o[0], r[0])
         assert o[1:] == r[1:]
+    check_inputs_against_eager(fn, [torch.randn(3, requires_grad=True) for _ in range(3)], core)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("op", ["mul_", "add_instance", "setitem", "copy_", "zero_", "twice", "then_data",
+                                "inference_mode", "view_write", "relu_inplace"])
+def test_in_place_writes_of_input_leaves_under_no_grad_match_eager(core, op):
+    # reliability #96: values, flags, the caller's tensors after the call and gradients as eager
+    v = nn.Parameter(torch.randn(3))
+
+    def fn(x):
+        y = x + v  # recorded before the write: reads x's old value (and saves nothing: a product
+        # saving x would make eager's backward raise after the write, batched not: #83, #120)
+        ctx = torch.inference_mode() if op == "inference_mode" else torch.no_grad()
+        with ctx:
+            if op in ("mul_", "inference_mode"):
+                x.mul_(3)
+            elif op == "add_instance":
+                x.add_(x.detach() * 0.5 + 1)
+            elif op == "setitem":
+                x[0] = 5.0
+            elif op == "copy_":
+                x.copy_(torch.ones(3) * 7)
+            elif op == "zero_":
+                x.zero_()
+            elif op == "twice":
+                x.mul_(2)
+                x.sub_(1)
+            elif op == "then_data":
+                x.mul_(2)
+        if op == "then_data":
+            x.data.add_(1)
+        if op == "view_write":
+            with torch.no_grad():
+                x[1:].mul_(4)  # a view of a leaf: written through its base
+        if op == "relu_inplace":
+            with torch.no_grad():
+                F.relu(x, inplace=True)
+        return x * v + y, x.requires_grad, x.is_leaf, x.grad_fn is None
+
+    xs = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    check_inputs_against_eager(fn, xs, core, [v])
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("case", ["enable_grad", "after_no_grad", "setitem", "made_leaf", "copy_alias",
+                                  "enable_grad_copy_alias", "view_of_leaf"])
+def test_in_place_writes_of_leaves_with_grad_mode_on_still_fail_as_in_eager(core, case):
+    # the counterpart of #96's fix: with grad mode on, eager refuses an in-place update of a leaf
+    # that requires grad (also after a write under no_grad, also for values given
+    # requires_grad_() and copy.copy of a value that requires grad); batched refuses it too
+    import copy
+
+    def fn(x):
+        if case == "enable_grad":
+            with torch.no_grad():
+                with torch.enable_grad():
+                    x.mul_(3)
+        elif case == "after_no_grad":
+            with torch.no_grad():
+                x.mul_(3)
+            x.add_(1)
+        elif case == "setitem":
+            with torch.enable_grad():
+                x[0] = 1.0
+        elif case == "made_leaf":
+            y = x.detach() * 2
+            y.requires_grad_()
+            y.add_(1)  # before this fix batched accepted it
+        elif case == "copy_alias":
+            copy.copy(x * 2).add_(1)
+        elif case == "view_of_leaf":
+            x[1:].mul_(4)  # eager: "a view of a leaf Variable ..."; before this fix batched accepted it
+        else:
+            y = x * 2
+            with torch.no_grad():
+                s = copy.copy(y)
+            with torch.enable_grad():
+                s.mul_(2)
+        return x * 1
+
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        fn(torch.randn(3, requires_grad=True))
+    xs = [torch.randn(3, requires_grad=True) for _ in range(2)]
+    before = [x.detach().clone() for x in xs]
+    with pytest.raises(Exception, match="leaf Variable that requires grad"):
+        autobatch(fn, core=core)(xs)
+    for x, b in zip(xs, before):  # the caller's tensors are unchanged
+        assert torch.equal(x.detach(), b) and x.requires_grad and x.is_leaf and x.grad is None
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("case", ["copy_of_value", "copy_of_input", "setitem_copy", "made_view_leaf"])
+def test_writes_through_copy_copy_and_made_leaves_under_no_grad_match_eager(core, case):
+    # reliability #96, its copy.copy part: ``copy.copy(y)`` of a value that requires grad is a
+    # leaf of its own that shares y's values; written under no_grad it reaches y (y keeps its
+    # graph) and stays a leaf that requires grad
+    import copy
+
+    v = nn.Parameter(torch.randn(3))
+
+    def fn(x):
+        # (y saves v, not x: a product saving x, then x written through an alias that eager's
+        # version counter does not see, is #120's documented difference)
+        y = v * 2.0 + x
+        if case == "copy_of_value":
+            s = copy.copy(y)
+            with torch.no_grad():
+                s.add_(1)
+            return y * 2, s * 1, s.requires_grad, s.is_leaf, y.requires_grad, y.is_leaf
+        if case == "copy_of_input":
+            s = copy.copy(x)
+            with torch.no_grad():
+                s.mul_(3)  # reaches the caller's x
+            return y + x * v, s.requires_grad, s.is_leaf, x.requires_grad, x.is_leaf
+        if case == "setitem_copy":
+            s = copy.copy(y)
+            with torch.no_grad():
+                s[1] = 4.0
+            return y * y, s * 1, s.is_leaf
+        # a view of a value that does not require grad, given requires_grad_(): a leaf that
+        # shares its base's values (before this fix, a later write of the base made it the
+        # whole base: wrong shape and values)
+        b = x.detach() * 2
+        w = b[1]
+        w.requires_grad_()
+        b.add_(1)  # w follows
+        with torch.no_grad():
+            w.mul_(3)  # b follows, still without grad
+        return y + b, w * v, w.requires_grad, w.is_leaf, b.requires_grad
+
+    xs = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    check_inputs_against_eager(fn, xs, core, [v])
 
 
 @pytest.mark.parametrize("core", CORES)

@@ -129,6 +129,12 @@ def make_leaf(x):
     return x.detach().requires_grad_(True)
 
 
+def without_history(x):
+    """``x``'s value without autograd history, not a view of ``x`` (a leaf after
+    ``requires_grad_(False)``)."""
+    return x.detach().clone()
+
+
 def rebind(rec, x, new) -> None:
     """Point handle ``x`` at ``new``'s output and re-derive the live views of ``x``."""
     rec.note_rebind(x)
@@ -149,15 +155,30 @@ def write(rec, x, new) -> None:
     if base is None:
         rebind(rec, x, new)
         return
+    made = rec.is_made_leaf_alias(x)
     detached = rec.is_detach_view(x)
-    leaf = detached and rec.is_input_leaf_requiring_grad(base)
+    grad_mode = torch.is_grad_enabled()
+    # a leaf that requires grad, written without history: through a detached alias, or through
+    # any view under no_grad (``x[1:].mul_(4)``: reliability #96)
+    base_is_leaf = rec.is_input_leaf_requiring_grad(base)
+    if grad_mode and base_is_leaf and not detached and not made:  # (``x[1:].mul_(4)``: as eager)
+        raise RuntimeError("a view of a leaf Variable that requires grad is being used in an in-place operation.")
+    leaf = (detached or not grad_mode) and base_is_leaf
+    origin = rec.leaf_origin(base) if leaf else None
+    if made and rec.requires_grad_of(new):
+        # a leaf of its own over a view (``copy.copy(y)``, ``v.requires_grad_()``) written under
+        # no_grad: the base gets the values, not the alias's gradient path
+        new = rec.record(torch.Tensor.detach, (new,), {})
     new_base = rec.view_scatter(x, base, new)
-    write(rec, base, new_base)  # re-derives x (a live view of base) too
+    if not grad_mode and not detached:
+        # under no_grad the base keeps its values' autograd graph (reliability #118, through a view)
+        new_base = _with_autograd_of(rec, base, new_base)
+    write(rec, base, new_base)  # re-derives x (a live view of base) too; a made leaf stays one
     if leaf:
-        # an instance input that requires grad, written without history (``x.data.mul_(2)``):
-        # still a leaf for instance code, as in eager (in-place updates of it stay refused)
-        rec.note_written_leaf(base)
-    if detached:
+        # a leaf that requires grad, written without history (``x.data.mul_(2)``): still a leaf
+        # for instance code, as in eager (in-place updates of it stay refused outside no_grad)
+        rec.note_written_leaf(base, origin)
+    if detached and not made:
         # a detached alias written with a value that has autograd history keeps that history
         # (eager's ``a = y.detach(); a.add_(w)``: base's value, new's gradient); written with one
         # that has none (``a.zero_()``), it has none
@@ -185,11 +206,14 @@ def inplace(rec, x, func, args, kwargs):
     if name == "requires_grad_":
         set_requires_grad(rec, x, bool(args[1]) if len(args) > 1 else kwargs.get("requires_grad", True))
         return x
-    if rec.is_input_leaf_requiring_grad(x):
-        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    origin = leaf_write_origin(rec, x, metadata=name in _METADATA_ONLY)
     if user_mode_on_top(rec):  # a mode entered inside instance code sees the in-place call (bug #49)
         new, out = rec.under_user_mode(func, args, kwargs, copy_first=True)
+        if origin is not None:
+            with torch._C.DisableTorchFunction():
+                new = _with_autograd_of(rec, x, new)
         repoint(rec, x, new, name)
+        note_leaf_written(rec, x, origin)
         return x if out is None else out
     oop, kw = _out_of_place(func, kwargs)
     new = rec.record(oop, args, kw or {})
@@ -204,7 +228,29 @@ def inplace(rec, x, func, args, kwargs):
     if ndtype != dtype:
         new = rec.record(torch.Tensor.to, (new, dtype), {})
     write(rec, x, _with_autograd_of(rec, x, new))
+    note_leaf_written(rec, x, origin)
     return x
+
+
+def leaf_write_origin(rec, x, metadata: bool = False):
+    """Eager's rule for an in-place update of ``x``: refused for a leaf that requires grad while
+    grad mode is on. Under no_grad it is allowed (reliability #96): returns the leaf (node, slot)
+    that ``x`` stands for, for :func:`note_leaf_written` after the write; None when ``x`` is not
+    such a leaf."""
+    if not rec.is_input_leaf_requiring_grad(x):
+        return None
+    if torch.is_grad_enabled() or metadata:  # (``x.t_()`` on a leaf: refused, as before)
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    return rec.leaf_origin(x)
+
+
+def note_leaf_written(rec, x, origin) -> None:
+    """After an in-place write under no_grad into leaf ``x`` (``origin``: see
+    :func:`leaf_write_origin`): ``x`` holds the new value with the leaf's gradient path at
+    identity (``keep_graph``) and stays a leaf that requires grad, as in eager. A leaf over a view
+    (``copy.copy``) was re-derived from its base: a leaf already."""
+    if origin is not None and rec.view_base(x) is None:
+        rec.note_written_leaf(x, origin)
 
 
 def _with_autograd_of(rec, x, new):
@@ -216,8 +262,8 @@ def _with_autograd_of(rec, x, new):
         # ``y.zero_()``, ``y.copy_(c)``, ``y.fill_(2)``: the new value, a zero gradient into y's history
         return rec.record(keep_history, (new, x), {})
     # under no_grad eager changes y's values and keeps its autograd node: the new value, y's own
-    # gradient path (+ 0)
-    with torch.enable_grad():
+    # gradient path (+ 0); under inference_mode too (y is no inference tensor)
+    with torch.inference_mode(False), torch.enable_grad():
         return rec.record(keep_graph, (new, x), {})
 
 
@@ -245,36 +291,82 @@ def repoint(rec, x, new, name: str) -> None:
 def setitem(rec, x, key, value) -> None:
     """``x[key] = value`` on a lazy value: a functional ``__setitem__`` and a re-pointed handle."""
     rec.check_owner(x, setitem)
-    if rec.is_input_leaf_requiring_grad(x):
-        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    origin = leaf_write_origin(rec, x)
     if user_mode_on_top(rec):  # bug #49, as in inplace()
         new, _ = rec.under_user_mode(torch.Tensor.__setitem__, (x, key, value), {}, copy_first=True)
         with torch._C.DisableTorchFunction():
-            write(rec, x, new)
+            write(rec, x, new if origin is None else _with_autograd_of(rec, x, new))
+        note_leaf_written(rec, x, origin)
         return
     new = rec.record(setitem_functional, (x, key, value), {})
     write(rec, x, _with_autograd_of(rec, x, new))
+    note_leaf_written(rec, x, origin)
 
 
 
 def set_requires_grad(rec, x, value: bool) -> None:
     """``x.requires_grad_(value)`` / ``x.requires_grad = value`` with eager's rules."""
     rec.check_owner(x, set_requires_grad)
-    if rec.node_sid(x.node) == 0:
+    if rec.node_sid(x.node) == 0 and (x.node, x.slot) not in rec.written_leaves:
         rec.leaf_set_requires_grad(x.node, value)
         return
     if rec.requires_grad_of(x):
-        if not value:
+        if value:
+            return
+        if not rec.is_input_leaf_requiring_grad(x):
             raise RuntimeError("you can only change requires_grad flags of leaf variables. If you want to use "
                                "a computed variable in a subgraph that doesn't require differentiation use "
                                "var_no_grad = var.detach().")
+        _unflag_leaf(rec, x)
         return
     if not value:
         return
+    origin = rec.unflagged_leaves.get((x.node, x.slot))
+    if origin is not None:
+        _reflag_leaf(rec, x, origin)
+        return
     if not (x.dtype.is_floating_point or x.dtype.is_complex):
         raise RuntimeError("only Tensors of floating point and complex dtype can require gradients")
-    new = rec.record(make_leaf, (x,), {})
+    # recorded with grad mode on: the same leaf as under no_grad (as in eager), and a group run
+    # under no_grad lost the flag for later work (``with no_grad: y.requires_grad_()``)
+    with torch.inference_mode(False), torch.enable_grad():
+        new = rec.record(make_leaf, (x,), {})
     rebind(rec, x, new)
+
+
+def _unflag_leaf(rec, x) -> None:
+    """``x.requires_grad_(False)`` on a leaf that is not a plain leaf node (reliability #121): a
+    written leaf (``x.data.mul_(2)`` first), a value given ``requires_grad_()``, ``copy.copy`` of
+    one that requires grad. ``x`` keeps its value without autograd history; a caller's tensor
+    behind it stops requiring grad after the call (its batched leaf keeps the flag it was
+    recorded with: work recorded before reads it as eager's did)."""
+    made_alias = rec.is_made_leaf_alias(x)
+    origin = rec.leaf_origin(x)
+    if made_alias:  # the view under it again, re-derived from its base (still an alias of it)
+        new = rec.view_of(rec._made_leaf_view(x), rec.view_base(x))
+    else:
+        new = rec.record(without_history, (x,), {})
+    rebind(rec, x, new)
+    if made_alias:
+        return
+    rec.unflagged_leaves[(x.node, x.slot)] = origin
+    t = rec.input_tensor_of(origin)
+    if t is not None:
+        rec.set_grad_flag_after(t, False)
+
+
+def _reflag_leaf(rec, x, origin) -> None:
+    """``x.requires_grad_(True)`` after :func:`_unflag_leaf`: the leaf ``origin`` again, with
+    ``x``'s current value (its gradient goes to ``origin``, as eager's goes to the same tensor)."""
+    node, slot = origin
+    leaf = rec.lazy_type(rec, node, slot, rec._out_did(node, slot))
+    with torch.enable_grad():
+        new = rec.record(keep_graph, (x, leaf), {})
+    rebind(rec, x, new)
+    rec.note_written_leaf(x, origin)
+    t = rec.input_tensor_of(origin)
+    if t is not None:
+        rec.set_grad_flag_after(t, True)
 
 
 class HookHandle:

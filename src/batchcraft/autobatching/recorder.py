@@ -215,7 +215,13 @@ class RecorderBase:
         self.writebacks: list = []
         self.deferred: list = []
         self.counter_read = None  # the last float() of a tensor from outside the instance (buffers.py)
-        self.written_leaves: set = set()  # (node, slot) of inputs written through detached aliases
+        # (node, slot) of a handle that holds a leaf requiring grad written without history
+        # (``x.data.mul_(2)``, an in-place update under no_grad) -> (node, slot) of that leaf
+        self.written_leaves: dict = {}
+        # (node, slot) of a handle whose written leaf then stopped requiring grad
+        # (``x.requires_grad_(False)``) -> (node, slot) of that leaf
+        self.unflagged_leaves: dict = {}
+        self.grad_flags: dict = {}  # id(caller's tensor) -> (tensor, requires_grad) set after the call
         self.keepalive: list = []
         self.input_leaves: dict = {}
         self.hooked: set = set()
@@ -239,10 +245,31 @@ class RecorderBase:
     def requires_grad_of(self, x) -> bool:
         return bool(self.rg_bit(x.node, x.slot))
 
-    def note_written_leaf(self, x) -> None:
-        """Handle ``x``, an input that requires grad, now holds a value written through a
-        detached alias: it stays a leaf for :meth:`is_leaf_of` and in-place checks."""
-        self.written_leaves.add((x.node, x.slot))
+    def leaf_origin(self, x):
+        """(node, slot) of the leaf that handle ``x`` (a leaf requiring grad) stands for: its own
+        unless it holds a written leaf (see :meth:`note_written_leaf`)."""
+        key = (x.node, x.slot)
+        return self.written_leaves.get(key, key)
+
+    def note_written_leaf(self, x, origin) -> None:
+        """Handle ``x`` now holds the leaf ``origin`` (node, slot) that requires grad, written
+        without autograd history (through ``.data``/``detach()``, or in place under no_grad): its
+        value is the new one, its gradient goes to ``origin`` at identity; it stays a leaf for
+        :meth:`is_leaf_of`, in-place checks and ``requires_grad_``."""
+        self.written_leaves[(x.node, x.slot)] = origin
+
+    def input_tensor_of(self, origin):
+        """The caller's tensor behind leaf ``origin`` (node, slot), or None (a leaf made by
+        instance code)."""
+        node, slot = origin
+        if slot != 0 or self.node_sid(node) != 0:
+            return None
+        return self.input_leaves.get(node)
+
+    def set_grad_flag_after(self, tensor, value: bool) -> None:
+        """``tensor.requires_grad_(value)`` on a caller's tensor, done after the call's write-back
+        (its batched leaf keeps the flag it was recorded with)."""
+        self.grad_flags[id(tensor)] = (tensor, value)
 
     def is_leaf_of(self, x) -> bool:
         if (x.node, x.slot) in self.written_leaves:
@@ -738,16 +765,25 @@ class RecorderBase:
         return out
 
     def view_scatter(self, x, base, new):
+        if self.is_made_leaf_alias(x):  # written through the view under it
+            return self.view_scatter(self._made_leaf_view(x), base, new)
         info = SIGNATURES.by_sid[self.node_sid(x.node)]
         leaves = self.node_leaves(x.node, first=base)
         return _views.view_scatter(self, info.func, info.struct, leaves, x.slot, base, new, DESCS[base.did][0])
 
     def is_detach_view(self, x) -> bool:
-        """True when ``x`` is a detached alias of its base (``y.detach()``)."""
+        """True when ``x`` is a detached alias of its base (``y.detach()``, also given
+        ``requires_grad_()``: ``copy.copy``)."""
+        if self.is_made_leaf_alias(x):
+            return _views.is_detach_view(SIGNATURES.by_sid[self.node_sid(self._made_leaf_view(x).node)].func)
         return x.base is not None and _views.is_detach_view(SIGNATURES.by_sid[self.node_sid(x.node)].func)
 
     def view_of(self, v, base):
         """View ``v``'s operation applied to ``base`` instead of its own base (a new lazy value)."""
+        if self.is_made_leaf_alias(v):  # the view under it, then a leaf of its own again
+            under = self.view_of(self._made_leaf_view(v), base)
+            with torch.inference_mode(False), torch.enable_grad():  # (see functional.set_requires_grad)
+                return self.record(_functional.make_leaf, (under,), {})
         info = SIGNATURES.by_sid[self.node_sid(v.node)]
         it = iter(self.node_leaves(v.node, first=base))
         args = rebuild(info.struct[0], it)
@@ -769,12 +805,27 @@ class RecorderBase:
             self.writebacks.append((self.instance, t, x))
 
     def is_input_leaf_requiring_grad(self, x) -> bool:
-        """``x`` is a leaf tensor that requires grad (an in-place update of it is an error, as in
-        eager); a concrete call's result with autograd history is not (reliability #53)."""
+        """``x`` is a leaf tensor that requires grad (an in-place update of it is an error while
+        grad mode is on, as in eager): an input or a tensor made by instance code, a value given
+        ``requires_grad_()`` (also ``copy.copy`` of a value that requires grad), a written leaf;
+        a concrete call's result with autograd history is not (reliability #53)."""
         if (x.node, x.slot) in self.written_leaves:
             return True
-        return (self.node_sid(x.node) == 0 and bool(self.rg_bit(x.node, x.slot))
-                and _is_leaf(self.leaf_value(x.node)))
+        if not self.rg_bit(x.node, x.slot):
+            return False
+        if self.node_sid(x.node) == 0:
+            return _is_leaf(self.leaf_value(x.node))
+        return self._made_leaf(x)
+
+    def is_made_leaf_alias(self, x) -> bool:
+        """``x`` is a view given ``requires_grad_()`` (``v = y[0]; v.requires_grad_()``; ``copy.copy``
+        of a value that requires grad: ``y.detach().requires_grad_()``): a leaf of its own that
+        shares its base's values."""
+        return x.base is not None and self._made_leaf(x)
+
+    def _made_leaf_view(self, x):
+        """The view under made leaf alias ``x`` (a handle to make_leaf's input)."""
+        return self.replay_inputs(x.node)[0]
 
     def attach_hooks(self, nodes) -> None:
         """Hook the rows of executed ``nodes`` that have hooks (see ``functional.register_hook``)."""

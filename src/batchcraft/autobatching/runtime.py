@@ -277,6 +277,10 @@ class Runtime:
             grad = (value.requires_grad or tensor.requires_grad) and not (root.is_leaf and root.requires_grad)
             with torch.set_grad_enabled(grad):
                 tensor.copy_(value)
+        # ``x.requires_grad_(False)`` on an input leaf written without history (reliability #121):
+        # the caller's tensor stops requiring grad, as eager's (the same tensor) did
+        for tensor, flag in rec.grad_flags.values():
+            tensor.requires_grad_(flag)
 
     def _run_sequential(self, instances):
         outputs = []

@@ -97,8 +97,12 @@ def view_scatter(rec, func, struct, leaves, slot, base, new_view, shape):
         # eager's write through a detached alias changes the base's values and leaves its
         # autograd history as it was: the new value, with the base's gradient path (+ 0); the
         # alias's own history is kept by functional.write (detached_alias)
+        # (also under no_grad: the base keeps its graph there too)
         value = new_view.detach() if new_view.requires_grad else new_view
-        return value + (base - base.detach()) if base.requires_grad else value
+        if not base.requires_grad:
+            return value
+        with torch.enable_grad():
+            return value + (base - base.detach())
     if func in (T.t, torch.t):
         return new_view.t() if len(shape) == 2 else new_view
     if func in (T.transpose, torch.transpose, T.swapaxes, torch.swapaxes):
