@@ -138,3 +138,44 @@ def test_a_child_sum_module_whose_first_operation_reads_a_weight_batches(core):
         torch.testing.assert_close(o, encode(t))
     assert not f.stats.fallback_reasons
     assert f.stats.groups_by_rule.get("ragged_block")
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("reduction", ["bool_sum", "int32_sum", "sum_dtype", "softmax_dtype"])
+def test_promoting_reductions_over_the_children_batch_without_fallback(core, reduction):
+    # reliability #127: the segment kernels kept the input dtype; the runtime's dtype check caught
+    # it (values right) but every such group then ran one instance at a time
+    @static_block
+    def cell(x, kids):
+        if not kids:
+            return x * 1, torch.zeros(3, dtype=torch.float64)
+        k = torch.stack(kids)
+        if reduction == "bool_sum":
+            r = (k > 0).sum(0).to(torch.float64)
+        elif reduction == "int32_sum":
+            r = (k * 10).to(torch.int32).sum(0).to(torch.float64)
+        elif reduction == "sum_dtype":
+            r = k.sum(0, dtype=torch.float64)
+        else:
+            r = torch.softmax(k, 0, dtype=torch.float64).sum(0)
+        return x + k.mean(0), r
+
+    def encode(tree):
+        x, kids = tree
+        outs = [encode(k) for k in kids]
+        return cell(x, [o[0] for o in outs])
+
+    torch.manual_seed(0)
+
+    def leaf():
+        return (torch.randn(3), ())
+
+    trees = [(torch.randn(3), (leaf(), leaf())), (torch.randn(3), (leaf(), leaf(), leaf())), (torch.randn(3), (leaf(),))]
+    f = autobatch(encode, core=core)
+    out = f(trees)
+    for (h, r), t in zip(out, trees):
+        rh, rr = encode(t)
+        torch.testing.assert_close(h, rh)
+        assert r.dtype == rr.dtype
+        torch.testing.assert_close(r, rr)
+    assert not f.stats.fallback_reasons, f.stats.fallback_reasons

@@ -127,13 +127,13 @@ def lower_gates(func, args, kwargs, lw):
 # runs the original forward, unchanged.
 
 _MISSING = object()
+_NO_PARAMS: dict = {}
 
 
 def _plain_tensor(t, lazy_type) -> bool:
     return isinstance(t, torch.Tensor) and type(t) is not lazy_type
 
 
-_NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
 def _fast_cell(original, n_states, gates_of):
@@ -154,22 +154,26 @@ def _fast_cell(original, n_states, gates_of):
             states = tuple(hx)
         # the registered parameters themselves (one dict read each, not four __getattr__ calls);
         # a parametrized or replaced weight is not there: torch's forward then reads it its way
-        params = self.__dict__.get("_parameters", {})
-        weights = tuple([params.get(n, _MISSING) for n in _NAMES])
+        params = self.__dict__.get("_parameters") or _NO_PARAMS
+        w_ih, w_hh = params.get("weight_ih", _MISSING), params.get("weight_hh", _MISSING)
+        b_ih, b_hh = params.get("bias_ih", _MISSING), params.get("bias_hh", _MISSING)
         gates = gates_of(self)
         # this call's checks passed before for the same module, weights, gates and input / state
         # descriptors (shapes, dtypes): the checks read shapes only, so they pass again
-        key = (id(self), gates, input.did, *[t.did if type(t) is lazy_type else None for t in states])
-        seen = _checked(rec).get(key)
-        if seen is None or any(a is not b for a, b in zip(seen, weights)) or None in key[3:]:
-            w_ih, w_hh, b_ih, b_hh = weights
+        if n_states == 1:
+            key = (id(self), gates, input.did, hx.did if type(hx) is lazy_type else None)
+        else:
+            key = (id(self), gates, input.did, *[t.did if type(t) is lazy_type else None for t in states])
+        checked = _checked(rec)
+        seen = checked.get(key)
+        if seen is None or seen[0] is not w_ih or seen[1] is not w_hh or seen[2] is not b_ih or seen[3] is not b_hh:
+            weights = (w_ih, w_hh, b_ih, b_hh)
             if (gates is None or len(states) != n_states
                     or any(w is _MISSING or (w is not None and not _plain_tensor(w, lazy_type)) for w in weights)
                     or w_ih is None or w_hh is None or not _shapes_ok(input, states, w_ih, w_hh, lazy_type)):
                 return original(self, input, hx)  # torch's forward: its own checks and errors
             if None not in key[3:]:
-                _checked(rec)[key] = weights  # holds the weights: their ids stay theirs
-        w_ih, w_hh, b_ih, b_hh = weights
+                checked[key] = weights  # holds the weights: their ids stay theirs
         # as mode.as_mode_handler (inlined: the hot path of plain recurrent models)
         mode = rec.mode
         n = _tf_len()

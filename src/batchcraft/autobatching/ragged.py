@@ -147,6 +147,10 @@ def _plan_step(st, leaves):
         if _norm(d, rank) == 0:
             if base not in _SEG_REDUCE:
                 return None
+            if DESCS[st.out_dids[0]][1] != DESCS[st.dids[ragged[0]]][1]:
+                # a promoting reduction (sum of bool / int32, dtype=...): the segment kernels keep
+                # the input's dtype, so per-length groups run it (reliability #127)
+                return None
             keep = bool(kwargs.get("keepdim", args[2] if len(args) > 2 and base not in ("softmax", "log_softmax")
                                    else False))
             if base in ("softmax", "log_softmax"):
