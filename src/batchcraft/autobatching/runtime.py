@@ -325,13 +325,20 @@ class Runtime:
         steps = [0] * n
         ready = list(range(n))
         started = [False] * n
+        max_pending = self.options.max_pending
+        m_grad, m_inf, m_dtype = main_state.grad, main_state.inference, main_state.dtype
+        m_ac, m_modes = main_state.autocast, main_state.modes
         try:
             while ready:
                 waiting = []
                 for i in ready:
                     rec.instance, rec.phase, rec.inst_steps = i, phases[i], steps[i]
                     fs = states[i]
-                    fs.enter(main_state)
+                    # FiberState.enter's own test, inlined (per instance and wait: the hot loop of
+                    # models that wait every step); else the fiber's state is already current
+                    if (fs._out_guard is not None or fs.grad is not m_grad or fs.inference is not m_inf
+                            or fs.dtype is not m_dtype or fs.autocast != m_ac or fs.modes != m_modes):
+                        fs.enter(main_state)
                     if rec.device_changed:  # some fiber set a default device: this one's is its own
                         set_global_context(dctx[i])
                         rec.set_factory_device(factory_device())
@@ -376,7 +383,8 @@ class Runtime:
                         resume_of[i] = self.waiter if self.waiter is not None else fiber_of[i]
                         self.waiter = None
                         waiting.append(i)
-                    self._check_pending()
+                    if max_pending is not None and rec.n_pending >= max_pending:
+                        self.flush()
                 if waiting:
                     self.stats.syncs += 1
                     self.flush()
