@@ -204,3 +204,64 @@ def test_modules_inside_a_static_block_and_patches_restored(core):
         autobatch(bad, core=core)(_seqs())
     for cls in (nn.Linear, nn.Embedding, nn.GRUCell):
         assert "__call__" not in vars(cls)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_subclass_call_impl_getattr_and_shadowed_weights_are_respected(core):
+    # hostile finds (stop 35): the fast path skipped a subclass's _call_impl, read _parameters
+    # past a subclass's __getattr__, and ignored an instance attribute shadowing the weight
+    class Doubled(nn.Linear):
+        def _call_impl(self, *args, **kwargs):
+            return super()._call_impl(*args, **kwargs) * 2
+
+    class DoubledCell(nn.GRUCell):
+        def _call_impl(self, *args, **kwargs):
+            return super()._call_impl(*args, **kwargs) * 2
+
+    class Masked(nn.Linear):
+        def __getattr__(self, name):
+            v = super().__getattr__(name)
+            mask = self.__dict__.get("mask")
+            return v * mask if name == "weight" and mask is not None else v
+
+    class MaskedCell(nn.LSTMCell):
+        def __getattr__(self, name):
+            v = super().__getattr__(name)
+            return v * 0.5 if name == "weight_hh" else v
+
+    torch.manual_seed(0)
+    doubled, dcell, masked, mcell = Doubled(4, 4), DoubledCell(4, 4), Masked(4, 4), MaskedCell(4, 4)
+    masked.mask = (torch.rand(4, 4) > 0.5).float()
+    shadow = nn.Linear(4, 4)
+    object.__setattr__(shadow, "weight", torch.ones(4, 4))
+
+    def fn(x):
+        x = x * 1
+        h, c = mcell(x, (x, x))
+        return shadow(masked(doubled(x))) + dcell(x, h) + c
+
+    params = [p for m in (doubled, dcell, masked, mcell) for p in m.parameters()]
+    assert_matches_eager(fn, [torch.randn(4) for _ in range(3)], params, core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_wrapper_of_module_call_installed_later_sees_every_call(core, monkeypatch):
+    # profilers and FLOP counters wrap nn.Module.__call__ after import: the class-level fast path
+    # must not hide module calls from them (hostile find, stop 35)
+    seen = []
+    original = nn.Module.__call__
+
+    def wrapper(self, *args, **kwargs):
+        seen.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "__call__", wrapper)
+    emb, lin, cell, score = _model()
+    fn = _run_with(emb, lin, cell, score)
+    ref = [fn(s) for s in _seqs()]
+    eager_seen = sorted(seen)
+    seen.clear()
+    out = autobatch(fn, core=core)(_seqs())
+    assert sorted(seen) == eager_seen
+    for (h, s), (rh, rs) in zip(out, ref):
+        torch.testing.assert_close(h, rh)

@@ -110,3 +110,35 @@ def test_a_scalar_read_under_a_mode_of_the_user_goes_through_the_mode(core):
         r, rsaw = fn(x)
         assert saw == rsaw
         torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_str_and_format_of_a_pending_value_match_eager(core):
+    # hostile find (stop 35): f-strings printed "LazyTensor(...)" and f"{x:.2f}" raised
+    def fn(x):
+        s = (x * 2).sum()
+        return s, [f"loss={s}", f"{s:.2f}", "{}".format(s), str(s), f"{x * 1}"]
+
+    xs = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
+    for (s, texts), x in zip(autobatch(fn, core=core)(xs), xs):
+        assert texts == fn(x)[1]
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("fibers", [True, False])
+def test_a_wait_inside_inference_mode_keeps_the_batched_work_out_of_it(core, fibers):
+    # hostile find (stop 35): with fibers=False the flush ran in the instance's inference mode,
+    # so values computed before it lost requires_grad and became inference tensors
+    def fn(x):
+        s = x * 2
+        with torch.inference_mode():
+            v = s[0].item()
+        return s, v
+
+    xs = [torch.tensor([1.0, 2.0], requires_grad=True) for _ in range(2)]
+    for (s, v), x in zip(autobatch(fn, core=core, fibers=fibers)(xs), xs):
+        rs, rv = fn(x)
+        assert v == rv and s.requires_grad and not s.is_inference()
+        torch.testing.assert_close(s, rs)
+        (g,) = torch.autograd.grad(s.sum(), x, retain_graph=True)  # outputs of a call share a graph
+        torch.testing.assert_close(g, torch.full((2,), 2.0))

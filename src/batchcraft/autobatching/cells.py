@@ -128,6 +128,7 @@ def lower_gates(func, args, kwargs, lw):
 
 _MISSING = object()
 _NO_PARAMS: dict = {}
+_MODULE_GETATTR, _OBJECT_GETATTRIBUTE = torch.nn.Module.__getattr__, object.__getattribute__
 
 
 def _plain_tensor(t, lazy_type) -> bool:
@@ -154,7 +155,12 @@ def _fast_cell(original, n_states, gates_of):
             states = tuple(hx)
         # the registered parameters themselves (one dict read each, not four __getattr__ calls);
         # a parametrized or replaced weight is not there: torch's forward then reads it its way
-        params = self.__dict__.get("_parameters") or _NO_PARAMS
+        d = self.__dict__
+        cls = type(self)
+        if (cls.__getattr__ is not _MODULE_GETATTR or cls.__getattribute__ is not _OBJECT_GETATTRIBUTE
+                or "weight_ih" in d or "weight_hh" in d or "bias_ih" in d or "bias_hh" in d):
+            return original(self, input, hx)  # the forward reads its weights another way
+        params = d.get("_parameters") or _NO_PARAMS
         w_ih, w_hh = params.get("weight_ih", _MISSING), params.get("weight_hh", _MISSING)
         b_ih, b_hh = params.get("bias_ih", _MISSING), params.get("bias_hh", _MISSING)
         gates = gates_of(self)

@@ -303,6 +303,15 @@ class LazyTensor(_Base):
         with torch._C.DisableTorchFunction():
             return to(v)
 
+    def __str__(self):
+        """``str(x)``, ``print(x)``: the value, as eager prints it (a value wait)."""
+        return self._convert("convert a tensor to str", torch.Tensor.__str__)
+
+    def __format__(self, spec):
+        """f-strings and ``format``: a 0-d value formats as its Python number (``f"{x:.2f}"``),
+        anything else as ``str``, as ``torch.Tensor.__format__`` does (a value wait)."""
+        return self._convert("format a tensor", lambda v: torch.Tensor.__format__(v, spec))
+
     def __bool__(self):
         if torch._C._len_torch_function_stack() > 1:
             return self._convert("use a tensor as a Python bool", bool)

@@ -42,6 +42,22 @@ def _hooked(d) -> bool:
                 or _module._global_backward_hooks or _module._global_backward_pre_hooks or _tracing() is not None)
 
 
+def _own_call(cls, d, names) -> bool:
+    """True when calling a module of class ``cls`` (instance dict ``d``) is ``nn.Module``'s own call
+    of its forward, which reads the registered parameters ``names``: no subclass ``_call_impl`` /
+    ``_wrapped_call_impl``, no wrapper of ``nn.Module.__call__`` installed after import (profilers,
+    FLOP counters), no ``__getattr__`` / ``__getattribute__`` of the subclass's, and no instance
+    attribute shadowing a parameter (hostile finds, stop 35)."""
+    if (cls._call_impl is not _CALL_IMPL or cls._wrapped_call_impl is not _WRAPPED_CALL_IMPL
+            or nn.Module.__call__ is not _module_call or cls.__getattr__ is not _GETATTR
+            or cls.__getattribute__ is not _GETATTRIBUTE):
+        return False
+    for n in names:
+        if n in d:
+            return False
+    return True
+
+
 def _record_on_top(rec, func, args, kwargs):
     """``rec.record(func, args, kwargs)`` as the recording mode's handler would run it (the mode
     off the stack), or :data:`NOT_ON_TOP` when a mode of the user's is innermost
@@ -58,29 +74,31 @@ def _record_on_top(rec, func, args, kwargs):
 
 
 def _linear_call(self, *args, **kwargs):
-    if len(args) == 1 and not kwargs and type(self).forward is _LINEAR_FORWARD:
+    cls = type(self)
+    if len(args) == 1 and not kwargs and cls.forward is _LINEAR_FORWARD:
         x = args[0]
         rec = _current()
         d = self.__dict__
         if (rec is not None and type(x) is rec.lazy_type and x.rec is rec and not rec.is_tracer
-                and not _hooked(d)):
+                and not _hooked(d) and _own_call(cls, d, _LINEAR_PARAMS)):
             params = d.get("_parameters") or _NONE
             w, b = params.get("weight"), params.get("bias", _MISSING)
             if type(w) in _PLAIN and (b is None or type(b) in _PLAIN):
                 out = _record_on_top(rec, F.linear, (x, w, b), {})
                 if out is not NOT_ON_TOP:
                     return out
-    return _module_call(self, *args, **kwargs)
+    return nn.Module.__call__(self, *args, **kwargs)  # looked up now: a wrapper installed later runs
 
 
 def _embedding_call(self, *args, **kwargs):
-    if len(args) == 1 and not kwargs and type(self).forward is _EMBEDDING_FORWARD:
+    cls = type(self)
+    if len(args) == 1 and not kwargs and cls.forward is _EMBEDDING_FORWARD:
         x = args[0]
         rec = _current()
         d = self.__dict__
         # max_norm renorms the table in place: torch's own path
         if (rec is not None and type(x) is rec.lazy_type and x.rec is rec and not rec.is_tracer
-                and d.get("max_norm", 1) is None and not _hooked(d)):
+                and d.get("max_norm", 1) is None and not _hooked(d) and _own_call(cls, d, _EMBEDDING_PARAMS)):
             w = (d.get("_parameters") or _NONE).get("weight")
             if type(w) in _PLAIN:
                 # the arguments F.embedding hands to torch's dispatch, so the same signature
@@ -89,17 +107,18 @@ def _embedding_call(self, *args, **kwargs):
                 out = _record_on_top(rec, F.embedding, (x, w), kw)
                 if out is not NOT_ON_TOP:
                     return out
-    return _module_call(self, *args, **kwargs)
+    return nn.Module.__call__(self, *args, **kwargs)  # looked up now: a wrapper installed later runs
 
 
 def _forward_call(cls):
     """``__call__`` of a cell class: its (patched, see cells.py) forward without the hook frames."""
     def __call__(self, *args, **kwargs):
         rec = _current()
+        d = self.__dict__
         if (rec is not None and args and type(args[0]) is rec.lazy_type and args[0].rec is rec
-                and not rec.is_tracer and not _hooked(self.__dict__)):
+                and not rec.is_tracer and not _hooked(d) and _own_call(type(self), d, _CELL_PARAMS)):
             return type(self).forward(self, *args, **kwargs)
-        return _module_call(self, *args, **kwargs)
+        return nn.Module.__call__(self, *args, **kwargs)
 
     __call__.__qualname__ = f"{cls.__name__}.__call__"
     return __call__
@@ -107,6 +126,11 @@ def _forward_call(cls):
 
 _LINEAR_FORWARD = nn.Linear.forward
 _EMBEDDING_FORWARD = nn.Embedding.forward
+_CALL_IMPL, _WRAPPED_CALL_IMPL = nn.Module._call_impl, nn.Module._wrapped_call_impl
+_GETATTR, _GETATTRIBUTE = nn.Module.__getattr__, object.__getattribute__
+_LINEAR_PARAMS = ("weight", "bias")
+_EMBEDDING_PARAMS = ("weight",)
+_CELL_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 #: enter/exit around a recording call (with :data:`batchcraft.autobatching.cells.FAST_CELLS`)
 FAST_CALLS = PatchSet([SharedPatch(nn.Linear, "__call__", _linear_call),

@@ -138,7 +138,10 @@ class Runtime:
         # code must execute, not record (flushes also happen mid-recording: syncs, max_pending)
         stack.push(None)
         try:
-            with torch._C.DisableTorchFunction():
+            # a flush from inside instance code (fibers=False) may run in its inference mode: the
+            # batched work runs outside it (each group under its own recorded state, run_under)
+            with torch._C.DisableTorchFunction(), (
+                    torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext()):
                 self.scheduler.run(rec, self.executor, self.stats)
         finally:
             stack.pop()
