@@ -707,10 +707,10 @@ class RecorderBase:
                 rows = self.scalar_rows.get(key)
                 if rows is None:
                     t = self.buffers[key]
-                    if t.dim() == 0 or t.numel() != t.shape[0] or t.is_complex():
-                        rows = False  # rows of more than one element: torch's conversion raises
-                    else:
-                        with torch._C.DisableTorchFunction():
+                    with torch._C.DisableTorchFunction():  # metadata reads under the mode would record
+                        if t.dim() == 0 or t.numel() != t.shape[0] or t.is_complex():
+                            rows = False  # rows of more than one element: torch's conversion raises
+                        else:
                             rows = (t.reshape(-1).tolist(), t.is_floating_point())
                     self.scalar_rows[key] = rows
                 if rows and (to is not int or not rows[1]):
