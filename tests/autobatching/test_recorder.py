@@ -174,3 +174,24 @@ def test_a_scalar_read_records_nothing(core, monkeypatch):
     out = autobatch(reads, core=core)(xs)
     assert len(calls) == baseline, calls
     assert [o.item() for o in out] == [4.0, 8.0, 12.0]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_printing_inside_a_static_block_still_traces(core, capsys):
+    # a debugging print inside a block: no value exists while it is traced, so it prints the
+    # lazy description instead of raising (the block still batches)
+    from batchcraft import static_block
+
+    @static_block
+    def cell(x):
+        y = torch.tanh(x)
+        print(f"y={y}", str(y))
+        return y * 2
+
+    xs = [torch.randn(3) for _ in range(4)]
+    f = autobatch(cell, core=core)
+    out = f(xs)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, torch.tanh(x) * 2)
+    assert "LazyTensor" in capsys.readouterr().out
+    assert f.stats.groups_by_rule.get("block")

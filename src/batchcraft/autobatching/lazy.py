@@ -304,12 +304,18 @@ class LazyTensor(_Base):
             return to(v)
 
     def __str__(self):
-        """``str(x)``, ``print(x)``: the value, as eager prints it (a value wait)."""
+        """``str(x)``, ``print(x)``: the value, as eager prints it (a value wait). While a static
+        block is traced there is no value yet: the lazy description (a debugging print inside a
+        block keeps working)."""
+        if self.rec.is_tracer:
+            return repr(self)
         return self._convert("convert a tensor to str", torch.Tensor.__str__)
 
     def __format__(self, spec):
         """f-strings and ``format``: a 0-d value formats as its Python number (``f"{x:.2f}"``),
         anything else as ``str``, as ``torch.Tensor.__format__`` does (a value wait)."""
+        if self.rec.is_tracer:
+            return format(repr(self), spec)
         return self._convert("format a tensor", lambda v: torch.Tensor.__format__(v, spec))
 
     def __bool__(self):
