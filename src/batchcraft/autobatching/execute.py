@@ -30,7 +30,7 @@ from batchcraft.autobatching.gather import index_tensor, keep_requires_grad, tak
 from batchcraft.autobatching.lower import Runner
 from batchcraft.autobatching.program import Program
 from batchcraft.autobatching.signature import LEAF, RAGGED, SIGNATURES, call_with, flatten, rebuild
-from batchcraft.autobatching.threadstate import PLAIN, run_under
+from batchcraft.autobatching.threadstate import PLAIN, under
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
@@ -207,10 +207,10 @@ class Executor:
                     st.groups_reordered += 1
         # gathers too run under the recorded state: a gather under the caller's no_grad (a flush
         # inside a no_grad block) would cut the autograd history of rows recorded with grad on
-        with run_under(PLAIN):  # leaves stacked here are shared by later groups: keep their history
+        with under(PLAIN):  # leaves stacked here are shared by later groups: keep their history
             plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
         bufs = rec.buffers
-        with run_under(info.state):
+        with under(info.state):
             if hoisted is None:
                 ins = take_all(bufs, plans[:prog.n_in])
             else:
@@ -300,11 +300,11 @@ class Executor:
         t0 = _perf()
         rows, sizes, last, heads = _chains.packed(unit.chains)
         spec, info = unit.spec, unit.info
-        with run_under(PLAIN):
+        with under(PLAIN):
             (px,) = rec.plan_slots(rows, (spec.x,))
             ps = rec.plan_slots(heads, spec.states)
         bufs = rec.buffers
-        with run_under(info.state):
+        with under(info.state):
             x = take(bufs, px)
             states = [take(bufs, p) for p in ps]
             t1 = _perf()
@@ -336,7 +336,7 @@ class Executor:
         offsets = [0] * len(rags)
         for i, nd in enumerate(nodes):
             try:
-                with run_under(info.state):
+                with under(info.state):
                     if info.ragged:
                         args = self._ragged_args(info, i, ins, rags, lens_all[i], offsets)
                         out = func(*args)

@@ -13,6 +13,8 @@ mode, inference mode, autocast); it is part of every signature, and groups run u
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 _grad = torch.is_grad_enabled
@@ -104,6 +106,18 @@ def op_state() -> tuple:
 
 
 PLAIN = (True, False, None)  # an op_state: grad on, no inference mode, no autocast
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def under(state: tuple):
+    """:class:`run_under` ``state``, or a no-op context when it is already the current state (the
+    common case: two per batched group, hundreds of groups a call in models that wait often)."""
+    if (_grad() is state[0] and _inference() is state[1] and state[2] is None
+            and not (_any_autocast() if _any_autocast is not None else autocast_enabled_any())):
+        return _NOTHING
+    return run_under(state)
 
 
 class run_under:
@@ -230,4 +244,4 @@ class FiberState:
         self._in_guard = None
 
 
-__all__ = ["PLAIN", "op_state", "autocast_dtypes", "set_autocast_dtypes", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
+__all__ = ["PLAIN", "op_state", "under", "autocast_dtypes", "set_autocast_dtypes", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
