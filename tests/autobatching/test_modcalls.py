@@ -265,3 +265,55 @@ def test_a_wrapper_of_module_call_installed_later_sees_every_call(core, monkeypa
     assert sorted(seen) == eager_seen
     for (h, s), (rh, rs) in zip(out, ref):
         torch.testing.assert_close(h, rh)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_class_attributes_shadowing_parameters_or_settings_are_read_as_eager(core):
+    # hostile finds (stop 35): a class attribute or property named like a parameter (or an
+    # embedding setting) is what forward reads; the fast path read _parameters instead. The
+    # verdict is cached per class: a class changed between calls must be seen
+    class L(nn.Linear):
+        pass
+
+    class E(nn.Embedding):
+        pass
+
+    class C(nn.LSTMCell):
+        pass
+
+    torch.manual_seed(0)
+    lin, emb, cell = L(3, 3), E(6, 3), C(3, 3)
+
+    def fn(i):
+        x = emb(torch.tensor(i))
+        h, c = cell(x, (x * 1, x * 1))
+        return lin(h) + c
+
+    params = [p for m in (lin, emb, cell) for p in m.parameters()]
+    assert_matches_eager(fn, [1, 2, 1, 4], params, core=core)  # plain first: the verdicts are cached
+    L.bias = None
+    E.padding_idx = property(lambda self: 1)
+    C.bias_ih = None
+    try:
+        assert_matches_eager(fn, [1, 2, 1, 4], params, core=core)
+    finally:
+        del L.bias, E.padding_idx, C.bias_ih
+    assert_matches_eager(fn, [1, 2, 1, 4], params, core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_module_call_wrapper_installed_between_calls_is_seen(core, monkeypatch):
+    emb, lin, cell, score = _model()
+    fn = _run_with(emb, lin, cell, score)
+    f = autobatch(fn, core=core)
+    f(_seqs())  # the class verdicts are cached now
+    seen = []
+    original = nn.Module.__call__
+
+    def wrapper(self, *args, **kwargs):
+        seen.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "__call__", wrapper)
+    f(_seqs())
+    assert seen.count("Linear") == sum(len(s) for s in _seqs()) + len(_seqs())

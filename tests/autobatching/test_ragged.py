@@ -179,3 +179,21 @@ def test_promoting_reductions_over_the_children_batch_without_fallback(core, red
         assert r.dtype == rr.dtype
         torch.testing.assert_close(r, rr)
     assert not f.stats.fallback_reasons, f.stats.fallback_reasons
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_segment_sums_and_means_round_as_eager(dtype):
+    # hostile find (stop 35): the segment mean of float16 children accumulated in float16 and
+    # came out one unit of the last place off eager's (which accumulates in float32)
+    torch.manual_seed(0)
+    for _ in range(50):
+        lens = torch.randint(1, 6, (4,)).tolist()
+        xs = [torch.randn(n, 7).mul(3).to(dtype) for n in lens]
+        x = torch.cat(xs)
+        seg = torch.repeat_interleave(torch.arange(4), torch.tensor(lens))
+        cnt = torch.tensor(lens)
+        for kind in ("sum", "mean", "logsumexp"):
+            want = torch.stack([getattr(torch, kind)(t, 0) for t in xs])
+            assert torch.equal(ragged.seg_reduce(kind, x, seg, cnt, 4, False), want), kind
+        want = torch.cat([torch.log_softmax(t, 0) for t in xs])
+        assert torch.equal(ragged.seg_softmax("log_softmax", x, seg, 4), want)

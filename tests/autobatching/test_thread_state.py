@@ -715,3 +715,25 @@ def test_inference_mode_with_grad_enabled_inside_is_its_own_state(core, first):
         if how == "plain":
             sum(y.sum() for y, _ in out).backward()
             assert lin.weight.grad is not None
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("fibers", [True, False])
+def test_print_options_set_around_a_wait_are_each_instances_own(core, fibers):
+    # hostile find (stop 35): str() waits for the value, so fibers switch inside a printoptions
+    # block; torch's print options are process-wide: they were mixed between instances and leaked
+    from torch._tensor_str import printoptions
+
+    def fn(x):
+        y = x * 3
+        with printoptions(precision=1, threshold=2, edgeitems=1):
+            short = str(y)
+        return y, short, str(y)
+
+    before = dict(vars(torch._tensor_str.PRINT_OPTS))
+    xs = [torch.randn(5) for _ in range(4)]
+    out = autobatch(fn, core=core, fibers=fibers)(xs)
+    assert dict(vars(torch._tensor_str.PRINT_OPTS)) == before
+    for (y, short, full), x in zip(out, xs):
+        _, rshort, rfull = fn(x)
+        assert (short, full) == (rshort, rfull)

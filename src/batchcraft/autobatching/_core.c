@@ -2762,8 +2762,16 @@ static PyObject *py_clear_signatures(PyObject *m, PyObject *noargs) {
 
 static PyObject *py_table_size(PyObject *m, PyObject *noargs) { return PyLong_FromSsize_t(g_tab_n); }
 
+/* type_version(cls): the type's version tag, which CPython renews whenever the type or one of its
+   bases is modified (0: none assigned yet). modcalls.py keys its per-class verdicts by it. */
+static PyObject *py_type_version(PyObject *m, PyObject *cls) {
+    if (!PyType_Check(cls)) { PyErr_SetString(PyExc_TypeError, "type_version: a type is required"); return NULL; }
+    return PyLong_FromUnsignedLong((unsigned long)((PyTypeObject *)cls)->tp_version_tag);
+}
+
 static PyMethodDef module_methods[] = {
     {"current", py_current, METH_NOARGS, "The innermost active recorder of this thread, or None."},
+    {"type_version", py_type_version, METH_O, "type_version(cls): the type's version tag (renewed when it or a base changes; 0: none yet)."},
     {"push", py_push, METH_O, "Make a recorder (or None) the active one of this thread."},
     {"pop", py_pop, METH_NOARGS, "Undo the last push of this thread."},
     {"setup", py_setup, METH_VARARGS, "Give the core the torch objects it needs."},

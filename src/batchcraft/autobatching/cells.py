@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchcraft.autobatching import stack as _stack
+from batchcraft.autobatching import modcalls as _modcalls, stack as _stack
 from batchcraft.autobatching.patches import PatchSet, SharedPatch
 
 _tf_len, _tf_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
@@ -128,7 +128,8 @@ def lower_gates(func, args, kwargs, lw):
 
 _MISSING = object()
 _NO_PARAMS: dict = {}
-_MODULE_GETATTR, _OBJECT_GETATTRIBUTE = torch.nn.Module.__getattr__, object.__getattribute__
+_WEIGHT_NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+_CLASS_OK: dict = {}  # modcalls.class_calls_own's verdicts for the cell classes
 
 
 def _plain_tensor(t, lazy_type) -> bool:
@@ -157,8 +158,8 @@ def _fast_cell(original, n_states, gates_of):
         # a parametrized or replaced weight is not there: torch's forward then reads it its way
         d = self.__dict__
         cls = type(self)
-        if (cls.__getattr__ is not _MODULE_GETATTR or cls.__getattribute__ is not _OBJECT_GETATTRIBUTE
-                or "weight_ih" in d or "weight_hh" in d or "bias_ih" in d or "bias_hh" in d):
+        if ("weight_ih" in d or "weight_hh" in d or "bias_ih" in d or "bias_hh" in d
+                or not _modcalls.class_calls_own(cls, _WEIGHT_NAMES, _CLASS_OK)):
             return original(self, input, hx)  # the forward reads its weights another way
         params = d.get("_parameters") or _NO_PARAMS
         w_ih, w_hh = params.get("weight_ih", _MISSING), params.get("weight_hh", _MISSING)

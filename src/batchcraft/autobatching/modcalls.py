@@ -15,12 +15,14 @@ or an input that is not this call's lazy value takes ``Module.__call__``, unchan
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from batchcraft.autobatching import stack as _stack
+from batchcraft.autobatching import _native, stack as _stack
 from batchcraft.autobatching.mode import NOT_ON_TOP
 from batchcraft.autobatching.patches import PatchSet, SharedPatch
 
@@ -32,6 +34,8 @@ _tf_pop, _tf_push = torch._C._pop_torch_function_stack, torch._C._push_on_torch_
 _PLAIN = (torch.Tensor, nn.Parameter)
 _MISSING = object()  # a bias not registered (replaced or deleted): torch's path
 _NONE: dict = {}
+_MODULE_ATTR = getattr(_native.core, "ModuleAttr", None) if _native.core is not None else None
+_type_version = getattr(_native.core, "type_version", None) if _native.core is not None else None
 
 
 def _hooked(d) -> bool:
@@ -42,20 +46,71 @@ def _hooked(d) -> bool:
                 or _module._global_backward_hooks or _module._global_backward_pre_hooks or _tracing() is not None)
 
 
-def _own_call(cls, d, names) -> bool:
+def _own_call(cls, d, names, verdicts) -> bool:
     """True when calling a module of class ``cls`` (instance dict ``d``) is ``nn.Module``'s own call
-    of its forward, which reads the registered parameters ``names``: no subclass ``_call_impl`` /
-    ``_wrapped_call_impl``, no wrapper of ``nn.Module.__call__`` installed after import (profilers,
-    FLOP counters), no ``__getattr__`` / ``__getattribute__`` of the subclass's, and no instance
-    attribute shadowing a parameter (hostile finds, stop 35)."""
-    if (cls._call_impl is not _CALL_IMPL or cls._wrapped_call_impl is not _WRAPPED_CALL_IMPL
-            or nn.Module.__call__ is not _module_call or cls.__getattr__ is not _GETATTR
-            or cls.__getattribute__ is not _GETATTRIBUTE):
-        return False
+    of its forward, which reads the registered parameters ``names``: no instance attribute
+    shadowing a parameter, and :func:`_class_calls_own` for the class (hostile finds, stop 35).
+    ``verdicts`` caches the class part per class, keyed by CPython's type version tag (renewed
+    when the class or a base changes: ``nn.Module.__call__`` wrapped, a class attribute set)."""
     for n in names:
         if n in d:
             return False
-    return True
+    got = verdicts.get(cls)  # class_calls_own's cache, inlined (the hot path)
+    if got is not None and _type_version is not None and got[0] == _type_version(cls):
+        return got[1]
+    return class_calls_own(cls, names, verdicts)
+
+
+def class_calls_own(cls, names, verdicts) -> bool:
+    """:func:`_class_calls_own`, cached in ``verdicts`` per class and type version tag."""
+    if _type_version is None:
+        return _class_calls_own(cls, names)
+    got = verdicts.get(cls)
+    version = _type_version(cls)
+    if got is not None and got[0] == version and version:
+        return got[1]
+    ok = _class_calls_own(cls, names)
+    after = _type_version(cls)  # the lookups above assign a tag if the class had none
+    if after and (after == version or not version):
+        verdicts[cls] = (after, ok)
+    return ok
+
+
+def _class_calls_own(cls, names) -> bool:
+    """No subclass ``_call_impl`` / ``_wrapped_call_impl``, no wrapper of ``nn.Module.__call__``
+    installed after import (profilers, FLOP counters), no ``__getattr__`` / ``__getattribute__``
+    of the subclass's, and no class attribute or property named like a parameter."""
+    return not (cls._call_impl is not _CALL_IMPL or cls._wrapped_call_impl is not _WRAPPED_CALL_IMPL
+                or nn.Module.__call__ is not _module_call or cls.__getattr__ is not _GETATTR
+                or cls.__getattribute__ is not _GETATTRIBUTE or shadowed(cls, names))
+
+
+_MRO_DICTS: dict = {}
+
+
+def shadowed(cls, names) -> bool:
+    """True when a class in ``cls``'s MRO defines one of ``names`` (other than the lookup
+    descriptors of :mod:`~batchcraft.autobatching.attrs`). The MRO's namespaces are kept
+    per class (mapping proxies: live views, so attributes set later are seen; a lookup through
+    ``getattr(cls, name, default)`` costs an exception per missing name)."""
+    mro = cls.__mro__
+    got = _MRO_DICTS.get(cls)
+    if got is None or got[0] is not mro:
+        got = _MRO_DICTS[cls] = (mro, tuple(_namespace(k) for k in mro))
+    for ns in got[1]:
+        for n in names:
+            if n in ns and type(ns[n]) is not _MODULE_ATTR:
+                # (batchcraft's own descriptor, attrs.py, does Module.__getattr__'s lookup)
+                return True
+    return False
+
+
+def _namespace(cls):
+    """The dict behind ``cls.__dict__`` (a live view either way; the dict's lookups cost a
+    fraction of the mapping proxy's method calls)."""
+    proxy = cls.__dict__
+    inner = gc.get_referents(proxy)
+    return inner[0] if len(inner) == 1 and type(inner[0]) is dict else proxy
 
 
 def _record_on_top(rec, func, args, kwargs):
@@ -80,7 +135,7 @@ def _linear_call(self, *args, **kwargs):
         rec = _current()
         d = self.__dict__
         if (rec is not None and type(x) is rec.lazy_type and x.rec is rec and not rec.is_tracer
-                and not _hooked(d) and _own_call(cls, d, _LINEAR_PARAMS)):
+                and not _hooked(d) and _own_call(cls, d, _LINEAR_PARAMS, _LINEAR_OK)):
             params = d.get("_parameters") or _NONE
             w, b = params.get("weight"), params.get("bias", _MISSING)
             if type(w) in _PLAIN and (b is None or type(b) in _PLAIN):
@@ -98,12 +153,12 @@ def _embedding_call(self, *args, **kwargs):
         d = self.__dict__
         # max_norm renorms the table in place: torch's own path
         if (rec is not None and type(x) is rec.lazy_type and x.rec is rec and not rec.is_tracer
-                and d.get("max_norm", 1) is None and not _hooked(d) and _own_call(cls, d, _EMBEDDING_PARAMS)):
+                and not _hooked(d) and _own_call(cls, d, _EMBEDDING_PARAMS, _EMBEDDING_OK) and self.max_norm is None):
             w = (d.get("_parameters") or _NONE).get("weight")
             if type(w) in _PLAIN:
                 # the arguments F.embedding hands to torch's dispatch, so the same signature
-                kw = {"padding_idx": d["padding_idx"], "max_norm": None, "norm_type": d["norm_type"],
-                      "scale_grad_by_freq": d["scale_grad_by_freq"], "sparse": d["sparse"]}
+                kw = {"padding_idx": self.padding_idx, "max_norm": None, "norm_type": self.norm_type,
+                      "scale_grad_by_freq": self.scale_grad_by_freq, "sparse": self.sparse}
                 out = _record_on_top(rec, F.embedding, (x, w), kw)
                 if out is not NOT_ON_TOP:
                     return out
@@ -116,7 +171,7 @@ def _forward_call(cls):
         rec = _current()
         d = self.__dict__
         if (rec is not None and args and type(args[0]) is rec.lazy_type and args[0].rec is rec
-                and not rec.is_tracer and not _hooked(d) and _own_call(type(self), d, _CELL_PARAMS)):
+                and not rec.is_tracer and not _hooked(d) and _own_call(type(self), d, _CELL_PARAMS, _CELL_OK)):
             return type(self).forward(self, *args, **kwargs)
         return nn.Module.__call__(self, *args, **kwargs)
 
@@ -129,8 +184,11 @@ _EMBEDDING_FORWARD = nn.Embedding.forward
 _CALL_IMPL, _WRAPPED_CALL_IMPL = nn.Module._call_impl, nn.Module._wrapped_call_impl
 _GETATTR, _GETATTRIBUTE = nn.Module.__getattr__, object.__getattribute__
 _LINEAR_PARAMS = ("weight", "bias")
-_EMBEDDING_PARAMS = ("weight",)
+_EMBEDDING_PARAMS = ("weight",)  # its settings are read by plain attribute lookup, as forward does
 _CELL_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+_LINEAR_OK: dict = {}
+_EMBEDDING_OK: dict = {}
+_CELL_OK: dict = {}
 
 #: enter/exit around a recording call (with :data:`batchcraft.autobatching.cells.FAST_CELLS`)
 FAST_CALLS = PatchSet([SharedPatch(nn.Linear, "__call__", _linear_call),

@@ -280,7 +280,14 @@ def _counts_like(cnt, x, n):
     return cnt.to(x.dtype).view((n,) + (1,) * (x.dim() - 1))
 
 
+_LOW = (torch.float16, torch.bfloat16)
+
+
 def seg_reduce(kind, x, seg, cnt, n, keep):
+    if x.dtype in _LOW and kind in ("sum", "mean"):
+        # eager's CPU reductions of half types accumulate in float32 and round once (a hostile
+        # find: a float16 mean one unit of the last place off); the segment sum does the same
+        return seg_reduce(kind, x.float(), seg, cnt, n, keep).to(x.dtype)
     if kind == "sum":
         out = seg_sum(x, seg, n)
     elif kind == "mean":
@@ -297,6 +304,8 @@ def seg_reduce(kind, x, seg, cnt, n, keep):
 
 
 def seg_softmax(kind, x, seg, n):
+    if x.dtype in _LOW:  # as eager's CPU softmax of half types: float32 inside, rounded once
+        return seg_softmax(kind, x.float(), seg, n).to(x.dtype)
     m = seg_amax(x, seg, n).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     z = x - m.index_select(0, seg)

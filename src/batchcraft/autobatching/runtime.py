@@ -330,7 +330,7 @@ class Runtime:
         started = [False] * n
         max_pending = self.options.max_pending
         m_grad, m_inf, m_dtype = main_state.grad, main_state.inference, main_state.dtype
-        m_ac, m_modes = main_state.autocast, main_state.modes
+        m_ac, m_modes, m_po = main_state.autocast, main_state.modes, main_state.printopts
         try:
             while ready:
                 waiting = []
@@ -340,7 +340,8 @@ class Runtime:
                     # FiberState.enter's own test, inlined (per instance and wait: the hot loop of
                     # models that wait every step); else the fiber's state is already current
                     if (fs._out_guard is not None or fs.grad is not m_grad or fs.inference is not m_inf
-                            or fs.dtype is not m_dtype or fs.autocast != m_ac or fs.modes != m_modes):
+                            or fs.dtype is not m_dtype or fs.autocast != m_ac or fs.modes != m_modes
+                            or fs.printopts is not m_po):
                         fs.enter(main_state)
                     if rec.device_changed:  # some fiber set a default device: this one's is its own
                         set_global_context(dctx[i])

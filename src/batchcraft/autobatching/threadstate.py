@@ -18,6 +18,8 @@ import contextlib
 import torch
 
 _grad = torch.is_grad_enabled
+# torch's print options live in one process-wide object; its __dict__ is compared and restored
+_PRINT_OPTS = vars(torch._tensor_str.PRINT_OPTS)
 _set_grad = torch._C._set_grad_enabled
 _inference = torch.is_inference_mode_enabled
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
@@ -160,14 +162,15 @@ class FiberState:
     creator expects.
     """
 
-    __slots__ = ("grad", "inference", "autocast", "dtype", "modes", "_in_guard", "_out_guard")
+    __slots__ = ("grad", "inference", "autocast", "dtype", "modes", "printopts", "_in_guard", "_out_guard")
 
-    def __init__(self, grad, inference, autocast, dtype, modes):
+    def __init__(self, grad, inference, autocast, dtype, modes, printopts):
         self.grad = grad
         self.inference = inference
         self.autocast = autocast
         self.dtype = dtype
         self.modes = modes
+        self.printopts = printopts  # a copy of torch's print options (never mutated: replaced)
         self._in_guard = None
         self._out_guard = None
 
@@ -175,10 +178,10 @@ class FiberState:
     def capture(cls) -> "FiberState":
         n = _tf_len()
         return cls(_grad(), _inference(), autocast_state(), _default_dtype(),
-                   tuple(_tf_at(i) for i in range(n)) if n else ())
+                   tuple(_tf_at(i) for i in range(n)) if n else (), dict(_PRINT_OPTS))
 
     def copy(self) -> "FiberState":
-        return FiberState(self.grad, self.inference, self.autocast, self.dtype, self.modes)
+        return FiberState(self.grad, self.inference, self.autocast, self.dtype, self.modes, self.printopts)
 
     def _apply(self, inference_via_guard: bool) -> None:
         cur_modes = _tf_len()
@@ -191,12 +194,15 @@ class FiberState:
             torch.set_default_dtype(self.dtype)
         if self.autocast is not None or autocast_enabled_any():
             set_autocast_state(self.autocast)
+        if _PRINT_OPTS != self.printopts:  # process-wide: printoptions(...) around a wait (str() waits)
+            _PRINT_OPTS.update(self.printopts)
         _set_grad(self.grad)
 
     def same_as(self, other: "FiberState") -> bool:
         """Equal grad mode, inference mode, autocast, default dtype and mode stack."""
         return (self.grad is other.grad and self.inference is other.inference and self.dtype is other.dtype
-                and self.autocast == other.autocast and self.modes == other.modes)
+                and self.autocast == other.autocast and self.modes == other.modes
+                and (self.printopts is other.printopts or self.printopts == other.printopts))
 
     def enter(self, main: "FiberState") -> None:
         """Before resuming the fiber: make its state current (``main``'s is current)."""
@@ -219,10 +225,11 @@ class FiberState:
         if self._in_guard is None and _tf_len() == n and _grad() is main.grad \
                 and _inference() is main.inference and _default_dtype() is main.dtype \
                 and (main.autocast is None and not autocast_enabled_any()) \
-                and (n == 0 or (_tf_at(0) is modes[0] if n == 1 else all(_tf_at(i) is m for i, m in enumerate(modes)))):
+                and (n == 0 or (_tf_at(0) is modes[0] if n == 1 else all(_tf_at(i) is m for i, m in enumerate(modes)))) \
+                and _PRINT_OPTS == main.printopts:
             # the fiber left the state as the scheduler's (the common case): nothing to restore
             self.grad, self.inference, self.autocast = main.grad, main.inference, None
-            self.dtype, self.modes = main.dtype, main.modes
+            self.dtype, self.modes, self.printopts = main.dtype, main.modes, main.printopts
             return
         with _NoTF():
             self._leave(main)
@@ -232,6 +239,7 @@ class FiberState:
         self.autocast, self.dtype = autocast_state(), _default_dtype()
         n = _tf_len()
         self.modes = tuple(_tf_at(i) for i in range(n)) if n else ()
+        self.printopts = main.printopts if _PRINT_OPTS == main.printopts else dict(_PRINT_OPTS)
         if self._in_guard is not None:
             self._in_guard = None  # restores the scheduler's inference mode
         elif self.inference != main.inference:
