@@ -317,3 +317,14 @@ def test_a_module_call_wrapper_installed_between_calls_is_seen(core, monkeypatch
     monkeypatch.setattr(nn.Module, "__call__", wrapper)
     f(_seqs())
     assert seen.count("Linear") == sum(len(s) for s in _seqs()) + len(_seqs())
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_an_instance_level_call_impl_is_called(core):
+    # hostile find (stop 35): Module.__call__ calls self._call_impl, an instance attribute included
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+    lin._call_impl = lambda *a, **k: torch.full((3,), 7.0)
+    out = autobatch(lambda x: lin(x * 1), core=core)([torch.randn(3), torch.randn(3)])
+    for o in out:
+        torch.testing.assert_close(o, torch.full((3,), 7.0))

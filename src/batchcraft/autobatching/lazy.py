@@ -16,12 +16,14 @@ value is its own. In-place methods and item assignment are functionalised by the
 
 from __future__ import annotations
 
+import builtins
 import copy
 
 import torch
 
 from batchcraft.autobatching import _native, stack
 from batchcraft.autobatching.descs import DESCS, SIZES
+from batchcraft.autobatching.patches import SharedPatch
 from batchcraft.errors import AutobatchError, UnsupportedOperationError
 
 _current = stack.current
@@ -420,4 +422,22 @@ if _native.core is not None:
     _native.core.setup_lazy(LazyTensor, {n: getattr(torch.Tensor, n) for n in FAST_METHODS + BINARY_OPS + UNARY_OPS},
                             {n: getattr(torch.Tensor, n) for n in INPLACE_OPS})
 
-__all__ = ["LazyTensor", "FAST_METHODS", "user_mode_on_top"]
+
+
+_builtin_print = builtins.print
+
+
+def _print(*args, **kwargs):
+    """``print`` while a call records: the arguments are converted before anything is written.
+    ``print`` writes each argument after converting it, and ``str()`` of a pending value waits
+    (other instances run meanwhile): ``print("loss", x, "end")`` would interleave the lines of
+    different instances (a hostile find, stop 35). The text written is the same."""
+    if any(type(a) is LazyTensor for a in args):
+        args = [a if type(a) is str else str(a) for a in args]
+    return _builtin_print(*args, **kwargs)
+
+
+#: enter/exit around a recording call (runtime.py)
+ATOMIC_PRINT = SharedPatch(builtins, "print", _print)
+
+__all__ = ["LazyTensor", "FAST_METHODS", "user_mode_on_top", "ATOMIC_PRINT"]

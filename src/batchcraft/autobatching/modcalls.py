@@ -42,6 +42,7 @@ def _hooked(d) -> bool:
     """False when ``Module.__call__`` of a module with instance dict ``d`` would only call forward."""
     return bool(d.get("_forward_hooks", True) or d.get("_forward_pre_hooks", True) or d.get("_backward_hooks", True)
                 or d.get("_backward_pre_hooks", True) or d.get("_compiled_call_impl") is not None or "forward" in d
+                or "_call_impl" in d
                 or _module._global_forward_hooks or _module._global_forward_pre_hooks
                 or _module._global_backward_hooks or _module._global_backward_pre_hooks or _tracing() is not None)
 

@@ -46,7 +46,7 @@ from batchcraft.autobatching import kernels as _kernels
 from batchcraft.autobatching import ragged as _ragged  # noqa: F401
 from batchcraft.autobatching import views as _views  # noqa: F401
 from batchcraft.autobatching.execute import Executor
-from batchcraft.autobatching.lazy import LazyTensor
+from batchcraft.autobatching.lazy import ATOMIC_PRINT, LazyTensor
 from batchcraft.autobatching.schedule import make_scheduler
 from batchcraft.autobatching.signature import flatten, rebuild
 from batchcraft.autobatching.stats import RunStats
@@ -206,7 +206,7 @@ class Runtime:
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
             _functional.intercept_function_apply(True)
             install_train_hook()
-            with attrs, cells, calls, dispatch, retention, SET_DEFAULT_DEVICE:
+            with attrs, cells, calls, dispatch, retention, SET_DEFAULT_DEVICE, ATOMIC_PRINT:
                 return self._run(instances, t_start)
         finally:
             try:
