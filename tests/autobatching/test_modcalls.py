@@ -328,3 +328,17 @@ def test_an_instance_level_call_impl_is_called(core):
     out = autobatch(lambda x: lin(x * 1), core=core)([torch.randn(3), torch.randn(3)])
     for o in out:
         torch.testing.assert_close(o, torch.full((3,), 7.0))
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_classes_made_in_a_loop_do_not_pile_up_in_the_caches(core, monkeypatch):
+    from batchcraft.autobatching import modcalls
+
+    monkeypatch.setattr(modcalls, "MAX_CACHED_CLASSES", 8)
+    torch.manual_seed(0)
+    for k in range(20):
+        cls = type(f"Lin{k}", (nn.Linear,), {})
+        lin = cls(3, 3)
+        out = autobatch(lambda x: lin(x * 1), core=core)([torch.ones(3)])
+        torch.testing.assert_close(out[0], lin(torch.ones(3)))
+    assert len(modcalls._LINEAR_OK) <= 8 and len(modcalls._MRO_DICTS) <= 8

@@ -73,6 +73,8 @@ def class_calls_own(cls, names, verdicts) -> bool:
     ok = _class_calls_own(cls, names)
     after = _type_version(cls)  # the lookups above assign a tag if the class had none
     if after and (after == version or not version):
+        if len(verdicts) >= MAX_CACHED_CLASSES:  # classes made in a loop must not pile up
+            verdicts.clear()
         verdicts[cls] = (after, ok)
     return ok
 
@@ -87,6 +89,8 @@ def _class_calls_own(cls, names) -> bool:
 
 
 _MRO_DICTS: dict = {}
+#: the per-class caches hold their classes; past this many they start again
+MAX_CACHED_CLASSES = 1024
 
 
 def shadowed(cls, names) -> bool:
@@ -97,6 +101,8 @@ def shadowed(cls, names) -> bool:
     mro = cls.__mro__
     got = _MRO_DICTS.get(cls)
     if got is None or got[0] is not mro:
+        if len(_MRO_DICTS) >= MAX_CACHED_CLASSES:
+            _MRO_DICTS.clear()
         got = _MRO_DICTS[cls] = (mro, tuple(_namespace(k) for k in mro))
     for ns in got[1]:
         for n in names:
