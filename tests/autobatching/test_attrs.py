@@ -354,3 +354,40 @@ def test_a_bare_module_container_gets_no_descriptor(core):
     for got, ref in zip(autobatch(net, core=core)(xs), [net(x) for x in xs]):
         torch.testing.assert_close(got, ref)
     assert "norm" not in vars(nn.Module)
+
+
+@pytest.mark.parametrize("fast_modules", [True, False])
+def test_a_base_class_property_set_during_the_call_is_read_as_eager(fast_modules):
+    # reliability #139 (hostile find, stop 35): the lookup descriptor put on the leaf class was
+    # found before a property given to a base class during the call
+    class Base(nn.Module):
+        pass
+
+    class Net(Base):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def run(net, x, flag):
+        y = x * net.scale
+        if bool(y.sum() > -1e9):  # a wait: other instances run meanwhile
+            Base.scale = property(lambda self: torch.tensor(100.0))
+        try:
+            return y + net.scale
+        finally:
+            if flag:
+                del Base.scale
+
+    net = Net()
+    xs = [torch.ones(2), torch.zeros(2)]
+    ref = []
+    for x in xs:
+        ref.append(run(net, x, True))
+    out = autobatch(lambda x: run(net, x, False), core="c", fast_modules=fast_modules)(xs) \
+        if _native.available else None
+    if hasattr(Base, "scale"):
+        del Base.scale
+    if out is None:
+        pytest.skip("C core not built")
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)

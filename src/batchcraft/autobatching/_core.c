@@ -2281,8 +2281,9 @@ static PyObject *bind_to_instance(PyObject *self, PyObject *obj, PyObject *type)
    nn.Module.__getattr__'s lookups (_parameters, _buffers, _modules, in that order) on the live
    dicts. The instance __dict__ still comes first (non-data descriptor). A type that reaches the
    descriptor but has `name` further along its MRO (a mixin after `owner`) gets that definition, as
-   without the descriptor; `verified` holds the types known to have none (owner and its subclasses
-   when installed; others are checked once). A miss, or a type whose __getattr__ is not `guard`
+   without the descriptor, at every read (a base class may be given the name during the call;
+   `verified`, the types checked at install, is kept only for the constructor). A miss, or a type
+   whose __getattr__ is not `guard`
    (nn.Module's own), raises a bare AttributeError, and the type's __getattr__ then runs. */
 typedef struct { PyObject_HEAD PyObject *name; PyObject *guard; PyObject *owner; PyObject *verified; } ModuleAttrObject;
 
@@ -2304,20 +2305,17 @@ static PyObject *modattr_after(ModuleAttrObject *self, PyTypeObject *t) {
 static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *type) {
     PyTypeObject *t = (obj == NULL || obj == Py_None) ? (type && PyType_Check(type) ? (PyTypeObject *)type : NULL)
                                                       : Py_TYPE(obj);
-    if (t && (PyObject *)t != self->owner) {
-        int known = PySet_Contains(self->verified, (PyObject *)t);
-        if (known < 0) return NULL;
-        if (!known) {
-            PyObject *later = modattr_after(self, t);
-            if (later) {  /* what the lookup finds without the descriptor */
-                descrgetfunc f = Py_TYPE(later)->tp_descr_get;
-                if (f) return f(later, (obj == Py_None) ? NULL : obj, (PyObject *)t);
-                Py_INCREF(later);
-                return later;
-            }
-            if (PyErr_Occurred()) return NULL;
-            if (PySet_Add(self->verified, (PyObject *)t) < 0) return NULL;
+    if (t) {
+        /* every read: a class further along the MRO may have been given the name during the call
+           (a base class's property set meanwhile, reliability #139); a walk of a few dicts */
+        PyObject *later = modattr_after(self, t);
+        if (later) {  /* what the lookup finds without the descriptor */
+            descrgetfunc f = Py_TYPE(later)->tp_descr_get;
+            if (f) return f(later, (obj == Py_None) ? NULL : obj, (PyObject *)t);
+            Py_INCREF(later);
+            return later;
         }
+        if (PyErr_Occurred()) return NULL;
     }
     if (obj == NULL || obj == Py_None) {
         PyErr_Format(PyExc_AttributeError, "type object '%s' has no attribute '%U'", t ? t->tp_name : "?", self->name);
