@@ -126,10 +126,13 @@ def check_table(payload: dict, markdown: bool) -> str:
 def headline(rs: list[dict]) -> str:
     bmax = max(r["batch_size"] for r in rs)
     inf = [r for r in rs if r["mode"] == "inference" and r["batch_size"] == bmax]
-    g = geomean(r["batchcraft_vs_dynet_best"] for r in inf)
-    wins = sum(1 for r in inf if (r["batchcraft_vs_dynet_best"] or 0) > 1)
+    with_dynet = [r for r in inf if r.get("batchcraft_vs_dynet_best")]
+    if not with_dynet:  # DyNet not installed or not run (benchmarks/setup_dynet.sh)
+        return f"Inference at batch {bmax}: no DyNet figures in this run (DyNet not run or not installed)."
+    g = geomean(r["batchcraft_vs_dynet_best"] for r in with_dynet)
+    wins = sum(1 for r in with_dynet if r["batchcraft_vs_dynet_best"] > 1)
     return (f"Inference at batch {bmax}: batchcraft vs. DyNet best auto-batching, geometric mean "
-            f"{_f(g, '{:.2f}x')} over {len(inf)} rows ({wins} faster than DyNet).")
+            f"{_f(g, '{:.2f}x')} over {len(with_dynet)} rows ({wins} faster than DyNet).")
 
 
 def text_tables(payload: dict) -> str:

@@ -1,5 +1,6 @@
 """compare_eager: eager loop vs autobatch, with an optional hand-batched reference."""
 
+import pytest
 import torch
 
 from batchcraft.measure.compare import compare_eager
@@ -18,3 +19,11 @@ def test_figures_and_a_reference_checked_against_eager():
     assert bad["reference_max_abs_diff"] > 0.1  # a wrong reference shows, it is not trusted
     plain = compare_eager(_fn, xs, batch_size=4)
     assert "reference_ms" not in plain
+
+
+def test_throughput_counts_the_instances_a_batch_holds():
+    # new-user find (stop 35): a short batch (32 of batch_size 64) reported 2x the real rate
+    res = compare_eager(lambda x: torch.tanh(x * 2), [torch.randn(4) for _ in range(5)], batch_size=64)
+    assert res["batches"] == 1 and res["instances"] == 5
+    assert res["instances_per_s_eager"] == pytest.approx(5 / (res["eager_ms"] / 1e3))
+    assert res["instances_per_s_batchcraft"] == pytest.approx(5 / (res["batchcraft_ms"] / 1e3))

@@ -93,7 +93,7 @@ def run(args) -> int:
     ]
     print(format_table(["", "ms/batch", "instances/s", "speed-up vs eager", "batched calls / ops per batch",
                         "max |out - eager|"], rows))
-    print("(ms/batch: median over the batches after a warm-up one; batched calls / ops: means per batch)")
+    print("(ms/batch: median over every batch, after one untimed warm-up call of each system on the first; batched calls / ops: means per batch)")
     if args.profile:
         print(f"auto-batched time split per batch: record {res['record_ms']:.1f} ms, schedule "
               f"{res['schedule_ms']:.1f} ms, gather {res['gather_ms']:.1f} ms, batched calls "

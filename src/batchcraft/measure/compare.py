@@ -49,7 +49,7 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
             instance has a length, else 1.
     Returns:
         dict with ``eager_ms`` and ``batchcraft_ms`` (median ms per batch), ``speedup``,
-        ``instances_per_s_eager`` / ``_batchcraft`` (batch size over the median batch time), ``max_abs_diff``, ``batched_calls`` and
+        ``instances_per_s_eager`` / ``_batchcraft`` (instances per batch, on average, over the median batch time), ``max_abs_diff``, ``batched_calls`` and
         ``ops_recorded`` (per batch, summed then averaged), ``mean_batch``, ``fallbacks``, the
         time split of the auto-batched runs, ``record_us_per_op`` / ``record_us_per_unit`` (host µs
         of recording), and ``first_call_ms`` (the first auto-batched call of the process on the
@@ -73,6 +73,7 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
             t0 = time.perf_counter()
             f(bs[0])
             first_ms = (time.perf_counter() - t0) * 1e3
+            [fn(x) for x in bs[0]]  # the eager loop gets its warm-up call too (caches, allocator)
             if reference is not None:
                 reference(bs[0])
         for b in it:
@@ -103,9 +104,10 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
         "eager_ms": e_ms,
         "batchcraft_ms": b_ms,
         "speedup": e_ms / b_ms if b_ms else 0.0,
-        # from the same medians as ms/batch, so the columns agree with the speed-up
-        "instances_per_s_eager": batch_size / (e_ms / 1e3) if e_ms else 0.0,
-        "instances_per_s_batchcraft": batch_size / (b_ms / 1e3) if b_ms else 0.0,
+        # from the same medians as ms/batch, so the columns agree with the speed-up; the
+        # instances a batch actually holds (a short or partial batch is not batch_size)
+        "instances_per_s_eager": n_inst / nb / (e_ms / 1e3) if e_ms else 0.0,
+        "instances_per_s_batchcraft": n_inst / nb / (b_ms / 1e3) if b_ms else 0.0,
         "max_abs_diff": max(diffs) if diffs else 0.0,
         "batched_calls": totals["batched_calls"] / nb,
         "ops_recorded": totals["ops_recorded"] / nb,
