@@ -276,3 +276,33 @@ def test_iterating_sequences_of_many_distinct_lengths(core, block):
     with torch.no_grad():
         f = assert_matches_eager(rnn, seqs, [], core=core)
     assert (_fused(f) == 1) == (block and core == "c")
+
+
+def test_a_cell_block_that_is_not_packed_says_why():
+    # new-user find (stop 35): a static_block(nn.GRUCell) on (1, H) rows ran step by step with no
+    # word of why; (H,) rows pack into one layer call
+    from batchcraft.autobatching.chains import UNPACKED_FORM
+
+    torch.manual_seed(0)
+    H = 8
+    results = {}
+    for shape in ((H,), (1, H)):
+        cell = static_block(torch.nn.GRUCell(H, H))
+
+        def fn(xs, shape=shape, cell=cell):
+            h = torch.zeros(shape)
+            for x in xs:
+                h = cell(x, h)
+            return h
+
+        inst = [[torch.randn(shape) for _ in range(5)] for _ in range(8)]
+        f = autobatch(fn, core="c") if "c" in CORES else None
+        if f is None:
+            pytest.skip("the C core packs recurrences")
+        with torch.no_grad():
+            out = f(inst)
+        for o, xs in zip(out, inst):
+            torch.testing.assert_close(o, fn(xs))
+        results[shape] = (f.stats.groups_by_rule, f.stats.recurrences_unpacked, f.stats.summary())
+    assert results[(H,)][0].get("fused_gru") and not results[(H,)][1]
+    assert results[(1, H)][1] == {UNPACKED_FORM: 40} and "step by step" in results[(1, H)][2]

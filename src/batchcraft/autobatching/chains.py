@@ -155,12 +155,21 @@ class Chains:
         self.info, self.spec, self.chains = info, spec, chains
 
 
-def plan(rec, groups):
+#: why a recurrent-cell block's steps were not packed (``RunStats.recurrences_unpacked``)
+UNPACKED_FORM = ("not the packable form: one cell on per-instance (H,) rows (not (1, H)), its input and "
+                 "state passed to the block, its weights captured")
+UNPACKED_CHAINS = "its steps do not form chains (a step's state is also read elsewhere)"
+UNPACKED_INPUTS = "inputs or initial states are computed after the first step (from the recurrence itself)"
+
+
+def plan(rec, groups, note=None):
     """Which signatures of this flush run as one layer call.
 
     Args:
         rec: the recorder (C core: ``chains``, ``input_depths``).
         groups (list): ``[(key, nodes), ...]`` in run order, key = ``(phase, depth, sid)``.
+        note: optional ``note(reason, steps)``, told why a recurrent-cell block with enough
+            steps was not packed (:data:`UNPACKED_FORM` and the others).
     Returns:
         ``(schedule, rest)``: ``schedule`` lists ``("group", key, nodes)`` and ``("chains",
         Chains)`` items in run order (a fused signature at its first group's place); ``rest`` the
@@ -178,20 +187,24 @@ def plan(rec, groups):
             continue
         prog = info.program
         spec = spec_of(prog) if prog is not None else None
-        if spec is None:
-            continue
         nodes = [nd for i in idxs for nd in groups[i][1]]
         if len(nodes) < MIN_NODES:
             continue
+        if spec is None:
+            if note is not None and prog is not None and any(st.func in _KINDS for st in prog.steps):
+                note(UNPACKED_FORM, len(nodes))
+            continue
         pred = rec.chains(nodes, spec.x, spec.states[0], spec.states[1] if spec.n_states == 2 else -1)
         if pred is None:
+            if note is not None:
+                note(UNPACKED_CHAINS, len(nodes))
             continue
         mind, deep = rec.input_depths(nodes, prog.n_in)
-        if deep[spec.x] >= mind:
-            continue
         heads = [nd for nd, p in zip(nodes, pred) if p < 0]
         _, deep_h = rec.input_depths(heads, prog.n_in)
-        if any(deep_h[s] >= mind for s in spec.states):
+        if deep[spec.x] >= mind or any(deep_h[s] >= mind for s in spec.states):
+            if note is not None:
+                note(UNPACKED_INPUTS, len(nodes))
             continue
         succ = {p: i for i, p in enumerate(pred) if p >= 0}
         chains = []

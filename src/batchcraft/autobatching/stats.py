@@ -54,6 +54,7 @@ class RunStats:
     groups_consumer_ordered: int = 0
     groups_deduplicated: int = 0
     rows_deduplicated: int = 0
+    recurrences_unpacked: dict = field(default_factory=dict)
     record_s: float = 0.0
     schedule_s: float = 0.0
     gather_s: float = 0.0
@@ -64,6 +65,9 @@ class RunStats:
 
     def note_fallback(self, reason: str, count: int = 1) -> None:
         self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + count
+
+    def note_unpacked(self, reason: str, count: int) -> None:
+        self.recurrences_unpacked[reason] = self.recurrences_unpacked.get(reason, 0) + count
 
     def note_eager(self, name: str) -> None:
         self.eager_reasons[name] = self.eager_reasons.get(name, 0) + 1
@@ -96,4 +100,7 @@ class RunStats:
                      + ("" if self.memory_retained else " (memory retention off or unavailable: memory.py)"))
         if self.fallback_reasons:
             text += "; fallbacks: " + "; ".join(f"{k} (x{v})" for k, v in sorted(self.fallback_reasons.items()))
+        if self.recurrences_unpacked:
+            text += "; recurrences run step by step: " + "; ".join(
+                f"{k} (x{v})" for k, v in sorted(self.recurrences_unpacked.items()))
         return text
