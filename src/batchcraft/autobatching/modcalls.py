@@ -135,38 +135,44 @@ def _record_on_top(rec, func, args, kwargs):
         _tf_push(mode)
 
 
+def _plain_recording(self, args, names, verdicts):
+    """The active recorder when ``self(*args)`` would record exactly as its forward would: the
+    first argument is this call's lazy value (not a tracer's), and :func:`_hooked` /
+    :func:`_own_call` find nothing that makes ``Module.__call__`` do more. Else None."""
+    rec = _current()
+    if rec is None or not args:
+        return None
+    x = args[0]
+    d = self.__dict__
+    if (type(x) is rec.lazy_type and x.rec is rec and not rec.is_tracer and not _hooked(d)
+            and _own_call(type(self), d, names, verdicts)):
+        return rec
+    return None
+
+
 def _linear_call(self, *args, **kwargs):
-    cls = type(self)
-    if len(args) == 1 and not kwargs and cls.forward is _LINEAR_FORWARD:
-        x = args[0]
-        rec = _current()
-        d = self.__dict__
-        if (rec is not None and type(x) is rec.lazy_type and x.rec is rec and not rec.is_tracer
-                and not _hooked(d) and _own_call(cls, d, _LINEAR_PARAMS, _LINEAR_OK)):
-            params = d.get("_parameters") or _NONE
+    if len(args) == 1 and not kwargs and type(self).forward is _LINEAR_FORWARD:
+        rec = _plain_recording(self, args, _LINEAR_PARAMS, _LINEAR_OK)
+        if rec is not None:
+            params = self.__dict__.get("_parameters") or _NONE
             w, b = params.get("weight"), params.get("bias", _MISSING)
             if type(w) in _PLAIN and (b is None or type(b) in _PLAIN):
-                out = _record_on_top(rec, F.linear, (x, w, b), {})
+                out = _record_on_top(rec, F.linear, (args[0], w, b), {})
                 if out is not NOT_ON_TOP:
                     return out
     return nn.Module.__call__(self, *args, **kwargs)  # looked up now: a wrapper installed later runs
 
 
 def _embedding_call(self, *args, **kwargs):
-    cls = type(self)
-    if len(args) == 1 and not kwargs and cls.forward is _EMBEDDING_FORWARD:
-        x = args[0]
-        rec = _current()
-        d = self.__dict__
-        # max_norm renorms the table in place: torch's own path
-        if (rec is not None and type(x) is rec.lazy_type and x.rec is rec and not rec.is_tracer
-                and not _hooked(d) and _own_call(cls, d, _EMBEDDING_PARAMS, _EMBEDDING_OK) and self.max_norm is None):
-            w = (d.get("_parameters") or _NONE).get("weight")
+    if len(args) == 1 and not kwargs and type(self).forward is _EMBEDDING_FORWARD:
+        rec = _plain_recording(self, args, _EMBEDDING_PARAMS, _EMBEDDING_OK)
+        if rec is not None and self.max_norm is None:  # max_norm renorms the table in place: torch's path
+            w = (self.__dict__.get("_parameters") or _NONE).get("weight")
             if type(w) in _PLAIN:
                 # the arguments F.embedding hands to torch's dispatch, so the same signature
                 kw = {"padding_idx": self.padding_idx, "max_norm": None, "norm_type": self.norm_type,
                       "scale_grad_by_freq": self.scale_grad_by_freq, "sparse": self.sparse}
-                out = _record_on_top(rec, F.embedding, (x, w), kw)
+                out = _record_on_top(rec, F.embedding, (args[0], w), kw)
                 if out is not NOT_ON_TOP:
                     return out
     return nn.Module.__call__(self, *args, **kwargs)  # looked up now: a wrapper installed later runs
@@ -175,10 +181,7 @@ def _embedding_call(self, *args, **kwargs):
 def _forward_call(cls):
     """``__call__`` of a cell class: its (patched, see cells.py) forward without the hook frames."""
     def __call__(self, *args, **kwargs):
-        rec = _current()
-        d = self.__dict__
-        if (rec is not None and args and type(args[0]) is rec.lazy_type and args[0].rec is rec
-                and not rec.is_tracer and not _hooked(d) and _own_call(type(self), d, _CELL_PARAMS, _CELL_OK)):
+        if _plain_recording(self, args, _CELL_PARAMS, _CELL_OK) is not None:
             return type(self).forward(self, *args, **kwargs)
         return nn.Module.__call__(self, *args, **kwargs)
 
