@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from batchcraft.data import Sentence
 
@@ -137,3 +138,16 @@ def check_inputs_against_eager(fn, xs, core, params=()):
             if g is not None:
                 torch.testing.assert_close(g, p.grad)
             p.grad = None
+
+
+
+class NameLog(TorchFunctionMode):
+    """A torch-function mode that logs the ``__name__`` of every call it sees (``.names``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))

@@ -12,11 +12,10 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.overrides import TorchFunctionMode
 
 from batchcraft import autobatch, static_block
 
-from equivalence import CORES, assert_matches_eager
+from equivalence import CORES, NameLog, assert_matches_eager
 
 
 def _model(seed=0):
@@ -35,6 +34,19 @@ def _run_with(emb, lin, cell, score):
             h = cell(torch.tanh(lin(emb(torch.tensor(w)))), h)
         return h, score(h)
     return fn
+
+
+def _wrap_module_call(monkeypatch) -> list:
+    """A profiler-like wrapper of ``nn.Module.__call__``: the class names it sees, in call order."""
+    seen = []
+    original = nn.Module.__call__
+
+    def wrapper(self, *args, **kwargs):
+        seen.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "__call__", wrapper)
+    return seen
 
 
 @pytest.mark.parametrize("core", CORES)
@@ -151,21 +163,12 @@ def test_embedding_options_match_eager(core):
 
 @pytest.mark.parametrize("core", CORES)
 def test_a_mode_of_the_user_sees_the_modules_operations(core):
-    class Names(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.names.append(getattr(func, "__name__", str(func)))
-            return func(*args, **(kwargs or {}))
-
     emb, lin, cell, _ = _model()
 
     def fn(i):
         t = torch.tensor(i)  # a scalar leaf made before the mode: its value is made under it (#123)
         x = emb(t) * 1
-        with Names() as m:
+        with NameLog() as m:
             y = lin(emb(t + 1) + x)
         # a cell's forward reads shapes (x.dim()): answered at record time, not seen by the mode
         # (a documented limit), so only its value is compared
@@ -248,14 +251,7 @@ def test_subclass_call_impl_getattr_and_shadowed_weights_are_respected(core):
 def test_a_wrapper_of_module_call_installed_later_sees_every_call(core, monkeypatch):
     # profilers and FLOP counters wrap nn.Module.__call__ after import: the class-level fast path
     # must not hide module calls from them (hostile find, stop 35)
-    seen = []
-    original = nn.Module.__call__
-
-    def wrapper(self, *args, **kwargs):
-        seen.append(type(self).__name__)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(nn.Module, "__call__", wrapper)
+    seen = _wrap_module_call(monkeypatch)
     emb, lin, cell, score = _model()
     fn = _run_with(emb, lin, cell, score)
     ref = [fn(s) for s in _seqs()]
@@ -307,14 +303,7 @@ def test_a_module_call_wrapper_installed_between_calls_is_seen(core, monkeypatch
     fn = _run_with(emb, lin, cell, score)
     f = autobatch(fn, core=core)
     f(_seqs())  # the class verdicts are cached now
-    seen = []
-    original = nn.Module.__call__
-
-    def wrapper(self, *args, **kwargs):
-        seen.append(type(self).__name__)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(nn.Module, "__call__", wrapper)
+    seen = _wrap_module_call(monkeypatch)
     f(_seqs())
     assert seen.count("Linear") == sum(len(s) for s in _seqs()) + len(_seqs())
 

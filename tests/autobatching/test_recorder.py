@@ -16,7 +16,7 @@ import torch
 from batchcraft import autobatch
 from batchcraft.errors import InstanceError
 
-from equivalence import CORES
+from equivalence import CORES, NameLog
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.uint8, torch.bool]
@@ -87,20 +87,9 @@ def test_values_read_across_flushes_are_each_flush_own(core):
 @pytest.mark.parametrize("core", CORES)
 def test_a_scalar_read_under_a_mode_of_the_user_goes_through_the_mode(core):
     # a TorchFunctionMode entered inside the instance sees the conversion, as in eager
-    from torch.overrides import TorchFunctionMode
-
-    class Count(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.names.append(getattr(func, "__name__", str(func)))
-            return func(*args, **(kwargs or {}))
-
     def fn(x):
         y = x * 2
-        with Count() as m:
+        with NameLog() as m:
             v = y.item()
         return torch.tensor(v), "item" in m.names
 
