@@ -2702,6 +2702,493 @@ static PyTypeObject BlockCallType = {
     .tp_new = blockcall_new,
 };
 
+/* ---- FastFn: a torch function read by the recording thread (ccore.FAST_FACTORIES) ------------
+   torch.sigmoid(x) on a lazy value goes through torch's dispatch to the innermost mode, the
+   recorder's (about 0.7 µs here before the recording itself). Read through a RecordingAttr by the
+   recording thread, `torch.<name>` is this object: a call whose first argument is a lazy value of
+   the active C recorder (or a list / tuple starting with one: cat, stack), with the recorder's mode
+   innermost and torch functions enabled, not from a user mode's handler, is recorded as the mode
+   would record it (mode_torch_function: func = the original, the mode off the stack meanwhile);
+   every other call goes to the original. Attributes read through to the original. */
+typedef struct { PyObject_HEAD vectorcallfunc vectorcall; PyObject *original; } FastFnObject;
+
+static int rec_mode_on_top(PyObject *rec);
+
+static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *rec = current_rec();
+    if (g_ready && rec && nargs >= 1 && PyObject_TypeCheck(rec, &RecorderType)) {
+        PyObject *a0 = args[0];
+        int lazy = IS_LAZY(a0) && ((LazyObject *)a0)->rec == rec;
+        if (!lazy && (PyList_CheckExact(a0) || PyTuple_CheckExact(a0)) && PySequence_Fast_GET_SIZE(a0) > 0) {
+            PyObject *e = PySequence_Fast_GET_ITEM(a0, 0);
+            lazy = IS_LAZY(e) && ((LazyObject *)e)->rec == rec;
+        }
+        if (lazy) {
+            int top = rec_mode_on_top(rec);
+            if (top < 0) return NULL;
+            if (top && !called_from_handler()) {
+                PyObject *kw = NULL;
+                if (kwnames && PyTuple_GET_SIZE(kwnames)) {
+                    kw = kwnames_to_dict(args, nargs, kwnames);
+                    if (!kw) return NULL;
+                }
+                PyObject *mode = PyObject_GetAttr(rec, s_mode);
+                PyObject *r = mode ? PyObject_CallNoArgs(g_tf_pop) : NULL;
+                if (!r) { Py_XDECREF(mode); Py_XDECREF(kw); return NULL; }
+                Py_DECREF(r);
+                PyObject *out = rec_record_impl(rec, ff->original, args, nargs, kw);
+                Py_XDECREF(kw);
+                PyObject *et, *ev, *tb;
+                PyErr_Fetch(&et, &ev, &tb);
+                r = PyObject_CallOneArg(g_tf_push, mode);
+                Py_DECREF(mode);
+                if (!r) { Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(tb); Py_XDECREF(out); return NULL; }
+                Py_DECREF(r);
+                PyErr_Restore(et, ev, tb);
+                return out;
+            }
+        }
+    }
+    return PyObject_Vectorcall(ff->original, args, nargsf, kwnames);
+}
+
+static PyObject *fastfn_getattro(FastFnObject *self, PyObject *name) {
+    PyObject *r = PyObject_GenericGetAttr((PyObject *)self, name);
+    if (r || !PyErr_ExceptionMatches(PyExc_AttributeError)) return r;
+    PyErr_Clear();
+    return PyObject_GetAttr(self->original, name);
+}
+
+static int fastfn_traverse(FastFnObject *self, visitproc visit, void *arg) { Py_VISIT(self->original); return 0; }
+static int fastfn_clear(FastFnObject *self) { Py_CLEAR(self->original); return 0; }
+static void fastfn_dealloc(FastFnObject *self) {
+    PyObject_GC_UnTrack(self);
+    fastfn_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *fastfn_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    PyObject *original;
+    if (!PyArg_ParseTuple(args, "O:FastFn", &original)) return NULL;
+    FastFnObject *self = (FastFnObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->vectorcall = (vectorcallfunc)fastfn_vectorcall;
+    Py_INCREF(original);
+    self->original = original;
+    return (PyObject *)self;
+}
+
+static PyObject *fastfn_repr(FastFnObject *self) { return PyObject_Repr(self->original); }
+
+/* equal to (and hashed as) the original, so `fn == torch.sigmoid`, `fn in (torch.relu, ...)` and
+   dict keys read as in eager; pickled and copied as the original (`is` cannot be made to agree) */
+static PyObject *fastfn_richcompare(FastFnObject *self, PyObject *other, int op) {
+    if (op != Py_EQ && op != Py_NE) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *o = Py_TYPE(other) == Py_TYPE(self) ? ((FastFnObject *)other)->original : other;
+    return PyObject_RichCompare(self->original, o, op);
+}
+
+static Py_hash_t fastfn_hash(FastFnObject *self) { return PyObject_Hash(self->original); }
+
+static PyObject *fastfn_reduce(FastFnObject *self, PyObject *noargs) {
+    return PyObject_CallMethod(self->original, "__reduce__", NULL);
+}
+
+static PyMethodDef fastfn_methods[] = {
+    {"__reduce__", (PyCFunction)fastfn_reduce, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyMemberDef fastfn_members[] = {
+    {"__wrapped__", T_OBJECT, offsetof(FastFnObject, original), READONLY, "the torch function"},
+    {NULL},
+};
+
+static PyTypeObject FastFnType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._core.FastFn",
+    .tp_basicsize = sizeof(FastFnObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_vectorcall_offset = offsetof(FastFnObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_getattro = (getattrofunc)fastfn_getattro,
+    .tp_new = fastfn_new,
+    .tp_traverse = (traverseproc)fastfn_traverse,
+    .tp_clear = (inquiry)fastfn_clear,
+    .tp_dealloc = (destructor)fastfn_dealloc,
+    .tp_repr = (reprfunc)fastfn_repr,
+    .tp_richcompare = (richcmpfunc)fastfn_richcompare,
+    .tp_hash = (hashfunc)fastfn_hash,
+    .tp_methods = fastfn_methods,
+    .tp_members = fastfn_members,
+    .tp_doc = "FastFn(torch_function): the function as the recording thread reads it (records lazy calls directly).",
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* FastCall: __call__ of nn.Linear / nn.Embedding / the cell modules while a call records       */
+/* ------------------------------------------------------------------------------------------ */
+/* modcalls.py's _linear_call / _embedding_call / the cells' __call__ in C: when nothing would make
+   Module.__call__ do more than the plain forward (no hook of the module or global, no compiled call,
+   no instance forward / _call_impl, no JIT tracing, class verdict cached per type version tag, plain
+   registered parameters, the recorder's mode innermost), the operation is recorded directly (Linear,
+   Embedding) or the class's forward is called without Module.__call__'s frames (cells). Anything else,
+   and any recorder but the C core's, goes to `fallback`, the Python function with the same rules,
+   which ends in nn.Module.__call__. */
+enum { FC_LINEAR = 0, FC_EMBEDDING = 1, FC_CELL = 2 };
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    int kind;
+    PyObject *fallback;        /* fallback(self, *args, **kwargs) */
+    PyObject *forward;         /* the class forward this call stands for (Linear / Embedding), or None */
+    PyObject *func;            /* F.linear / F.embedding, or None */
+    PyObject *names;           /* tuple: the registered parameter names forward reads */
+    PyObject *verdicts;        /* dict cls -> (type version tag, ok), filled by class_calls_own */
+    PyObject *class_calls_own; /* class_calls_own(cls, names, verdicts) -> bool */
+    PyObject *module_ns;       /* torch.nn.modules.module's namespace: the global hook dicts */
+    PyObject *tracing;         /* torch._C._get_tracing_state */
+    PyObject *plain;           /* tuple of the plain parameter types (torch.Tensor, nn.Parameter) */
+    PyObject *linear;          /* cells: F.linear (the input projection), or None */
+    int n_states;              /* cells: 2 (LSTM) or 1 (GRU / RNN) */
+} FastCallObject;
+
+static PyObject *s_forward = NULL, *s_parameters = NULL, *s_weight = NULL, *s_bias = NULL, *s_max_norm = NULL,
+    *s_padding_idx = NULL, *s_norm_type = NULL, *s_scale_grad = NULL, *s_sparse = NULL, *s_compiled_call = NULL,
+    *s_call_impl = NULL;
+static PyObject *s_hook_names[4], *s_global_hook_names[4];
+static PyObject *s_cells_checked = NULL;
+
+/* 1 when d[key] is missing or true (Module.__call__ would run hooks), 0 if not, -1 on error */
+static int missing_or_true(PyObject *d, PyObject *key) {
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    if (!v) return PyErr_Occurred() ? -1 : 1;
+    return PyObject_IsTrue(v);
+}
+
+/* 1 when the plain forward is all Module.__call__ would run for this instance (dict d), 0 if
+   not, -1 on error: modcalls._hooked and _own_call */
+static int fc_plain_call(FastCallObject *fc, PyObject *self, PyObject *d) {
+    for (int i = 0; i < 4; i++) {
+        int r = missing_or_true(d, s_hook_names[i]);
+        if (r) return r < 0 ? -1 : 0;
+        PyObject *g = PyDict_GetItemWithError(fc->module_ns, s_global_hook_names[i]);
+        if (!g) return PyErr_Occurred() ? -1 : 0;
+        r = PyObject_IsTrue(g);
+        if (r) return r < 0 ? -1 : 0;
+    }
+    PyObject *v = PyDict_GetItemWithError(d, s_compiled_call);
+    if (v && v != Py_None) return 0;
+    if (!v && PyErr_Occurred()) return -1;
+    int r = PyDict_Contains(d, s_forward);
+    if (r) return r < 0 ? -1 : 0;
+    r = PyDict_Contains(d, s_call_impl);
+    if (r) return r < 0 ? -1 : 0;
+    Py_ssize_t nn = PyTuple_GET_SIZE(fc->names);
+    for (Py_ssize_t i = 0; i < nn; i++) {
+        r = PyDict_Contains(d, PyTuple_GET_ITEM(fc->names, i));
+        if (r) return r < 0 ? -1 : 0;
+    }
+    PyObject *tr = PyObject_CallNoArgs(fc->tracing);
+    if (!tr) return -1;
+    int traced = tr != Py_None;
+    Py_DECREF(tr);
+    if (traced) return 0;
+    PyTypeObject *cls = Py_TYPE(self);
+    PyObject *got = PyDict_GetItemWithError(fc->verdicts, (PyObject *)cls);
+    if (!got && PyErr_Occurred()) return -1;
+    if (got && PyTuple_CheckExact(got) && PyTuple_GET_SIZE(got) == 2 && cls->tp_version_tag) {
+        unsigned long ver = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(got, 0));
+        if (ver == (unsigned long)-1 && PyErr_Occurred()) return -1;
+        if (ver == (unsigned long)cls->tp_version_tag) return PyObject_IsTrue(PyTuple_GET_ITEM(got, 1));
+    }
+    PyObject *ok = PyObject_CallFunctionObjArgs(fc->class_calls_own, (PyObject *)cls, fc->names, fc->verdicts, NULL);
+    if (!ok) return -1;
+    r = PyObject_IsTrue(ok);
+    Py_DECREF(ok);
+    return r;
+}
+
+static int fc_plain_param(FastCallObject *fc, PyObject *p) {
+    PyObject *t = (PyObject *)Py_TYPE(p);
+    Py_ssize_t n = PyTuple_GET_SIZE(fc->plain);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyTuple_GET_ITEM(fc->plain, i) == t) return 1;
+    return 0;
+}
+
+/* rec.record(func, args, kwargs) with the recorder's mode off the stack, as the mode's handler
+   runs it (modcalls._record_on_top); *declined = 1 when the mode is not innermost */
+static PyObject *record_on_top(PyObject *rec, PyObject *func, PyObject *const *a, Py_ssize_t n, PyObject *kw,
+                               int *declined) {
+    *declined = 1;
+    PyObject *mode = PyObject_GetAttr(rec, s_mode);
+    if (!mode) return NULL;
+    PyObject *ln = mode != Py_None ? PyObject_CallNoArgs(g_tf_len) : NULL;
+    Py_ssize_t len = ln ? PyLong_AsSsize_t(ln) : 0;
+    Py_XDECREF(ln);
+    if ((mode != Py_None && !ln) || (len < 0 && PyErr_Occurred())) { Py_DECREF(mode); return NULL; }
+    if (len <= 0) { Py_DECREF(mode); return NULL; }
+    PyObject *idx = PyLong_FromSsize_t(len - 1);
+    PyObject *top = idx ? PyObject_CallOneArg(g_tf_at, idx) : NULL;
+    Py_XDECREF(idx);
+    if (!top) { Py_DECREF(mode); return NULL; }
+    int on_top = top == mode;
+    Py_DECREF(top);
+    if (!on_top) { Py_DECREF(mode); return NULL; }
+    *declined = 0;
+    PyObject *r = PyObject_CallNoArgs(g_tf_pop);
+    if (!r) { Py_DECREF(mode); return NULL; }
+    Py_DECREF(r);
+    PyObject *out = rec_record_impl(rec, func, a, n, kw);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    r = PyObject_CallOneArg(g_tf_push, mode);
+    Py_DECREF(mode);
+    if (!r) { Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(tb); Py_XDECREF(out); return NULL; }
+    Py_DECREF(r);
+    PyErr_Restore(et, ev, tb);
+    return out;
+}
+
+/* A cell's patched forward (cells._fast_cell) in C, for its common case only: positional (input,
+   hx) on this recorder's lazy values, and a check of the same module, gates, weights and value
+   descriptors that passed before in this call (the forward's `_cells_checked` cache: the same
+   keys). It records the input projection and the gates as the forward does; anything else
+   (*declined = 1) runs the forward itself. */
+static PyObject *cell_direct(FastCallObject *fc, PyObject *rec, PyObject *self, PyObject *d, PyObject *const *args,
+                             Py_ssize_t nargs, PyObject *kwnames, int *declined) {
+    *declined = 1;
+    if (nargs != 3 || (kwnames && PyTuple_GET_SIZE(kwnames)) || fc->func == Py_None) return NULL;
+    PyObject *x = args[1], *hx = args[2];
+    PyObject *states[2];
+    if (fc->n_states == 1) {
+        states[0] = hx;
+    } else {
+        if (!(PyTuple_CheckExact(hx) || PyList_CheckExact(hx)) || PySequence_Fast_GET_SIZE(hx) != 2) return NULL;
+        states[0] = PySequence_Fast_GET_ITEM(hx, 0);
+        states[1] = PySequence_Fast_GET_ITEM(hx, 1);
+    }
+    for (int i = 0; i < fc->n_states; i++)
+        if (!IS_LAZY(states[i]) || ((LazyObject *)states[i])->rec != rec) return NULL;
+    PyObject *params = PyDict_GetItemWithError(d, s_parameters);
+    if (!params || !PyDict_Check(params)) return NULL;
+    static const char *wn[4] = {"weight_ih", "weight_hh", "bias_ih", "bias_hh"};
+    PyObject *w[4];
+    for (int i = 0; i < 4; i++) {
+        w[i] = PyDict_GetItemString(params, wn[i]);  /* borrowed; NULL: absent (the forward decides) */
+        if (!w[i]) return NULL;
+    }
+    PyObject *rd = ((RecObject *)rec)->dict;  /* the recorder's __dict__ (cells._checked keeps the cache there) */
+    PyObject *checked = rd ? PyDict_GetItemWithError(rd, s_cells_checked) : NULL;
+    if (!checked || !PyDict_Check(checked)) return NULL;
+    PyObject *key = PyTuple_New(3 + fc->n_states);
+    if (!key) return NULL;
+    PyObject *id = PyLong_FromVoidPtr(self);
+    if (!id) { Py_DECREF(key); return NULL; }
+    PyTuple_SET_ITEM(key, 0, id);
+    Py_INCREF(fc->func); PyTuple_SET_ITEM(key, 1, fc->func);
+    PyObject *did = PyLong_FromLong(((LazyObject *)x)->did);
+    if (!did) { Py_DECREF(key); return NULL; }
+    PyTuple_SET_ITEM(key, 2, did);
+    for (int i = 0; i < fc->n_states; i++) {
+        did = PyLong_FromLong(((LazyObject *)states[i])->did);
+        if (!did) { Py_DECREF(key); return NULL; }
+        PyTuple_SET_ITEM(key, 3 + i, did);
+    }
+    PyObject *seen = PyDict_GetItemWithError(checked, key);
+    Py_DECREF(key);
+    if (!seen || !PyTuple_CheckExact(seen) || PyTuple_GET_SIZE(seen) != 4) return NULL;
+    for (int i = 0; i < 4; i++)
+        if (PyTuple_GET_ITEM(seen, i) != w[i]) return NULL;
+    /* as the forward: the recorder's mode innermost, else torch's forward (a mode of the user's) */
+    int top = rec_mode_on_top(rec);
+    if (top <= 0) return NULL;
+    PyObject *mode = PyObject_GetAttr(rec, s_mode);
+    if (!mode) return NULL;
+    PyObject *r = PyObject_CallNoArgs(g_tf_pop);
+    if (!r) { Py_DECREF(mode); return NULL; }
+    Py_DECREF(r);
+    *declined = 0;
+    PyObject *pa[3] = {x, w[0], w[2]};
+    for (int i = 0; i < 4; i++) Py_INCREF(w[i]);
+    PyObject *out = NULL;
+    PyObject *gi = rec_record_impl(rec, fc->linear, pa, 3, NULL);
+    if (gi) {
+        PyObject *ga[5];
+        int n = 0;
+        ga[n++] = gi;
+        for (int i = 0; i < fc->n_states; i++) ga[n++] = states[i];
+        ga[n++] = w[1];
+        ga[n++] = w[3];
+        out = rec_record_impl(rec, fc->func, ga, n, NULL);
+        Py_DECREF(gi);
+    }
+    for (int i = 0; i < 4; i++) Py_DECREF(w[i]);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    r = PyObject_CallOneArg(g_tf_push, mode);
+    Py_DECREF(mode);
+    if (!r) { Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(tb); Py_XDECREF(out); return NULL; }
+    Py_DECREF(r);
+    PyErr_Restore(et, ev, tb);
+    return out;
+}
+
+static PyObject *fc_fast(FastCallObject *fc, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                         int *declined) {
+    *declined = 1;
+    PyObject *self = args[0], *x = args[1];
+    PyObject *rec = current_rec();
+    if (!rec || !PyObject_TypeCheck(rec, &RecorderType) || !IS_LAZY(x) || ((LazyObject *)x)->rec != rec)
+        return NULL;
+    if (fc->kind != FC_CELL && _PyType_Lookup(Py_TYPE(self), s_forward) != fc->forward) return NULL;
+    PyObject *d = PyObject_GenericGetDict(self, NULL);
+    if (!d) return NULL;
+    PyObject *out = NULL;
+    int r = fc_plain_call(fc, self, d);
+    if (r <= 0) goto done;
+    if (fc->kind == FC_CELL) {
+        PyObject *fwd = _PyType_Lookup(Py_TYPE(self), s_forward);
+        if (!fwd || !PyFunction_Check(fwd)) goto done;
+        if (fwd == fc->forward) {  /* batchcraft's own forward (cells.FAST_CELLS): its common case here */
+            out = cell_direct(fc, rec, self, d, args, nargs, kwnames, declined);
+            if (out || !*declined || PyErr_Occurred()) goto done;
+        }
+        Py_INCREF(fwd);
+        *declined = 0;
+        out = PyObject_Vectorcall(fwd, args, nargs, kwnames);
+        Py_DECREF(fwd);
+        goto done;
+    }
+    PyObject *params = PyDict_GetItemWithError(d, s_parameters);
+    if (!params) goto done;
+    if (!PyDict_Check(params)) goto done;
+    PyObject *w = PyDict_GetItemWithError(params, s_weight);
+    if (!w || !fc_plain_param(fc, w)) goto done;
+    if (fc->kind == FC_LINEAR) {
+        PyObject *b = PyDict_GetItemWithError(params, s_bias);
+        if (!b || (b != Py_None && !fc_plain_param(fc, b))) goto done;
+        PyObject *a[3] = {x, w, b};
+        Py_INCREF(w); Py_INCREF(b);
+        out = record_on_top(rec, fc->func, a, 3, NULL, declined);
+        Py_DECREF(w); Py_DECREF(b);
+        goto done;
+    }
+    /* FC_EMBEDDING: max_norm renorms the table in place (torch's path); the settings are read by
+       plain attribute lookup, as forward does, and passed as F.embedding passes them */
+    PyObject *mn = PyObject_GetAttr(self, s_max_norm);
+    if (!mn) goto done;
+    int has_norm = mn != Py_None;
+    Py_DECREF(mn);
+    if (has_norm) goto done;
+    Py_INCREF(w);
+    PyObject *kw = PyDict_New();
+    PyObject *names[4] = {s_padding_idx, s_norm_type, s_scale_grad, s_sparse};
+    int bad = !kw;
+    for (int i = 0; i < 4 && !bad; i++) {
+        PyObject *v = PyObject_GetAttr(self, names[i]);
+        bad = !v || PyDict_SetItem(kw, names[i], v) < 0;
+        Py_XDECREF(v);
+        if (i == 0 && !bad) bad = PyDict_SetItem(kw, s_max_norm, Py_None) < 0;
+    }
+    if (!bad) {
+        PyObject *a[2] = {x, w};
+        out = record_on_top(rec, fc->func, a, 2, kw, declined);
+    }
+    Py_XDECREF(kw);
+    Py_DECREF(w);
+done:
+    Py_DECREF(d);
+    return out;
+}
+
+static PyObject *fastcall_vectorcall(FastCallObject *fc, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (g_ready && nargs >= 2 && (fc->kind == FC_CELL || (nargs == 2 && nkw == 0))) {
+        int declined;
+        PyObject *out = fc_fast(fc, args, nargs, kwnames, &declined);
+        if (out || !declined) return out;
+        if (PyErr_Occurred()) return NULL;
+    }
+    return PyObject_Vectorcall(fc->fallback, args, nargs, kwnames);
+}
+
+static int fastcall_traverse(FastCallObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->fallback); Py_VISIT(self->forward); Py_VISIT(self->func); Py_VISIT(self->names);
+    Py_VISIT(self->verdicts); Py_VISIT(self->class_calls_own); Py_VISIT(self->module_ns); Py_VISIT(self->tracing);
+    Py_VISIT(self->plain); Py_VISIT(self->linear);
+    return 0;
+}
+
+static int fastcall_clear(FastCallObject *self) {
+    Py_CLEAR(self->fallback); Py_CLEAR(self->forward); Py_CLEAR(self->func); Py_CLEAR(self->names);
+    Py_CLEAR(self->verdicts); Py_CLEAR(self->class_calls_own); Py_CLEAR(self->module_ns); Py_CLEAR(self->tracing);
+    Py_CLEAR(self->plain); Py_CLEAR(self->linear);
+    return 0;
+}
+
+static void fastcall_dealloc(FastCallObject *self) {
+    PyObject_GC_UnTrack(self);
+    fastcall_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *fastcall_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    int kind;
+    PyObject *fallback, *forward, *func, *names, *verdicts, *cco, *ns, *tracing, *plain, *linear = Py_None;
+    int n_states = 1;
+    if (!PyArg_ParseTuple(args, "iOOOO!O!OO!OO!|Oi:FastCall", &kind, &fallback, &forward, &func, &PyTuple_Type, &names,
+                          &PyDict_Type, &verdicts, &cco, &PyDict_Type, &ns, &tracing, &PyTuple_Type, &plain, &linear,
+                          &n_states))
+        return NULL;
+    if (n_states != 1 && n_states != 2) { PyErr_SetString(PyExc_ValueError, "FastCall: n_states 1 or 2"); return NULL; }
+    if (kind < FC_LINEAR || kind > FC_CELL) { PyErr_SetString(PyExc_ValueError, "FastCall: kind 0, 1 or 2"); return NULL; }
+    FastCallObject *self = (FastCallObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->vectorcall = (vectorcallfunc)fastcall_vectorcall;
+    self->kind = kind;
+#define KEEP(f, v) do { Py_INCREF(v); self->f = v; } while (0)
+    KEEP(fallback, fallback); KEEP(forward, forward); KEEP(func, func); KEEP(names, names); KEEP(verdicts, verdicts);
+    KEEP(class_calls_own, cco); KEEP(module_ns, ns); KEEP(tracing, tracing); KEEP(plain, plain);
+    KEEP(linear, linear);
+    self->n_states = n_states;
+#undef KEEP
+    return (PyObject *)self;
+}
+
+static PyObject *fastcall_repr(FastCallObject *self) {
+    return PyUnicode_FromFormat("<batchcraft fast __call__ (%s), else %R>",
+                                self->kind == FC_LINEAR ? "linear" : self->kind == FC_EMBEDDING ? "embedding" : "cell",
+                                self->fallback);
+}
+
+static PyMemberDef fastcall_members[] = {
+    {"fallback", T_OBJECT, offsetof(FastCallObject, fallback), READONLY, "the Python path (same rules)"},
+    {"__wrapped__", T_OBJECT, offsetof(FastCallObject, fallback), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject FastCallType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._core.FastCall",
+    .tp_basicsize = sizeof(FastCallObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_vectorcall_offset = offsetof(FastCallObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = bind_to_instance,
+    .tp_new = fastcall_new,
+    .tp_traverse = (traverseproc)fastcall_traverse,
+    .tp_clear = (inquiry)fastcall_clear,
+    .tp_dealloc = (destructor)fastcall_dealloc,
+    .tp_repr = (reprfunc)fastcall_repr,
+    .tp_members = fastcall_members,
+    .tp_doc = "FastCall(kind, fallback, forward, func, names, verdicts, class_calls_own, module_ns, tracing, plain[, linear, n_states]): "
+              "a module class's __call__ while a call records (modcalls.py).",
+};
+
 /* ------------------------------------------------------------------------------------------ */
 /* module                                                                                      */
 /* ------------------------------------------------------------------------------------------ */
@@ -2786,13 +3273,24 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (PyThread_tss_create(&g_tss) != 0) return NULL;
     if (PyType_Ready(&LazyBaseType) < 0 || PyType_Ready(&LazyMethodType) < 0 || PyType_Ready(&RecorderType) < 0
         || PyType_Ready(&ModeType) < 0 || PyType_Ready(&BlockCallType) < 0 || PyType_Ready(&ModuleAttrType) < 0
-        || PyType_Ready(&RecAttrType) < 0) return NULL;
+        || PyType_Ready(&RecAttrType) < 0 || PyType_Ready(&FastCallType) < 0
+        || PyType_Ready(&FastFnType) < 0) return NULL;
 #define INTERN(var, s) do { var = PyUnicode_InternFromString(s); if (!var) return NULL; } while (0)
     INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
     INTERN(s_pending_limit, "pending_limit"); INTERN(s_step_limit, "step_limit"); INTERN(s_inplace, "inplace");
     INTERN(s_mode_call, "mode_call"); INTERN(s_factory_leaf, "factory_leaf"); INTERN(s_mode, "mode"); INTERN(s_under_user_mode, "under_user_mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
     INTERN(s_batchcraft_block, "_batchcraft_block"); INTERN(s_fn, "fn"); INTERN(s_register_view, "register_view"); INTERN(s_dunder_tf, "__torch_function__"); INTERN(s_for_handler, "for_handler");
+    INTERN(s_forward, "forward"); INTERN(s_parameters, "_parameters"); INTERN(s_weight, "weight"); INTERN(s_bias, "bias");
+    INTERN(s_max_norm, "max_norm"); INTERN(s_padding_idx, "padding_idx"); INTERN(s_norm_type, "norm_type");
+    INTERN(s_scale_grad, "scale_grad_by_freq"); INTERN(s_sparse, "sparse"); INTERN(s_compiled_call, "_compiled_call_impl");
+    INTERN(s_call_impl, "_call_impl"); INTERN(s_cells_checked, "_cells_checked");
+    {
+        static const char *hooks[4] = {"_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"};
+        static const char *ghooks[4] = {"_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                                        "_global_backward_pre_hooks"};
+        for (int i = 0; i < 4; i++) { INTERN(s_hook_names[i], hooks[i]); INTERN(s_global_hook_names[i], ghooks[i]); }
+    }
     PyObject *m = PyModule_Create(&coremodule);
     if (!m) return NULL;
     Py_INCREF(&LazyBaseType); PyModule_AddObject(m, "LazyBase", (PyObject *)&LazyBaseType);
@@ -2802,6 +3300,8 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_INCREF(&BlockCallType); PyModule_AddObject(m, "BlockCall", (PyObject *)&BlockCallType);
     Py_INCREF(&ModuleAttrType); PyModule_AddObject(m, "ModuleAttr", (PyObject *)&ModuleAttrType);
     Py_INCREF(&RecAttrType); PyModule_AddObject(m, "RecordingAttr", (PyObject *)&RecAttrType);
+    Py_INCREF(&FastCallType); PyModule_AddObject(m, "FastCall", (PyObject *)&FastCallType);
+    Py_INCREF(&FastFnType); PyModule_AddObject(m, "FastFn", (PyObject *)&FastFnType);
     {
         PyObject *modname = PyUnicode_FromString("torch");
         PyObject *ft = modname ? PyCFunction_NewEx(&fast_tensor_def, NULL, modname) : NULL;

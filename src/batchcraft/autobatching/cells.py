@@ -213,13 +213,20 @@ def _rnn_gates(cell):
 def _fast_modules():
     from torch import nn
 
-    return tuple(SharedPatch(cls, "forward", _fast_cell(cls.forward, n_states, gates_of))
-                 for cls, n_states, gates_of in ((nn.LSTMCell, 2, lambda cell: lstm_gates),
-                                                 (nn.GRUCell, 1, lambda cell: gru_gates),
-                                                 (nn.RNNCell, 1, _rnn_gates)))
+    patches = []
+    # fixed gates are handed to the C core's __call__ (modcalls.cell_call), which then records the
+    # forward's common case itself; RNNCell's depend on its nonlinearity: the Python forward decides
+    for cls, n_states, gates_of, fixed in ((nn.LSTMCell, 2, lambda cell: lstm_gates, lstm_gates),
+                                           (nn.GRUCell, 1, lambda cell: gru_gates, gru_gates),
+                                           (nn.RNNCell, 1, _rnn_gates, None)):
+        forward = _fast_cell(cls.forward, n_states, gates_of)
+        patches += [SharedPatch(cls, "forward", forward),
+                    SharedPatch(cls, "__call__", _modcalls.cell_call(cls, forward, fixed, n_states))]
+    return patches
 
 
-#: enter/exit around a recording call: the cell modules' forward records directly
+#: enter/exit around a recording call: the cell modules' forward records directly, and their
+#: ``__call__`` skips ``Module.__call__`` when nothing would make it differ (modcalls.py)
 FAST_CELLS = PatchSet(_fast_modules())
 
 __all__ = ["CELL_FUNCS", "GATES", "record_cell", "lstm_gates", "gru_gates", "FAST_CELLS"]
