@@ -13,6 +13,10 @@
  *     buffers for the executor;
  *   - Mode: the torch-function mode object whose __torch_function__ is a C method;
  *   - BlockCall: the __call__ of static blocks and static-block modules.
+ *   - FastCall: the __call__ of nn.Linear / nn.Embedding / the cell modules while a call records
+ *     (modcalls.py's rules; the cells' common forward recorded here too);
+ *   - FastFn: torch.<function> as the recording thread reads it (ccore.FAST_TORCH_FUNCTIONS):
+ *     calls on lazy values recorded without torch's dispatch to the mode.
  * Anything unusual (a signature seen for the first time, keyword arguments the spelling does
  * not cover, autocast, errors) calls back into the Python methods of the CRecorder subclass
  * (ccore.py), which share recorder.RecorderBase with the Python core.
@@ -51,6 +55,7 @@ static PyObject *g_int64_dtype = NULL, *g_bool_dtype = NULL;  /* torch.int64, to
 static PyObject *g_tf_mode_enabled = NULL; /* torch._C._is_torch_function_mode_enabled */
 static PyObject *g_tf_len = NULL;          /* torch._C._len_torch_function_stack */
 static PyObject *g_tf_at = NULL;           /* torch._C._get_function_stack_at */
+static PyObject *g_tf_enabled = NULL;      /* torch._C._is_torch_function_enabled */
 static PyObject *g_torch_dir = NULL;       /* torch's package directory, ending in the separator */
 static int g_ready = 0;                    /* setup() ran */
 
@@ -2503,9 +2508,13 @@ static PyObject *recattr_get(RecAttrObject *self, PyObject *obj, PyObject *type)
     return v;
 }
 
+
 static int recattr_set(RecAttrObject *self, PyObject *obj, PyObject *value) {
     PyObject *d = PyModule_Check(obj) ? PyModule_GetDict(obj) : NULL;
     if (!d) { PyErr_SetString(PyExc_TypeError, "RecordingAttr: not a module"); return -1; }
+    /* the value instance code read (the fast one) written back, `torch.tanh = saved`: the
+       module keeps torch's function, as in eager */
+    if (value && value == self->fast) value = self->original;
     if (value) return PyDict_SetItem(d, self->name, value);
     if (PyDict_DelItem(d, self->name) < 0) {
         if (PyErr_ExceptionMatches(PyExc_KeyError)) { PyErr_Clear(); PyErr_SetObject(PyExc_AttributeError, self->name); }
@@ -2725,7 +2734,12 @@ static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size
             lazy = IS_LAZY(e) && ((LazyObject *)e)->rec == rec;
         }
         if (lazy) {
-            int top = rec_mode_on_top(rec);
+            /* DisableTorchFunctionSubclass: torch's dispatch would not reach the mode either */
+            PyObject *en = PyObject_CallNoArgs(g_tf_enabled);
+            if (!en) return NULL;
+            int enabled = en == Py_True;
+            Py_DECREF(en);
+            int top = enabled ? rec_mode_on_top(rec) : 0;
             if (top < 0) return NULL;
             if (top && !called_from_handler()) {
                 PyObject *kw = NULL;
@@ -2754,6 +2768,8 @@ static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size
 }
 
 static PyObject *fastfn_getattro(FastFnObject *self, PyObject *name) {
+    if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__doc__") == 0)
+        return PyObject_GetAttr(self->original, name);  /* torch's docstring, not this type's */
     PyObject *r = PyObject_GenericGetAttr((PyObject *)self, name);
     if (r || !PyErr_ExceptionMatches(PyExc_AttributeError)) return r;
     PyErr_Clear();
@@ -2850,6 +2866,7 @@ typedef struct {
     PyObject *module_ns;       /* torch.nn.modules.module's namespace: the global hook dicts */
     PyObject *tracing;         /* torch._C._get_tracing_state */
     PyObject *plain;           /* tuple of the plain parameter types (torch.Tensor, nn.Parameter) */
+    PyObject *f_ns;            /* torch.nn.functional's namespace: F.linear / F.embedding replaced -> forward's path */
     PyObject *linear;          /* cells: F.linear (the input projection), or None */
     int n_states;              /* cells: 2 (LSTM) or 1 (GRU / RNN) */
 } FastCallObject;
@@ -2858,7 +2875,7 @@ static PyObject *s_forward = NULL, *s_parameters = NULL, *s_weight = NULL, *s_bi
     *s_padding_idx = NULL, *s_norm_type = NULL, *s_scale_grad = NULL, *s_sparse = NULL, *s_compiled_call = NULL,
     *s_call_impl = NULL;
 static PyObject *s_hook_names[4], *s_global_hook_names[4];
-static PyObject *s_cells_checked = NULL;
+static PyObject *s_cells_checked = NULL, *s_linear = NULL, *s_embedding = NULL;
 
 /* 1 when d[key] is missing or true (Module.__call__ would run hooks), 0 if not, -1 on error */
 static int missing_or_true(PyObject *d, PyObject *key) {
@@ -3062,6 +3079,9 @@ static PyObject *fc_fast(FastCallObject *fc, PyObject *const *args, Py_ssize_t n
         Py_DECREF(fwd);
         goto done;
     }
+    /* forward calls F.linear / F.embedding as torch.nn.functional holds it now */
+    PyObject *fnow = PyDict_GetItemWithError(fc->f_ns, fc->kind == FC_LINEAR ? s_linear : s_embedding);
+    if (fnow != fc->func) goto done;
     PyObject *params = PyDict_GetItemWithError(d, s_parameters);
     if (!params) goto done;
     if (!PyDict_Check(params)) goto done;
@@ -3076,22 +3096,18 @@ static PyObject *fc_fast(FastCallObject *fc, PyObject *const *args, Py_ssize_t n
         Py_DECREF(w); Py_DECREF(b);
         goto done;
     }
-    /* FC_EMBEDDING: max_norm renorms the table in place (torch's path); the settings are read by
-       plain attribute lookup, as forward does, and passed as F.embedding passes them */
-    PyObject *mn = PyObject_GetAttr(self, s_max_norm);
-    if (!mn) goto done;
-    int has_norm = mn != Py_None;
-    Py_DECREF(mn);
-    if (has_norm) goto done;
+    /* FC_EMBEDDING: the weight held first (the reads below run properties, which may replace
+       it), then the settings by plain attribute lookup in forward's order, passed as F.embedding
+       passes them; max_norm renorms the table in place: torch's path */
     Py_INCREF(w);
     PyObject *kw = PyDict_New();
-    PyObject *names[4] = {s_padding_idx, s_norm_type, s_scale_grad, s_sparse};
+    PyObject *names[5] = {s_padding_idx, s_max_norm, s_norm_type, s_scale_grad, s_sparse};
     int bad = !kw;
-    for (int i = 0; i < 4 && !bad; i++) {
+    for (int i = 0; i < 5 && !bad; i++) {
         PyObject *v = PyObject_GetAttr(self, names[i]);
         bad = !v || PyDict_SetItem(kw, names[i], v) < 0;
+        if (i == 1 && v && v != Py_None) bad = 1;
         Py_XDECREF(v);
-        if (i == 0 && !bad) bad = PyDict_SetItem(kw, s_max_norm, Py_None) < 0;
     }
     if (!bad) {
         PyObject *a[2] = {x, w};
@@ -3119,14 +3135,14 @@ static PyObject *fastcall_vectorcall(FastCallObject *fc, PyObject *const *args, 
 static int fastcall_traverse(FastCallObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->fallback); Py_VISIT(self->forward); Py_VISIT(self->func); Py_VISIT(self->names);
     Py_VISIT(self->verdicts); Py_VISIT(self->class_calls_own); Py_VISIT(self->module_ns); Py_VISIT(self->tracing);
-    Py_VISIT(self->plain); Py_VISIT(self->linear);
+    Py_VISIT(self->plain); Py_VISIT(self->linear); Py_VISIT(self->f_ns);
     return 0;
 }
 
 static int fastcall_clear(FastCallObject *self) {
     Py_CLEAR(self->fallback); Py_CLEAR(self->forward); Py_CLEAR(self->func); Py_CLEAR(self->names);
     Py_CLEAR(self->verdicts); Py_CLEAR(self->class_calls_own); Py_CLEAR(self->module_ns); Py_CLEAR(self->tracing);
-    Py_CLEAR(self->plain); Py_CLEAR(self->linear);
+    Py_CLEAR(self->plain); Py_CLEAR(self->linear); Py_CLEAR(self->f_ns);
     return 0;
 }
 
@@ -3138,11 +3154,11 @@ static void fastcall_dealloc(FastCallObject *self) {
 
 static PyObject *fastcall_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     int kind;
-    PyObject *fallback, *forward, *func, *names, *verdicts, *cco, *ns, *tracing, *plain, *linear = Py_None;
+    PyObject *fallback, *forward, *func, *names, *verdicts, *cco, *ns, *tracing, *plain, *f_ns, *linear = Py_None;
     int n_states = 1;
-    if (!PyArg_ParseTuple(args, "iOOOO!O!OO!OO!|Oi:FastCall", &kind, &fallback, &forward, &func, &PyTuple_Type, &names,
-                          &PyDict_Type, &verdicts, &cco, &PyDict_Type, &ns, &tracing, &PyTuple_Type, &plain, &linear,
-                          &n_states))
+    if (!PyArg_ParseTuple(args, "iOOOO!O!OO!OO!O!|Oi:FastCall", &kind, &fallback, &forward, &func, &PyTuple_Type,
+                          &names, &PyDict_Type, &verdicts, &cco, &PyDict_Type, &ns, &tracing, &PyTuple_Type, &plain,
+                          &PyDict_Type, &f_ns, &linear, &n_states))
         return NULL;
     if (n_states != 1 && n_states != 2) { PyErr_SetString(PyExc_ValueError, "FastCall: n_states 1 or 2"); return NULL; }
     if (kind < FC_LINEAR || kind > FC_CELL) { PyErr_SetString(PyExc_ValueError, "FastCall: kind 0, 1 or 2"); return NULL; }
@@ -3153,7 +3169,7 @@ static PyObject *fastcall_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
 #define KEEP(f, v) do { Py_INCREF(v); self->f = v; } while (0)
     KEEP(fallback, fallback); KEEP(forward, forward); KEEP(func, func); KEEP(names, names); KEEP(verdicts, verdicts);
     KEEP(class_calls_own, cco); KEEP(module_ns, ns); KEEP(tracing, tracing); KEEP(plain, plain);
-    KEEP(linear, linear);
+    KEEP(linear, linear); KEEP(f_ns, f_ns);
     self->n_states = n_states;
 #undef KEEP
     return (PyObject *)self;
@@ -3163,6 +3179,16 @@ static PyObject *fastcall_repr(FastCallObject *self) {
     return PyUnicode_FromFormat("<batchcraft fast __call__ (%s), else %R>",
                                 self->kind == FC_LINEAR ? "linear" : self->kind == FC_EMBEDDING ? "embedding" : "cell",
                                 self->fallback);
+}
+
+/* __name__, __qualname__, __doc__, __module__ and other attributes read as the fallback's */
+static PyObject *fastcall_getattro(FastCallObject *self, PyObject *name) {
+    if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__doc__") == 0)
+        return PyObject_GetAttr(self->fallback, name);
+    PyObject *r = PyObject_GenericGetAttr((PyObject *)self, name);
+    if (r || !PyErr_ExceptionMatches(PyExc_AttributeError)) return r;
+    PyErr_Clear();
+    return PyObject_GetAttr(self->fallback, name);
 }
 
 static PyMemberDef fastcall_members[] = {
@@ -3184,8 +3210,9 @@ static PyTypeObject FastCallType = {
     .tp_clear = (inquiry)fastcall_clear,
     .tp_dealloc = (destructor)fastcall_dealloc,
     .tp_repr = (reprfunc)fastcall_repr,
+    .tp_getattro = (getattrofunc)fastcall_getattro,
     .tp_members = fastcall_members,
-    .tp_doc = "FastCall(kind, fallback, forward, func, names, verdicts, class_calls_own, module_ns, tracing, plain[, linear, n_states]): "
+    .tp_doc = "FastCall(kind, fallback, forward, func, names, verdicts, class_calls_own, module_ns, tracing, plain, f_ns[, linear, n_states]): "
               "a module class's __call__ while a call records (modcalls.py).",
 };
 
@@ -3204,6 +3231,7 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     GET(g_scalar_dids, "scalar_dids"); GET(g_cpu_device, "cpu_device");
     GET(g_int64_dtype, "int64_dtype"); GET(g_bool_dtype, "bool_dtype");
     GET(g_tf_mode_enabled, "tf_mode_enabled"); GET(g_tf_len, "tf_len"); GET(g_tf_at, "tf_at");
+    GET(g_tf_enabled, "tf_enabled");
     GET(g_torch_dir, "torch_dir");
     PyObject *o = PyDict_GetItemString(d, "fill_factories");
     Py_XINCREF(o); Py_XSETREF(g_fill_factories, o);
@@ -3285,6 +3313,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     INTERN(s_max_norm, "max_norm"); INTERN(s_padding_idx, "padding_idx"); INTERN(s_norm_type, "norm_type");
     INTERN(s_scale_grad, "scale_grad_by_freq"); INTERN(s_sparse, "sparse"); INTERN(s_compiled_call, "_compiled_call_impl");
     INTERN(s_call_impl, "_call_impl"); INTERN(s_cells_checked, "_cells_checked");
+    INTERN(s_linear, "linear"); INTERN(s_embedding, "embedding");
     {
         static const char *hooks[4] = {"_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"};
         static const char *ghooks[4] = {"_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -10,6 +11,20 @@ from batchcraft.autobatching import stack
 from batchcraft.autobatching.options import Options
 from batchcraft.autobatching.runtime import Runtime
 from batchcraft.autobatching.stats import RunStats
+
+
+def caller_modes() -> list:
+    """The torch-function modes active in this thread (the caller's), other than torch's default
+    device context (``torch.set_default_device``, ``with torch.device(...)``: batchcraft applies
+    it itself, devices.py). Recorded operations would not reach them (the recording mode is
+    innermost) and batched ones would reach them once per group, not once per instance."""
+    n = torch._C._len_torch_function_stack()
+    if not n or not torch._C._is_torch_function_mode_enabled():
+        return []
+    from torch.utils._device import DeviceContext
+
+    modes = [torch._C._get_function_stack_at(i) for i in range(n)]
+    return [m for m in modes if not isinstance(m, DeviceContext)]
 
 
 class AutoBatched:
@@ -26,6 +41,7 @@ class AutoBatched:
         self.stats = RunStats()
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self._warned_modes = False
 
     def __call__(self, instances: Sequence) -> list:
         if isinstance(instances, torch.Tensor):
@@ -40,11 +56,28 @@ class AutoBatched:
             # outer call records (and batches) this work with everything else
             self.stats = RunStats(instances=len(instances))
             return [self.fn(x) for x in instances]
+        modes = caller_modes()
+        if modes:
+            return self._eager(instances, modes)
         rt = Runtime(self.fn, self.options)
         try:
             return rt.run(instances)
         finally:
             self.stats = rt.stats
+
+    def _eager(self, instances, modes) -> list:
+        """Run the instances one at a time, as eager, counted as fallbacks with the reason."""
+        name = type(modes[-1]).__name__
+        reason = (f"a torch-function mode entered around the call ({name}) sees every operation of every "
+                  f"instance, as in eager: the instances ran one at a time")
+        st = RunStats(instances=len(instances), fallbacks=len(instances))
+        st.note_fallback(reason, len(instances))
+        self.stats = st
+        if not self._warned_modes:
+            self._warned_modes = True
+            warnings.warn(f"{self.__name__}: {reason} (enter the mode inside the per-instance function to keep "
+                          f"batching; see RunStats.fallback_reasons)", RuntimeWarning, stacklevel=3)
+        return [self.fn(x) for x in instances]
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.as_dict().items() if v != Options().as_dict()[k])

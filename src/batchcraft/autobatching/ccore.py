@@ -54,7 +54,8 @@ def _setup() -> None:
                      for dt in (torch.int64, torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64)},
         bool_did=desc_id(((), torch.bool, torch.device("cpu"))),
         tf_mode_enabled=torch._C._is_torch_function_mode_enabled, tf_len=torch._C._len_torch_function_stack,
-        tf_at=torch._C._get_function_stack_at, fill_factories=tuple(FILL_FACTORIES), torch_dir=TORCH_DIR))
+        tf_at=torch._C._get_function_stack_at, tf_enabled=torch._C._is_torch_function_enabled,
+        fill_factories=tuple(FILL_FACTORIES), torch_dir=TORCH_DIR))
     SIGNATURES.on_clear(_c.clear_signatures)
 
 

@@ -19,9 +19,11 @@ with the fused call within float32 rounding.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from batchcraft.autobatching import modcalls as _modcalls, stack as _stack
+# the input projection: torch's linear (the fused cell calls never go through ``F.linear``, so a
+# replacement of it must not apply here)
+from batchcraft.autobatching.kernels import TORCH_LINEAR as _LINEAR
 from batchcraft.autobatching.patches import PatchSet, SharedPatch
 
 _tf_len, _tf_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
@@ -30,7 +32,7 @@ _tf_pop, _tf_push = torch._C._pop_torch_function_stack, torch._C._push_on_torch_
 CELL_FUNCS = (torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell)
 
 
-def lstm_gates(gi, h, c, w_hh, b_hh=None, linear=F.linear):
+def lstm_gates(gi, h, c, w_hh, b_hh=None, linear=_LINEAR):
     """LSTM cell from its input projection ``gi`` (..., 4H): ``(h', c')``, each (..., H)."""
     gates = gi + linear(h, w_hh, b_hh)
     i, f, g, o = gates.chunk(4, -1)
@@ -39,7 +41,7 @@ def lstm_gates(gi, h, c, w_hh, b_hh=None, linear=F.linear):
     return o * c2.tanh(), c2
 
 
-def gru_gates(gi, h, w_hh, b_hh=None, linear=F.linear):
+def gru_gates(gi, h, w_hh, b_hh=None, linear=_LINEAR):
     """GRU cell from its input projection ``gi`` (..., 3H): ``h'`` (..., H)."""
     ir, iz, inn = gi.chunk(3, -1)
     hr, hz, hn = linear(h, w_hh, b_hh).chunk(3, -1)
@@ -49,11 +51,11 @@ def gru_gates(gi, h, w_hh, b_hh=None, linear=F.linear):
     return (h - n) * z + n
 
 
-def rnn_tanh_gates(gi, h, w_hh, b_hh=None, linear=F.linear):
+def rnn_tanh_gates(gi, h, w_hh, b_hh=None, linear=_LINEAR):
     return (gi + linear(h, w_hh, b_hh)).tanh()
 
 
-def rnn_relu_gates(gi, h, w_hh, b_hh=None, linear=F.linear):
+def rnn_relu_gates(gi, h, w_hh, b_hh=None, linear=_LINEAR):
     return (gi + linear(h, w_hh, b_hh)).relu()
 
 
@@ -74,10 +76,10 @@ def record_cell(rec, func, args, kwargs):
     if (func is torch.lstm_cell and len(states) != 2) or not _shapes_ok(x, states, w_ih, w_hh, rec.lazy_type, 2):
         return NotImplemented  # recorded as the fused call, whose shape check raises ATen's error
     if func is torch.lstm_cell:
-        gi = rec.record(F.linear, (x, w_ih, b_ih), {})
+        gi = rec.record(_LINEAR, (x, w_ih, b_ih), {})
         return rec.record(lstm_gates, (gi, hx[0], hx[1], w_hh, b_hh), {})
     gates = {torch.gru_cell: gru_gates, torch.rnn_tanh_cell: rnn_tanh_gates, torch.rnn_relu_cell: rnn_relu_gates}[func]
-    gi = rec.record(F.linear, (x, w_ih, b_ih), {})
+    gi = rec.record(_LINEAR, (x, w_ih, b_ih), {})
     return rec.record(gates, (gi, hx, w_hh, b_hh), {})
 
 
@@ -188,7 +190,7 @@ def _fast_cell(original, n_states, gates_of):
             return original(self, input, hx)  # a mode of the user's is innermost: it sees torch's calls
         _tf_pop()
         try:
-            return rec.record(gates, (rec.record(F.linear, (input, w_ih, b_ih), {}), *states, w_hh, b_hh), {})
+            return rec.record(gates, (rec.record(_LINEAR, (input, w_ih, b_ih), {}), *states, w_hh, b_hh), {})
         finally:
             _tf_push(mode)
 
@@ -219,6 +221,8 @@ def _fast_modules():
     for cls, n_states, gates_of, fixed in ((nn.LSTMCell, 2, lambda cell: lstm_gates, lstm_gates),
                                            (nn.GRUCell, 1, lambda cell: gru_gates, gru_gates),
                                            (nn.RNNCell, 1, _rnn_gates, None)):
+        if not _modcalls.torch_own(cls.forward):  # wrapped before batchcraft's import: theirs runs
+            continue
         forward = _fast_cell(cls.forward, n_states, gates_of)
         patches += [SharedPatch(cls, "forward", forward),
                     SharedPatch(cls, "__call__", _modcalls.cell_call(cls, forward, fixed, n_states))]

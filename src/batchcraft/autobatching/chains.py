@@ -34,10 +34,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from batchcraft.autobatching import cells as _cells
 from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.kernels import TORCH_LINEAR as _LINEAR
 from batchcraft.autobatching.gather import index_tensor
 from batchcraft.autobatching.signature import LEAF, SIGNATURES
 
@@ -98,7 +98,7 @@ def _match(prog):
             src[("val", st.index, 0)] = st.refs[0]
         elif _dim0(st, "squeeze") and st.refs[0][0] == "val":
             src[("val", st.index, 0)] = st.refs[0]
-        elif st.func is F.linear and linear is None and gates is None:
+        elif st.func is _LINEAR and linear is None and gates is None:
             linear = st
         elif st.func in _KINDS and linear is not None and gates is None:
             gates = st

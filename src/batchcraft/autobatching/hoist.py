@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from batchcraft.autobatching.program import Program, Step
+from batchcraft.autobatching.kernels import TORCH_LINEAR as _LINEAR
 
-HEAVY = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__,
+HEAVY = {_LINEAR, torch.matmul, torch.mm, torch.bmm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__,
          F.embedding, torch.embedding, F.conv1d, F.conv2d, F.bilinear}
 
 

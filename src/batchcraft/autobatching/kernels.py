@@ -28,6 +28,11 @@ import torch.nn.functional as F
 from batchcraft.measure.machine import cache_dir, cpu_model
 
 _lp = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+
+#: torch's linear (``F.linear`` unless someone replaced it; a replacement is a Python function that
+#: torch hands to modes in its own place: recorded and batched programs use torch's)
+TORCH_LINEAR = torch._C._nn.linear
+_LINEAR = TORCH_LINEAR
 LEAD = 1.10            # oneDNN must be this much faster to be chosen (noise margin)
 # shape classes below this many FLOPs per call keep the default kernel unmeasured: their time is
 # fixed per-call overhead (tens of µs), and measuring each costs a first call 16 timed calls
@@ -225,7 +230,7 @@ class Selector:
                         fn(xs, ws, bs)
             return go
 
-        t_d, t_o = self.timer([run(F.linear), run(onednn_linear)])
+        t_d, t_o = self.timer([run(_LINEAR), run(onednn_linear)])
         ws.requires_grad_(False)
         choice = "onednn" if t_o * LEAD < t_d else "default"
         self.measured[k] = (t_d, t_o)
@@ -238,12 +243,12 @@ class Selector:
         """``F.linear`` with the kernel chosen for this shape class."""
         if self.choose(x, w, b) == "onednn":
             return onednn_linear(x, w, b)
-        return F.linear(x, w, b)
+        return _LINEAR(x, w, b)
 
     def linear_for(self, lw, shapes):
         """The function a lowered program calls for a batched ``F.linear``."""
         if self.mode == "default" or not self.onednn:
-            return F.linear
+            return _LINEAR
         return self.linear
 
 

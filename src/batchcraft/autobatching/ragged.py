@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.kernels import TORCH_LINEAR as _LINEAR
 from batchcraft.autobatching.rules import rule_for
 from batchcraft.autobatching.signature import rebuild
 
@@ -348,7 +349,7 @@ def lower_step(runner, em, st, exprs, batched, entry):
     args = list(rebuild(st.struct[0], it))
     kwargs = rebuild(st.struct[1], it) if st.struct[1] is not None else {}
     func = st.func
-    if func is F.linear and runner.kernels is not None:
+    if func is _LINEAR and runner.kernels is not None:
         from batchcraft.autobatching.lower import StepView
 
         lw = StepView(em, st, exprs, batched, runner.kernels)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from batchcraft.autobatching.signature import call_with, rebuild
+from batchcraft.autobatching.kernels import TORCH_LINEAR as _LINEAR
 
 _call = call_with
 
@@ -403,7 +404,7 @@ def _lower_direct(func, args, kwargs, lw):
 def _lower_weight(func, args, kwargs, lw):
     if not (lw.batched[0] and not any(lw.batched[1:])):
         return None
-    if func is F.linear and lw.kernels is not None:
+    if func is _LINEAR and lw.kernels is not None:
         return lw.call(lw.kernels.linear_for(lw, lw.shapes), args, kwargs)
     return lw.call(func, args, kwargs)
 
@@ -589,7 +590,7 @@ _register([F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.softplus, F.hardtanh, 
            F.hardshrink, torch.nn.functional.relu6], _ELEM)
 _register(_tensor_methods(*_CONVERSIONS) + [torch.clone, torch.detach], Rule("direct", rule_direct, _lower_direct,
                                                                               ragged="elementwise"))
-_register([F.linear, F.embedding, F.layer_norm, torch.layer_norm, torch.embedding, F.rms_norm],
+_register([_LINEAR, F.embedding, F.layer_norm, torch.layer_norm, torch.embedding, F.rms_norm],
           Rule("weight", rule_weight, _lower_weight, ragged="rowwise"))
 _register([torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell], Rule("rnn_cell", rule_rnn_cell))
 _register([torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__,
