@@ -256,3 +256,34 @@ def test_a_value_wait_inside_a_greenlet_of_the_instance_code_resumes_that_greenl
     out = autobatch(f)(xs)
     for o, x in zip(out, xs):
         torch.testing.assert_close(o, f(x))
+
+
+def test_auto_fibers_run_in_sequence_after_a_call_without_waits_and_return_to_fibers_for_good():
+    lin = nn.Linear(3, 3)
+    wait = {"on": False}
+
+    def f(x):
+        h = torch.tanh(lin(x))
+        if wait["on"] and h.sum() > -100:  # a value wait, in some calls only
+            h = h * 2
+        return h
+
+    xs = [torch.randn(3) for _ in range(4)]
+    g = autobatch(f)  # fibers="auto", the default
+    seen = []
+    for on in (False, False, True, False):
+        wait["on"] = on
+        out = g(xs)
+        seen.append((g.stats.fibers, g.stats.syncs > 0))
+        for o, x in zip(out, xs):
+            torch.testing.assert_close(o, f(x))
+    # first call in fibers (nothing known); no wait -> in sequence; a wait there (flushed, correct)
+    # -> fibers for good
+    assert seen == [(True, False), (False, False), (False, True), (True, False)]
+    assert "in sequence" not in g.stats.summary()
+    g2 = autobatch(f, fibers=True)
+    wait["on"] = False
+    g2(xs), g2(xs)
+    assert g2.stats.fibers
+    with pytest.raises(ValueError, match="fibers"):
+        autobatch(f, fibers="yes")

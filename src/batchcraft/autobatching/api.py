@@ -42,6 +42,8 @@ class AutoBatched:
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self._warned_modes = False
+        # fibers="auto": did a call of this function see a value wait? (None: no call finished yet)
+        self._waits: bool | None = None
 
     def __call__(self, instances: Sequence) -> list:
         if isinstance(instances, torch.Tensor):
@@ -59,11 +61,16 @@ class AutoBatched:
         modes = caller_modes()
         if modes:
             return self._eager(instances, modes)
-        rt = Runtime(self.fn, self.options)
+        fibers = self.options.fibers
+        if fibers == "auto":
+            fibers = self._waits is not False
+        rt = Runtime(self.fn, self.options, fibers)
         try:
             return rt.run(instances)
         finally:
             self.stats = rt.stats
+            if self._waits is not True:  # a wait once: fibers from then on
+                self._waits = rt.stats.syncs > 0
 
     def _eager(self, instances, modes) -> list:
         """Run the instances one at a time, as eager, counted as fallbacks with the reason."""
@@ -84,7 +91,7 @@ class AutoBatched:
         return f"autobatch({self.__name__}{', ' + opts if opts else ''})"
 
 
-def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, max_steps: int | None = None,
+def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "auto", max_steps: int | None = None,
               max_pending: int | None = None, core: str = "auto", ragged: bool = True, hoist: bool = True,
               kernels: str = "auto", arenas: bool = True, packed_order: bool = True,
               consumer_order: bool = True, dedup: bool = True, fuse_recurrences: bool = True,
@@ -103,8 +110,15 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool = True, ma
         fn (callable): ``fn(instance) -> tensor | nested tuple/list/dict of tensors``.
         scheduler (str): ``"depth"`` (default) or ``"agenda"`` (DyNet's agenda-based batching:
             lowest average depth first).
-        fibers (bool): run each instance in a fiber (default). With ``False`` instances run
-            one after another and a value request executes all pending work at once.
+        fibers (bool | str): ``True``: run each instance in a fiber, so that instances that wait
+            for a value (``if h.sum() > 0``, ``.item()``) wait together and their pending work
+            runs batched. ``False``: instances run one after another, and a value request
+            executes all pending work at once (correct; the waits do not batch). ``"auto"``
+            (default): fibers until a call finishes in which no instance waited, then one after
+            another (no fiber switches: about 3% of a TreeLSTM batch here), and fibers for good
+            once an instance of a later call waits. Instances that do not wait give the same
+            results either way; one after another, a grad mode or other thread state that an
+            instance leaves changed reaches the next instances, as in eager.
         max_steps (int | None): stop an instance that records more operations plus
             synchronisations than this without finishing (StepLimitError).
         max_pending (int | None): execute pending work early once this many nodes wait,

@@ -15,7 +15,10 @@ class Options:
 
     Attributes:
         scheduler (str): ``"depth"`` (default) or ``"agenda"`` (DyNet §3.2).
-        fibers (bool): run each instance in a fiber (default True).
+        fibers (bool | str): run each instance in a fiber (True), one after another (False), or
+            ``"auto"`` (default): in fibers until a call of the function finishes without any
+            instance waiting for a value, then one after another until one waits (fibers again from
+            then on; see :func:`~batchcraft.autobatching.autobatch`).
         max_steps (int | None): per-instance bound on operations + synchronisations.
         max_pending (int | None): run pending work once this many nodes wait.
         core (str): recording core: ``"auto"`` (the C core when it was built), ``"c"`` or
@@ -52,7 +55,7 @@ class Options:
     """
 
     scheduler: str = "depth"
-    fibers: bool = True
+    fibers: bool | str = "auto"
     max_steps: int | None = None
     max_pending: int | None = None
     core: str = "auto"
@@ -79,7 +82,9 @@ class Options:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"autobatch: {name} must be a positive int or None, got {v!r}")
-        for name in ("fibers", "ragged", "hoist", "arenas", "packed_order", "consumer_order", "dedup",
+        if self.fibers != "auto" and not isinstance(self.fibers, bool):
+            raise ValueError(f"autobatch: fibers must be True, False or 'auto', got {self.fibers!r}")
+        for name in ("ragged", "hoist", "arenas", "packed_order", "consumer_order", "dedup",
                      "fuse_recurrences", "compile_blocks", "fast_attributes", "fast_factories", "fast_modules",
                      "retain_memory"):
             v = getattr(self, name)

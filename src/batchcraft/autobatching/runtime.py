@@ -111,13 +111,15 @@ class _Finished:
 class Runtime:
     """State of one call of an auto-batched function over a sequence of instances."""
 
-    def __init__(self, fn: Callable, options):
+    def __init__(self, fn: Callable, options, fibers: bool | None = None):
         self.fn = fn
         self.options = options
+        self.fibers = bool(options.fibers) if fibers is None else fibers  # ("auto" is decided by the caller)
         self.scheduler = make_scheduler(options.scheduler)
         self.stats = RunStats()
         self.rec = _core.make_recorder(self, options)
         self.stats.core = self.rec.core
+        self.stats.fibers = self.fibers
         self.executor = Executor(self.rec, self.stats, options, _kernels.selector(options.kernels))
         self.main = None
         self.exec_time = 0.0
@@ -232,7 +234,7 @@ class Runtime:
         try:
             self.main_state = FiberState.capture()
             with fast or nullcontext():
-                if self.options.fibers:
+                if self.fibers:
                     outputs = self._run_fibers(instances)
                 else:
                     outputs = self._run_sequential(instances)

@@ -12,6 +12,8 @@ class RunStats:
     Attributes:
         instances (int): instances run.
         core (str): the recording core that ran (``"c"`` or ``"python"``).
+        fibers (bool): the instances ran as fibers (False: one after another; ``fibers="auto"``
+            does so once a call of the function finished without a value wait).
         ops_recorded (int): per-instance operations recorded (static-block calls count once).
         batched_calls (int): batched executions of a (depth, signature) group; one per group.
         fallbacks (int): node-steps run one instance at a time because no batching rule applied.
@@ -41,6 +43,7 @@ class RunStats:
 
     instances: int = 0
     core: str = ""
+    fibers: bool = True
     ops_recorded: int = 0
     batched_calls: int = 0
     fallbacks: int = 0
@@ -87,7 +90,8 @@ class RunStats:
         return d
 
     def summary(self) -> str:
-        text = (f"{self.instances} instances ({self.core or '?'} core): {self.ops_recorded} ops recorded -> "
+        text = (f"{self.instances} instances ({self.core or '?'} core{'' if self.fibers else ', in sequence'}): "
+                f"{self.ops_recorded} ops recorded -> "
                 f"{self.batched_calls} batched calls (mean {self.mean_batch:.1f} per call), {self.fallbacks} fallbacks, "
                 f"{self.eager_ops} eager ops, {self.syncs} syncs; time: record {self.record_s * 1e3:.1f} ms, "
                 f"schedule {self.schedule_s * 1e3:.1f} ms, gather {self.gather_s * 1e3:.1f} ms, "
