@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 from batchcraft import autobatch
 from batchcraft.autobatching import _native
 from batchcraft.autobatching.ccore import FAST_TORCH_FUNCTIONS
+from batchcraft.errors import InstanceError
 
 pytestmark = pytest.mark.skipif(not _native.available, reason="the C core was not built")
 
@@ -334,7 +335,7 @@ def test_a_mode_entered_around_the_call_sees_every_operation_as_in_eager(core):
     f = autobatch(lambda x: torch.sigmoid(lin(x)), core=core)
     with Scale():
         ref = [torch.sigmoid(lin(x)) for x in xs]
-        with pytest.warns(RuntimeWarning, match="mode entered around the call"):
+        with pytest.warns(RuntimeWarning, match="mode active around the call"):
             out = f(xs)
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r)
@@ -343,3 +344,47 @@ def test_a_mode_entered_around_the_call_sees_every_operation_as_in_eager(core):
         f(xs)  # warned once per function
     out = f(xs)  # without the mode: batched again
     assert f.stats.fallbacks == 0 and f.stats.batched_calls > 0
+
+
+@pytest.mark.parametrize("around", ["disable", "disable_subclass", "dispatch"])
+def test_disabled_dispatch_or_a_dispatch_mode_around_the_call_runs_as_eager(around):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def ctx():
+        return {"disable": torch._C.DisableTorchFunction, "disable_subclass": torch._C.DisableTorchFunctionSubclass,
+                "dispatch": Count}[around]()
+
+    lin = nn.Linear(4, 4)
+    xs = [torch.randn(4) for _ in range(3)]
+    f = autobatch(lambda x: torch.tanh(lin(x)))
+    with ctx():
+        ref = [torch.tanh(lin(x)) for x in xs]
+        eager_calls, Count.calls = Count.calls, 0
+        with pytest.warns(RuntimeWarning, match="active around the call"):
+            out = f(xs)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+    assert f.stats.fallbacks == 3 and not f.stats.fibers
+    assert Count.calls == eager_calls  # the dispatch mode saw what it sees in eager
+
+
+def test_an_instance_error_under_the_eager_fallback_names_the_instance():
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def f(x):
+        if x.sum() > 100:
+            raise ValueError("too big")
+        return x * 2
+
+    with Spy(), pytest.warns(RuntimeWarning), pytest.raises(InstanceError) as info:
+        autobatch(f)([torch.ones(2), torch.full((2,), 99.0)])
+    assert info.value.instance == 1 and "too big" in str(info.value)

@@ -287,3 +287,63 @@ def test_auto_fibers_run_in_sequence_after_a_call_without_waits_and_return_to_fi
     assert g2.stats.fibers
     with pytest.raises(ValueError, match="fibers"):
         autobatch(f, fibers="yes")
+
+
+@pytest.mark.parametrize("fibers", [True, False, "auto"])
+def test_an_error_of_other_work_at_a_value_request_ends_the_call(fibers):
+    # hostile pass, stop 36: run one after another, pending work executes inside the instance
+    # code that asked for a value; its `except` caught another instance's error (a silent wrong
+    # result, or an internal error when its output depended on the failed work)
+    emb = nn.Embedding(5, 3)
+
+    def f(i):
+        e = emb(torch.tensor(i))  # id 7 is out of range: fails when the batched lookup runs
+        if i != 7:
+            try:
+                float(e.sum())
+            except RuntimeError:
+                return torch.tensor(-1.0)
+        return e.sum()
+
+    g = autobatch(f, fibers=fibers)
+    g([1, 2]), g([1, 2])  # values requested, nothing fails
+    g2 = autobatch(lambda i: emb(torch.tensor(i)).sum(), fibers=fibers)
+    g2([1, 2])
+    with pytest.raises(InstanceError) as info:
+        g2.fn = f  # (the same function object, now after a call without waits: "auto" runs in sequence)
+        g2([7, 1, 2])
+    assert info.value.instance == 0
+    with pytest.raises(InstanceError) as info:
+        g([7, 1, 2])
+    assert info.value.instance == 0
+
+
+@pytest.mark.parametrize("fibers", [True, False, "auto"])
+def test_state_an_instance_leaves_changed_does_not_reach_the_next_in_any_mode(fibers):
+    import contextvars
+
+    scale = contextvars.ContextVar("scale", default=1)
+
+    def f(x):
+        s = scale.get()
+        scale.set(s + 1)  # left set by the instance
+        y = x * s
+        torch.set_grad_enabled(False)  # left changed by the instance
+        return y
+
+    xs = [torch.ones(2, requires_grad=True) for _ in range(3)]
+    g = autobatch(f, fibers=fibers)
+    for _ in range(3):  # "auto": fibers, then one after another
+        out = g(xs)
+        assert [float(o[0]) for o in out] == [1.0, 1.0, 1.0] and all(o.requires_grad for o in out)
+        assert scale.get() == 1 and torch.is_grad_enabled()
+
+
+def test_an_empty_call_does_not_decide_auto_fibers():
+    def f(x):
+        return x * 2 if float(x.sum()) > 0 else x
+
+    g = autobatch(f)
+    g([])
+    g([torch.ones(2)] * 4)
+    assert g.stats.fibers and g.stats.syncs == 1

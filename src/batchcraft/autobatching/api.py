@@ -11,20 +11,29 @@ from batchcraft.autobatching import stack
 from batchcraft.autobatching.options import Options
 from batchcraft.autobatching.runtime import Runtime
 from batchcraft.autobatching.stats import RunStats
+from batchcraft.errors import BatchcraftError, InstanceError
 
 
 def caller_modes() -> list:
-    """The torch-function modes active in this thread (the caller's), other than torch's default
-    device context (``torch.set_default_device``, ``with torch.device(...)``: batchcraft applies
-    it itself, devices.py). Recorded operations would not reach them (the recording mode is
-    innermost) and batched ones would reach them once per group, not once per instance."""
-    n = torch._C._len_torch_function_stack()
-    if not n or not torch._C._is_torch_function_mode_enabled():
-        return []
+    """What the caller has active around the call that must see every instance's operations, as
+    in eager: torch-function modes other than torch's own default-device context
+    (``torch.set_default_device``, ``with torch.device(...)``: batchcraft applies it itself,
+    devices.py), torch-dispatch modes (``FlopCounterMode``, counting modes: they would see the
+    batched kernels), and ``DisableTorchFunction`` / ``DisableTorchFunctionSubclass`` (recording
+    needs torch-function dispatch). Names for the reason, empty when none."""
     from torch.utils._device import DeviceContext
 
-    modes = [torch._C._get_function_stack_at(i) for i in range(n)]
-    return [m for m in modes if not isinstance(m, DeviceContext)]
+    found = []
+    if not torch._C._is_torch_function_enabled():
+        found.append("DisableTorchFunction")
+    elif torch._C._is_torch_function_mode_enabled():
+        for i in range(torch._C._len_torch_function_stack()):
+            m = torch._C._get_function_stack_at(i)
+            if type(m) is not DeviceContext:  # (a subclass may override what it does: the user's)
+                found.append(type(m).__name__)
+    for i in range(torch._C._len_torch_dispatch_stack()):
+        found.append(type(torch._C._get_dispatch_stack_at(i)).__name__)
+    return found
 
 
 class AutoBatched:
@@ -69,22 +78,32 @@ class AutoBatched:
             return rt.run(instances)
         finally:
             self.stats = rt.stats
-            if self._waits is not True:  # a wait once: fibers from then on
+            if self._waits is not True and instances:  # a wait once: fibers from then on
                 self._waits = rt.stats.syncs > 0
 
     def _eager(self, instances, modes) -> list:
-        """Run the instances one at a time, as eager, counted as fallbacks with the reason."""
-        name = type(modes[-1]).__name__
-        reason = (f"a torch-function mode entered around the call ({name}) sees every operation of every "
+        """Run the instances one at a time, as eager, counted as fallbacks with the reason; an
+        instance's error names it, as in a batched call (``max_steps`` does not apply)."""
+        reason = (f"a mode active around the call ({', '.join(modes)}) must see every operation of every "
                   f"instance, as in eager: the instances ran one at a time")
-        st = RunStats(instances=len(instances), fallbacks=len(instances))
+        st = RunStats(instances=len(instances), fallbacks=len(instances), fibers=False)
         st.note_fallback(reason, len(instances))
         self.stats = st
         if not self._warned_modes:
             self._warned_modes = True
             warnings.warn(f"{self.__name__}: {reason} (enter the mode inside the per-instance function to keep "
                           f"batching; see RunStats.fallback_reasons)", RuntimeWarning, stacklevel=3)
-        return [self.fn(x) for x in instances]
+        out = []
+        for i, x in enumerate(instances):
+            try:
+                out.append(self.fn(x))
+            except BatchcraftError as exc:
+                if getattr(exc, "instance", None) is None:
+                    exc.instance = i
+                raise
+            except Exception as exc:
+                raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
+        return out
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.as_dict().items() if v != Options().as_dict()[k])
@@ -116,9 +135,10 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "a
             executes all pending work at once (correct; the waits do not batch). ``"auto"``
             (default): fibers until a call finishes in which no instance waited, then one after
             another (no fiber switches: about 3% of a TreeLSTM batch here), and fibers for good
-            once an instance of a later call waits. Instances that do not wait give the same
-            results either way; one after another, a grad mode or other thread state that an
-            instance leaves changed reaches the next instances, as in eager.
+            once an instance of a later call waits. Either way each instance starts from the
+            caller's thread state (grad and inference mode, default dtype, autocast, modes, print
+            options), context variables and default device, and an error of pending work run at
+            a value request ends the call (instance code's ``except`` does not see it).
         max_steps (int | None): stop an instance that records more operations plus
             synchronisations than this without finishing (StepLimitError).
         max_pending (int | None): execute pending work early once this many nodes wait,
@@ -184,7 +204,8 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "a
     Returns:
         AutoBatched: ``f(instances) -> list`` with ``f(xs)[i]`` equal to ``fn(xs[i])``
         (as ordinary tensors, differentiable); ``f.stats`` describes the last call. Called with a
-        torch-function mode of the caller's active (``with Mode(): f(xs)``), the instances run one
+        torch-function or torch-dispatch mode of the caller's active (``with Mode(): f(xs)``,
+        ``FlopCounterMode``) or torch-function dispatch disabled around it, the instances run one
         at a time as in eager, so that the mode sees each of their operations (counted in
         ``f.stats.fallbacks``, a ``RuntimeWarning`` once); a mode entered inside ``fn`` is batched.
     Raises:

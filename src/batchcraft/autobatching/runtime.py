@@ -72,6 +72,15 @@ def _tag(exc, i: int) -> None:
         exc.args = (f"instance {i}: {exc.args[0]}",) + exc.args[1:] if exc.args else exc.args
 
 
+class _FlushFailed(BaseException):
+    """Carries an error of pending work run at a value request of sequential instance code out
+    of that code (a ``BaseException``, so ``except Exception`` there lets it pass)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(error)
+        self.error = error
+
+
 class _Wait:
     """Message from a fiber to the scheduler: I need pending work to run."""
 
@@ -162,9 +171,14 @@ class Runtime:
                 rec.step_limit()
         cur = greenlet.getcurrent()
         if self.main is None or cur is self.main:
-            # no fibers: run everything pending now (correct; batching across later work is lost)
+            # no fibers: run everything pending now (correct; batching across later work is lost).
+            # A failure there may be another instance's work: it ends the call, as a flush of the
+            # fiber scheduler does; instance code's `except Exception` must not catch it
             self.stats.syncs += 1
-            self.flush()
+            try:
+                self.flush()
+            except Exception as exc:
+                raise _FlushFailed(exc) from None
             return
         self.waiter = cur  # resumed by the scheduler: a greenlet of the instance code's own, too
         self.main.switch(_WAIT)
@@ -288,17 +302,33 @@ class Runtime:
             tensor.requires_grad_(flag)
 
     def _run_sequential(self, instances):
+        """The instances one after another in this greenlet, each under the thread state, context
+        variables and default device it would get as a fiber (the caller's): what one instance
+        leaves changed does not reach the next, the same in both modes (and so in every call of a
+        ``fibers="auto"`` function)."""
         outputs = []
         rec = self.rec
+        main_state = self.main_state
+        ctx = contextvars.copy_context()
+        main_dctx = global_context()
         for i, inst in enumerate(instances):
             rec.instance, rec.phase, rec.inst_steps = i, 0, 0
+            fs = main_state.copy()  # current already: the caller's state
             try:
-                outputs.append(self._body(i, inst))
+                outputs.append(ctx.copy().run(self._body, i, inst))
+            except _FlushFailed as exc:  # another instance's work, run at this one's value request
+                raise exc.error from None
             except BatchcraftError as exc:
                 _tag(exc, i)
                 raise
             except Exception as exc:
                 raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                fs.leave(main_state)
+                fs.close()
+                if rec.device_changed:
+                    set_global_context(main_dctx)
+                    rec.set_factory_device(factory_device())
             self._check_pending()
         return outputs
 

@@ -102,6 +102,8 @@ class RunStats:
         if self.page_faults >= 1000:  # fresh memory touched: each fault costs microseconds of kernel time
             text += (f"; {self.page_faults} page faults"
                      + ("" if self.memory_retained else " (memory retention off or unavailable: memory.py)"))
+        if self.groups_by_rule:
+            text += "; groups: " + ", ".join(f"{k} {v}" for k, v in sorted(self.groups_by_rule.items()))
         if self.fallback_reasons:
             text += "; fallbacks: " + "; ".join(f"{k} (x{v})" for k, v in sorted(self.fallback_reasons.items()))
         if self.recurrences_unpacked:

@@ -84,7 +84,8 @@ def run(args) -> int:
         return 0
     m = res["machine"]
     print(f"{task.description}; {res['instances']} sentences in {res['batches']} batches of "
-          f"{args.batch_size}; {m['cpu']}, {m['torch_threads']} threads, torch {m['torch']}")
+          f"{args.batch_size}; {m['cpu']}, {m['torch_threads']} thread{'' if m['torch_threads'] == 1 else 's'}, "
+          f"torch {m['torch']}")
     rows = [
         ["eager (one instance at a time)", res["eager_ms"], res["instances_per_s_eager"], 1.0, "-", "-"],
         [f"batchcraft.autobatch ({args.scheduler})", res["batchcraft_ms"],
