@@ -306,3 +306,29 @@ def test_a_cell_block_that_is_not_packed_says_why():
         results[shape] = (f.stats.groups_by_rule, f.stats.recurrences_unpacked, f.stats.summary())
     assert results[(H,)][0].get("fused_gru") and not results[(H,)][1]
     assert results[(1, H)][1] == {UNPACKED_FORM: 40} and "step by step" in results[(1, H)][2]
+
+
+def test_a_cell_block_stepped_between_value_requests_says_why_it_is_not_packed():
+    # new-user pass, stop 36: recurrences_unpacked was empty for a break on the state
+    import random
+
+    from batchcraft.autobatching.chains import UNPACKED_WAITS
+
+    random.seed(0)
+    torch.manual_seed(0)
+    emb, cell, score = nn.Embedding(50, 8), static_block(nn.GRUCell(8, 8)), nn.Linear(8, 1)
+
+    def f(toks):
+        h = torch.zeros(8)
+        for t in toks:
+            h = cell(emb(torch.tensor(t)), h)
+            if torch.sigmoid(score(h)).item() > 0.99:
+                break
+        return h
+
+    data = [[random.randrange(50) for _ in range(random.randint(3, 12))] for _ in range(20)]
+    g = autobatch(f)
+    with torch.no_grad():
+        for o, d in zip(g(data), data):
+            torch.testing.assert_close(o, f(d))
+    assert UNPACKED_WAITS in g.stats.recurrences_unpacked

@@ -197,3 +197,25 @@ def test_half_segment_sums_and_means_round_as_eager(dtype):
             assert torch.equal(ragged.seg_reduce(kind, x, seg, cnt, 4, False), want), kind
         want = torch.cat([torch.log_softmax(t, 0) for t in xs])
         assert torch.equal(ragged.seg_softmax("log_softmax", x, seg, 4), want)
+
+
+def test_a_block_whose_list_use_has_no_ragged_form_says_why():
+    # new-user pass, stop 36: such blocks silently ran one group per list length
+    W = torch.randn(8, 8)
+
+    @static_block
+    def attend(q, keys):
+        K = torch.stack(keys)
+        w = torch.softmax(K @ q, dim=0)  # a product with the list's rows: no ragged form
+        return (w.unsqueeze(1) * K).sum(0)
+
+    def inst(n):
+        ks = [torch.tanh(W @ torch.full((8,), float(i) / n)) for i in range(n)]
+        return attend(ks[-1], ks)
+
+    f = autobatch(inst)
+    lens = [1, 2, 3, 2, 5]
+    for o, n in zip(f(lens), lens):
+        torch.testing.assert_close(o, inst(n))
+    assert any("attend: __matmul__ on the list's rows" in k for k in f.stats.ragged_declined), f.stats.summary()
+    assert "not ragged" in f.stats.summary()

@@ -613,6 +613,14 @@ class StaticBlock:
         return SIGNATURES.add(key, lambda sid: SigInfo(sid, key, self, struct, leaves, _Lazy, state[0], state,
                                                        prog.out_struct, prog.out_dids, prog.out_rg, program=prog))
 
+    def _ragged_declined(self, rec, why: str) -> None:
+        """Tell the call's statistics why this block's list arguments are not run as ragged groups
+        (its nodes then group by list length: ``RunStats.ragged_declined``)."""
+        st = getattr(getattr(rec, "runtime", None), "stats", None)
+        if st is not None and hasattr(st, "note_ragged_declined"):
+            st.note_ragged_declined(f"{self.name}: {why}")
+        return None
+
     def _trace_ragged(self, key, args, pattern, classes, state, rec):
         """Trace with ragged lists (2 placeholder members each); None if the trace is not ragged-safe."""
         from batchcraft.autobatching import ragged
@@ -638,13 +646,14 @@ class StaticBlock:
                 new_args.append(a)
         try:
             out = self._run_body(tracer, new_args, {})
-        except AutobatchError:
-            return None  # e.g. the body indexes the list: per-length tracing will say what is wrong
+        except AutobatchError as exc:
+            # e.g. the body indexes the list: per-length tracing will say what is wrong
+            return self._ragged_declined(rec, f"its trace over the list failed ({exc.args[0] if exc.args else exc})")
         if tracer.ragged_unsafe is not None:
-            return None
+            return self._ragged_declined(rec, tracer.ragged_unsafe)
         prog = self._finish(tracer, out, key, ragged_dids, classes, n_in=j)
         if not ragged.analyse(prog):
-            return None
+            return self._ragged_declined(rec, getattr(prog, "ragged_declined", "an operation without a ragged form"))
         leaves = [a for a in args if type(a) is _Lazy]
         return SIGNATURES.add(key, lambda sid: SigInfo(sid, key, self, ("ragged", tuple(pattern)), leaves, _Lazy,
                                                        state[0], state, prog.out_struct, prog.out_dids, prog.out_rg,

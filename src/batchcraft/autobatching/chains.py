@@ -156,13 +156,16 @@ class Chains:
 
 
 #: why a recurrent-cell block's steps were not packed (``RunStats.recurrences_unpacked``)
-UNPACKED_FORM = ("not the packable form: one cell on per-instance (H,) rows (not (1, H)), its input and "
-                 "state passed to the block, its weights captured")
+UNPACKED_FORM = ("a cell call in a form that is not packed (packing takes one cell on per-instance (H,) "
+                 "rows, not (1, H), with its input and state passed to the block and its weights captured; "
+                 "a tree of cells does not pack in any form)")
+UNPACKED_WAITS = ("one step per flush: the instances request a value between the steps (a break on the "
+                  "state), so each step runs as its own group")
 UNPACKED_CHAINS = "its steps do not form chains (a step's state is also read elsewhere)"
 UNPACKED_INPUTS = "inputs or initial states are computed after the first step (from the recurrence itself)"
 
 
-def plan(rec, groups, note=None):
+def plan(rec, groups, note=None, waits=False):
     """Which signatures of this flush run as one layer call.
 
     Args:
@@ -170,6 +173,8 @@ def plan(rec, groups, note=None):
         groups (list): ``[(key, nodes), ...]`` in run order, key = ``(phase, depth, sid)``.
         note: optional ``note(reason, steps)``, told why a recurrent-cell block with enough
             steps was not packed (:data:`UNPACKED_FORM` and the others).
+        waits (bool): this flush runs at a value request (a cell block's single step here is
+            then noted as :data:`UNPACKED_WAITS`).
     Returns:
         ``(schedule, rest)``: ``schedule`` lists ``("group", key, nodes)`` and ``("chains",
         Chains)`` items in run order (a fused signature at its first group's place); ``rest`` the
@@ -180,9 +185,12 @@ def plan(rec, groups, note=None):
         by_sig.setdefault((key[0], key[2]), []).append(i)
     fused: dict = {}
     for (_, sid), idxs in by_sig.items():
-        if len(idxs) < 2:
-            continue
         info = SIGNATURES.by_sid[sid]
+        if len(idxs) < 2:
+            if note is not None and waits and not info.ragged and info.program is not None \
+                    and spec_of(info.program) is not None:
+                note(UNPACKED_WAITS, len(groups[idxs[0]][1]))
+            continue
         if info.state[2] is not None or info.ragged:
             continue
         prog = info.program

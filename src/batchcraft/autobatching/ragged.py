@@ -231,6 +231,7 @@ def analyse(prog) -> bool:
             continue
         res = _plan_step(st, leaves)
         if res is None:
+            prog.ragged_declined = f"{st.name} on the list's rows"
             return False
         entry, out_classes = res
         plan[st.index] = (entry, [k for k, _, _ in leaves], out_classes)
@@ -242,6 +243,7 @@ def analyse(prog) -> bool:
         key = ("in", ref[1]) if ref[0] == "in" else (("ragged", ref[1]) if ref[0] == "ragged" else
                                                         (ref[1], ref[2]) if ref[0] == "val" else None)
         if key is not None and layouts.get(key) is not None:
+            prog.ragged_declined = "a per-member value (a row of the list) is returned"
             return False
     prog.ragged_plan = plan
     return True

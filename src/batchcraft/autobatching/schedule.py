@@ -30,7 +30,7 @@ class DepthScheduler:
         groups = rec.take_buckets()
         groups.sort(key=lambda kv: (kv[0][0], kv[0][1]))
         if executor.options.fuse_recurrences and hasattr(rec, "chains") and not rec.hooks:
-            schedule, groups = _chains.plan(rec, groups, stats.note_unpacked)  # chains.py: one layer call
+            schedule, groups = _chains.plan(rec, groups, stats.note_unpacked, stats.syncs > 0)  # chains.py: one layer call
         else:
             schedule = [("group", key, nodes) for key, nodes in groups]
         if executor.options.packed_order:

@@ -30,6 +30,9 @@ class RunStats:
             (``order.consumer_order``), so that the readers took views instead of gathers.
         groups_deduplicated, rows_deduplicated (int): groups with integer inputs run once per
             distinct input (``dedup.py``), and the rows that were not computed.
+        ragged_declined (dict[str, int]): static blocks whose list arguments could not run as
+            ragged groups (their nodes then group by list length), with the operation or use that
+            prevented it; noted when a block is traced for a new list pattern.
         record_s, schedule_s, gather_s, kernel_s (float): seconds spent recording instance code,
             ordering groups, gathering per-instance arguments, and in batched programs.
         kernels_measured (int): matrix-multiply shape classes whose kernel was measured during
@@ -58,6 +61,7 @@ class RunStats:
     groups_deduplicated: int = 0
     rows_deduplicated: int = 0
     recurrences_unpacked: dict = field(default_factory=dict)
+    ragged_declined: dict = field(default_factory=dict)
     record_s: float = 0.0
     schedule_s: float = 0.0
     gather_s: float = 0.0
@@ -68,6 +72,9 @@ class RunStats:
 
     def note_fallback(self, reason: str, count: int = 1) -> None:
         self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + count
+
+    def note_ragged_declined(self, reason: str) -> None:
+        self.ragged_declined[reason] = self.ragged_declined.get(reason, 0) + 1
 
     def note_unpacked(self, reason: str, count: int) -> None:
         self.recurrences_unpacked[reason] = self.recurrences_unpacked.get(reason, 0) + count
@@ -106,6 +113,9 @@ class RunStats:
             text += "; groups: " + ", ".join(f"{k} {v}" for k, v in sorted(self.groups_by_rule.items()))
         if self.fallback_reasons:
             text += "; fallbacks: " + "; ".join(f"{k} (x{v})" for k, v in sorted(self.fallback_reasons.items()))
+        if self.ragged_declined:
+            text += "; list arguments grouped by length, not ragged: " + "; ".join(
+                f"{k} (x{v})" for k, v in sorted(self.ragged_declined.items()))
         if self.recurrences_unpacked:
             text += "; recurrences run step by step: " + "; ".join(
                 f"{k} (x{v})" for k, v in sorted(self.recurrences_unpacked.items()))
