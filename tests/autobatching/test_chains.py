@@ -308,6 +308,7 @@ def test_a_cell_block_that_is_not_packed_says_why():
     assert results[(1, H)][1] == {UNPACKED_FORM: 40} and "step by step" in results[(1, H)][2]
 
 
+@pytest.mark.skipif(not _native.available, reason="fused recurrences need the C core")
 def test_a_cell_block_stepped_between_value_requests_says_why_it_is_not_packed():
     # new-user pass, stop 36: recurrences_unpacked was empty for a break on the state
     import random
