@@ -2711,6 +2711,29 @@ static PyTypeObject BlockCallType = {
     .tp_new = blockcall_new,
 };
 
+/* The recorder's mode off the torch-function stack while batchcraft records on its own (as torch
+   does around a mode's handler): pop_mode returns the mode (a new reference) or NULL; push_mode
+   puts it back (stealing it), keeping an error that the work in between set, and returns `out`. */
+static PyObject *pop_mode(PyObject *rec) {
+    PyObject *mode = PyObject_GetAttr(rec, s_mode);
+    if (!mode) return NULL;
+    PyObject *r = PyObject_CallNoArgs(g_tf_pop);
+    if (!r) { Py_DECREF(mode); return NULL; }
+    Py_DECREF(r);
+    return mode;
+}
+
+static PyObject *push_mode(PyObject *mode, PyObject *out) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyObject *r = PyObject_CallOneArg(g_tf_push, mode);
+    Py_DECREF(mode);
+    if (!r) { Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(tb); Py_XDECREF(out); return NULL; }
+    Py_DECREF(r);
+    PyErr_Restore(et, ev, tb);
+    return out;
+}
+
 /* ---- FastFn: a torch function read by the recording thread (ccore.FAST_FACTORIES) ------------
    torch.sigmoid(x) on a lazy value goes through torch's dispatch to the innermost mode, the
    recorder's (about 0.7 µs here before the recording itself). Read through a RecordingAttr by the
@@ -2747,20 +2770,11 @@ static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size
                     kw = kwnames_to_dict(args, nargs, kwnames);
                     if (!kw) return NULL;
                 }
-                PyObject *mode = PyObject_GetAttr(rec, s_mode);
-                PyObject *r = mode ? PyObject_CallNoArgs(g_tf_pop) : NULL;
-                if (!r) { Py_XDECREF(mode); Py_XDECREF(kw); return NULL; }
-                Py_DECREF(r);
+                PyObject *mode = pop_mode(rec);
+                if (!mode) { Py_XDECREF(kw); return NULL; }
                 PyObject *out = rec_record_impl(rec, ff->original, args, nargs, kw);
                 Py_XDECREF(kw);
-                PyObject *et, *ev, *tb;
-                PyErr_Fetch(&et, &ev, &tb);
-                r = PyObject_CallOneArg(g_tf_push, mode);
-                Py_DECREF(mode);
-                if (!r) { Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(tb); Py_XDECREF(out); return NULL; }
-                Py_DECREF(r);
-                PyErr_Restore(et, ev, tb);
-                return out;
+                return push_mode(mode, out);
             }
         }
     }
@@ -2955,18 +2969,10 @@ static PyObject *record_on_top(PyObject *rec, PyObject *func, PyObject *const *a
     Py_DECREF(top);
     if (!on_top) { Py_DECREF(mode); return NULL; }
     *declined = 0;
-    PyObject *r = PyObject_CallNoArgs(g_tf_pop);
-    if (!r) { Py_DECREF(mode); return NULL; }
-    Py_DECREF(r);
-    PyObject *out = rec_record_impl(rec, func, a, n, kw);
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    r = PyObject_CallOneArg(g_tf_push, mode);
     Py_DECREF(mode);
-    if (!r) { Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(tb); Py_XDECREF(out); return NULL; }
-    Py_DECREF(r);
-    PyErr_Restore(et, ev, tb);
-    return out;
+    mode = pop_mode(rec);
+    if (!mode) return NULL;
+    return push_mode(mode, rec_record_impl(rec, func, a, n, kw));
 }
 
 /* A cell's patched forward (cells._fast_cell) in C, for its common case only: positional (input,
@@ -3022,11 +3028,8 @@ static PyObject *cell_direct(FastCallObject *fc, PyObject *rec, PyObject *self, 
     /* as the forward: the recorder's mode innermost, else torch's forward (a mode of the user's) */
     int top = rec_mode_on_top(rec);
     if (top <= 0) return NULL;
-    PyObject *mode = PyObject_GetAttr(rec, s_mode);
+    PyObject *mode = pop_mode(rec);
     if (!mode) return NULL;
-    PyObject *r = PyObject_CallNoArgs(g_tf_pop);
-    if (!r) { Py_DECREF(mode); return NULL; }
-    Py_DECREF(r);
     *declined = 0;
     PyObject *pa[3] = {x, w[0], w[2]};
     for (int i = 0; i < 4; i++) Py_INCREF(w[i]);
@@ -3043,14 +3046,7 @@ static PyObject *cell_direct(FastCallObject *fc, PyObject *rec, PyObject *self, 
         Py_DECREF(gi);
     }
     for (int i = 0; i < 4; i++) Py_DECREF(w[i]);
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    r = PyObject_CallOneArg(g_tf_push, mode);
-    Py_DECREF(mode);
-    if (!r) { Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(tb); Py_XDECREF(out); return NULL; }
-    Py_DECREF(r);
-    PyErr_Restore(et, ev, tb);
-    return out;
+    return push_mode(mode, out);
 }
 
 static PyObject *fc_fast(FastCallObject *fc, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
