@@ -347,3 +347,10 @@ def test_an_empty_call_does_not_decide_auto_fibers():
     g([])
     g([torch.ones(2)] * 4)
     assert g.stats.fibers and g.stats.syncs == 1
+
+
+def test_auto_fibers_accept_an_array_of_instances():
+    np = pytest.importorskip("numpy")
+    g = autobatch(lambda x: torch.tensor(float(x)) * 2)
+    for _ in range(2):  # (the second call decides from the first: an array has no truth value)
+        assert [float(o) for o in g(np.array([1, 2, 3]))] == [2.0, 4.0, 6.0]

@@ -78,7 +78,7 @@ class AutoBatched:
             return rt.run(instances)
         finally:
             self.stats = rt.stats
-            if self._waits is not True and instances:  # a wait once: fibers from then on
+            if self._waits is not True and len(instances):  # a wait once: fibers from then on
                 self._waits = rt.stats.syncs > 0
 
     def _eager(self, instances, modes) -> list:
