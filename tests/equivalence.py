@@ -142,12 +142,15 @@ def check_inputs_against_eager(fn, xs, core, params=()):
 
 
 class NameLog(TorchFunctionMode):
-    """A torch-function mode that logs the ``__name__`` of every call it sees (``.names``)."""
+    """A torch-function mode that logs every call it sees: the ``__name__`` (``.names``) and the
+    function object (``.funcs``, optionally a list shared by several of these modes)."""
 
-    def __init__(self):
+    def __init__(self, funcs: list | None = None):
         super().__init__()
         self.names = []
+        self.funcs = [] if funcs is None else funcs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.names.append(getattr(func, "__name__", str(func)))
+        self.funcs.append(func)
         return func(*args, **(kwargs or {}))

@@ -15,6 +15,8 @@ from torch.overrides import TorchFunctionMode
 from batchcraft import autobatch
 from batchcraft.autobatching import _native
 
+from equivalence import NameLog
+
 pytestmark = pytest.mark.skipif(not _native.available, reason="the C core was not built")
 ORIGINAL = torch.tensor
 
@@ -151,13 +153,8 @@ def test_a_mode_in_another_thread_that_tests_func_is_torch_tensor_still_matches(
 def test_a_mode_of_the_instance_code_gets_the_real_torch_tensor_as_func():
     funcs = []
 
-    class Spy(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            funcs.append(func)
-            return func(*args, **(kwargs or {}))
-
     def f(x):
-        with Spy():
+        with NameLog(funcs):
             inside = torch.tensor is ORIGINAL  # a mode of the user's is innermost
             a = torch.tensor(1.5)
         return x + a, inside

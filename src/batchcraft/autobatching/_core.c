@@ -2744,7 +2744,6 @@ static PyObject *push_mode(PyObject *mode, PyObject *out) {
    every other call goes to the original. Attributes read through to the original. */
 typedef struct { PyObject_HEAD vectorcallfunc vectorcall; PyObject *original; } FastFnObject;
 
-static int rec_mode_on_top(PyObject *rec);
 
 static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
@@ -2950,27 +2949,14 @@ static int fc_plain_param(FastCallObject *fc, PyObject *p) {
 }
 
 /* rec.record(func, args, kwargs) with the recorder's mode off the stack, as the mode's handler
-   runs it (modcalls._record_on_top); *declined = 1 when the mode is not innermost */
+   runs it (modcalls._record_on_top); *declined = 1 when the mode is not innermost (rec_mode_on_top) */
 static PyObject *record_on_top(PyObject *rec, PyObject *func, PyObject *const *a, Py_ssize_t n, PyObject *kw,
                                int *declined) {
     *declined = 1;
-    PyObject *mode = PyObject_GetAttr(rec, s_mode);
-    if (!mode) return NULL;
-    PyObject *ln = mode != Py_None ? PyObject_CallNoArgs(g_tf_len) : NULL;
-    Py_ssize_t len = ln ? PyLong_AsSsize_t(ln) : 0;
-    Py_XDECREF(ln);
-    if ((mode != Py_None && !ln) || (len < 0 && PyErr_Occurred())) { Py_DECREF(mode); return NULL; }
-    if (len <= 0) { Py_DECREF(mode); return NULL; }
-    PyObject *idx = PyLong_FromSsize_t(len - 1);
-    PyObject *top = idx ? PyObject_CallOneArg(g_tf_at, idx) : NULL;
-    Py_XDECREF(idx);
-    if (!top) { Py_DECREF(mode); return NULL; }
-    int on_top = top == mode;
-    Py_DECREF(top);
-    if (!on_top) { Py_DECREF(mode); return NULL; }
+    int top = rec_mode_on_top(rec);
+    if (top <= 0) return NULL;
     *declined = 0;
-    Py_DECREF(mode);
-    mode = pop_mode(rec);
+    PyObject *mode = pop_mode(rec);
     if (!mode) return NULL;
     return push_mode(mode, rec_record_impl(rec, func, a, n, kw));
 }

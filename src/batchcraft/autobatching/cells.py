@@ -130,8 +130,6 @@ def lower_gates(func, args, kwargs, lw):
 
 _MISSING = object()
 _NO_PARAMS: dict = {}
-_WEIGHT_NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
-_CLASS_OK: dict = {}  # modcalls.class_calls_own's verdicts for the cell classes
 
 
 def _plain_tensor(t, lazy_type) -> bool:
@@ -161,7 +159,7 @@ def _fast_cell(original, n_states, gates_of):
         d = self.__dict__
         cls = type(self)
         if ("weight_ih" in d or "weight_hh" in d or "bias_ih" in d or "bias_hh" in d
-                or not _modcalls.class_calls_own(cls, _WEIGHT_NAMES, _CLASS_OK)):
+                or not _modcalls.class_calls_own(cls, _modcalls.CELL_PARAMS, _modcalls.CELL_VERDICTS)):
             return original(self, input, hx)  # the forward reads its weights another way
         params = d.get("_parameters") or _NO_PARAMS
         w_ih, w_hh = params.get("weight_ih", _MISSING), params.get("weight_hh", _MISSING)

@@ -192,7 +192,7 @@ def _embedding_call(self, *args, **kwargs):
 def _forward_call(cls):
     """``__call__`` of a cell class: its (patched, see cells.py) forward without the hook frames."""
     def __call__(self, *args, **kwargs):
-        if _plain_recording(self, args, _CELL_PARAMS, _CELL_OK) is not None:
+        if _plain_recording(self, args, CELL_PARAMS, CELL_VERDICTS) is not None:
             return self.forward(*args, **kwargs)  # as _call_impl reads it (a staticmethod, a callable)
         return nn.Module.__call__(self, *args, **kwargs)
 
@@ -218,10 +218,12 @@ _TORCH_CALLS = all(torch_own(f) for f in (_module_call, _CALL_IMPL, _WRAPPED_CAL
 _GETATTR, _GETATTRIBUTE = nn.Module.__getattr__, object.__getattribute__
 _LINEAR_PARAMS = ("weight", "bias")
 _EMBEDDING_PARAMS = ("weight",)  # its settings are read by plain attribute lookup, as forward does
-_CELL_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+#: the registered parameters a cell's forward reads, and the class verdicts for them (shared
+#: with the cells' fast forward, cells.py)
+CELL_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 _LINEAR_OK: dict = {}
 _EMBEDDING_OK: dict = {}
-_CELL_OK: dict = {}
+CELL_VERDICTS: dict = {}
 
 _FAST_CALL = getattr(_native.core, "FastCall", None) if _native.core is not None else None
 
@@ -245,7 +247,7 @@ def cell_call(cls, forward, gates, n_states: int):
     (:data:`batchcraft.autobatching.cells.FAST_CELLS`): the C core's ``FastCall`` also runs that
     forward's common case itself (projection + ``gates`` recorded, ``n_states`` state tensors);
     else :func:`_forward_call`'s Python function. None (no patch) as :func:`_in_c`."""
-    return _in_c(cls, 2, _forward_call(cls), forward, gates, _CELL_PARAMS, _CELL_OK, _F_LINEAR, n_states)
+    return _in_c(cls, 2, _forward_call(cls), forward, gates, CELL_PARAMS, CELL_VERDICTS, _F_LINEAR, n_states)
 
 
 #: enter/exit around a recording call (the cells' ``__call__`` is patched with their forward, by
@@ -257,4 +259,4 @@ FAST_CALLS = PatchSet(
                  _in_c(nn.Embedding, 1, _embedding_call, _EMBEDDING_FORWARD, _F_EMBEDDING, _EMBEDDING_PARAMS,
                        _EMBEDDING_OK))])
 
-__all__ = ["FAST_CALLS", "cell_call", "torch_own"]
+__all__ = ["FAST_CALLS", "cell_call", "torch_own", "class_calls_own", "CELL_PARAMS", "CELL_VERDICTS"]
