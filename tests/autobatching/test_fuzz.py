@@ -100,14 +100,16 @@ def _restore(P, snap):
 
 
 def check_program(program, specs, scheduler="depth", fibers=True, max_pending=None, seed=0, cores=None,
-                  ragged=True, hoist=True, kernels="default", packed_order=True, device=None):
+                  ragged=True, hoist=True, kernels="default", packed_order=True, device=None, inference=False):
     """Run ``program`` eagerly and batched (on each core of ``cores``) on the instances of ``specs``;
     assert equal values, dtypes, requires_grad, gradients and final module buffers.
 
     With ``packed_order`` every recurrence is reordered (its size threshold lowered to 2 nodes,
     so the fuzzer's few instances reach it); without, none is. With ``device`` (``"cuda"``) both
     runs happen under ``with torch.device(device)``: parameters, instances and every tensor the
-    program makes live there, as in a user's ``torch.set_default_device`` program."""
+    program makes live there, as in a user's ``torch.set_default_device`` program. With
+    ``inference`` both runs happen under ``torch.no_grad()`` (values only): the batched programs'
+    elementwise steps then run as fused kernels (``fuse.py``), which autograd turns off."""
     from contextlib import nullcontext
 
     from batchcraft.autobatching import chains, dedup, execute, order
@@ -119,12 +121,14 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
     try:
         for core in cores or [CORES[0]]:
             with torch.device(device) if device is not None else nullcontext():
-                f = _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragged, hoist, kernels,
-                               packed_order)
+                with torch.no_grad() if inference else nullcontext():
+                    f = _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragged, hoist,
+                                   kernels, packed_order)
             COUNTS[f"programs_{core}"] = COUNTS.get(f"programs_{core}", 0) + 1
             fused = sum(v for k, v in f.stats.groups_by_rule.items() if k.startswith("fused_"))
             COUNTS["fused_chain_calls"] = COUNTS.get("fused_chain_calls", 0) + fused
             COUNTS["groups_reordered"] = COUNTS.get("groups_reordered", 0) + f.stats.groups_reordered
+            COUNTS["steps_fused"] = COUNTS.get("steps_fused", 0) + f.stats.steps_fused
             for k in ("groups_consumer_ordered", "groups_deduplicated"):
                 COUNTS[k] = COUNTS.get(k, 0) + getattr(f.stats, k)
     finally:
@@ -288,6 +292,7 @@ options = st.fixed_dictionaries({
     "hoist": st.booleans(),
     "packed_order": st.booleans(),   # recurrences longest instance first vs recording order
     "kernels": st.sampled_from(("default", "onednn")),
+    "inference": st.booleans(),  # the whole call under no_grad: fused elementwise kernels (fuse.py)
 })
 
 

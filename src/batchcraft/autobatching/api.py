@@ -114,8 +114,8 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "a
               max_pending: int | None = None, core: str = "auto", ragged: bool = True, hoist: bool = True,
               kernels: str = "auto", arenas: bool = True, packed_order: bool = True,
               consumer_order: bool = True, dedup: bool = True, fuse_recurrences: bool = True,
-              compile_blocks: bool = False, fast_attributes: bool = True, fast_factories: bool = True,
-              fast_modules: bool = True, retain_memory: bool = True) -> AutoBatched:
+              fuse_elementwise: bool = True, fast_attributes: bool = True, fast_factories: bool = True,
+              fast_modules: bool = True, retain_memory: bool = True, compile_blocks: bool | None = None) -> AutoBatched:
     """Return a callable that runs per-instance ``fn`` over many instances in batches.
 
     ``fn`` is ordinary PyTorch code for *one* instance: torch functions, Tensor methods and
@@ -165,8 +165,12 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "a
             block (``static_block(nn.LSTMCell(...))``, ``GRUCell``, ``RNNCell``) in a flush run as
             one packed ``nn.LSTM``-kind layer call, where the recording proves it equivalent
             (``chains.py``; ACRoBat/DyNet run one batched cell per step). Default: True.
-        compile_blocks (bool): run static blocks' programs through ``torch.compile`` (off: on the
-            CPU it costs seconds per signature and was slower at the suite's sizes).
+        fuse_elementwise (bool): in a batched program, runs of elementwise steps (``sigmoid``,
+            ``tanh``, ``+``, ``*``, ``chunk``...) on float32 CPU values run as one C kernel pass
+            over the rows (``fuse.py``) when nothing needs autograd; sigmoid / tanh / exp then
+            agree with torch's within a few float32 units in the last place. Default: True.
+        compile_blocks: deprecated, no effect (it did nothing since the v2 core; ``fuse_elementwise``
+            is what fuses a block's elementwise tail). Passing it warns.
         fast_attributes (bool): C core: while the call records, ``self.cell`` (a submodule,
             parameter or buffer read) is found on the module's class by a C descriptor doing
             ``nn.Module.__getattr__``'s lookups, instead of through Python 3.11's formatted-and-
@@ -234,10 +238,13 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "a
     """
     if not callable(fn):
         raise TypeError(f"autobatch: fn must be callable, got {type(fn).__name__}")
+    if compile_blocks is not None:
+        warnings.warn("autobatch: compile_blocks has no effect (elementwise tails are fused by "
+                      "fuse_elementwise=True, the default) and will be removed", DeprecationWarning, stacklevel=2)
     return AutoBatched(fn, Options(scheduler=scheduler, fibers=fibers, max_steps=max_steps, max_pending=max_pending,
                                    core=core, ragged=ragged, hoist=hoist, kernels=kernels, arenas=arenas,
                                    packed_order=packed_order, consumer_order=consumer_order, dedup=dedup, fuse_recurrences=fuse_recurrences,
-                                   compile_blocks=compile_blocks, fast_attributes=fast_attributes,
+                                   fuse_elementwise=fuse_elementwise, fast_attributes=fast_attributes,
                                    fast_factories=fast_factories, fast_modules=fast_modules,
                                    retain_memory=retain_memory))
 

@@ -24,6 +24,7 @@ import torch
 
 from batchcraft.autobatching import chains as _chains
 from batchcraft.autobatching import dedup as _dedup
+from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching.descs import DESCS, row_bytes
 from batchcraft.autobatching.gather import index_tensor, keep_requires_grad, take, take_all
@@ -156,17 +157,19 @@ class Executor:
 
     def runner_of(self, info) -> Runner:
         prog = program_of(info)
-        r = prog.lowered.get(self.kernels)
+        key = (self.kernels, self.options.fuse_elementwise)
+        r = prog.lowered.get(key)
         if r is None:
-            r = prog.lowered[self.kernels] = Runner(prog, self.kernels, getattr(prog, "ragged_plan", None)
-                                                    if info.ragged else None)
+            r = prog.lowered[key] = Runner(prog, self.kernels, getattr(prog, "ragged_plan", None)
+                                           if info.ragged else None, fuse=self.options.fuse_elementwise)
         return r
 
     def runner_for(self, prog) -> Runner:
         """The runner of a derived (hoisting) program."""
-        r = prog.lowered.get(self.kernels)
+        key = (self.kernels, self.options.fuse_elementwise)
+        r = prog.lowered.get(key)
         if r is None:
-            r = prog.lowered[self.kernels] = Runner(prog, self.kernels)
+            r = prog.lowered[key] = Runner(prog, self.kernels, fuse=self.options.fuse_elementwise)
         return r
 
     # -- hoisting (hoist.py) -----------------------------------------------------------------------
@@ -240,6 +243,8 @@ class Executor:
                         segs.append(index_tensor(seg, dev))
                         cnts.append(index_tensor(cnt, dev))
             t1 = _perf()
+            fc = _fuse.COUNTS
+            c0, s0, d0 = fc.calls, fc.steps, fc.declined
             try:
                 outs = None
                 if (hoisted is None and n >= _dedup.MIN_NODES and self.options.dedup and not info.grad
@@ -264,6 +269,10 @@ class Executor:
                 outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), rags, plans, exc)
             except Exception as exc:
                 outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), rags, plans, exc)
+            if fc.calls != c0 or fc.declined != d0:
+                st.fused_kernels += fc.calls - c0
+                st.steps_fused += fc.steps - s0
+                st.fused_declined += fc.declined - d0
         if runner.fallback_steps:
             st.fallbacks += n * runner.fallback_steps
             for reason in runner.fallbacks.values():

@@ -25,6 +25,7 @@ from collections import Counter
 
 import torch
 
+from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.program import draws
 from batchcraft.autobatching.rules import rule_for
@@ -195,10 +196,12 @@ class Runner:
         rules (Counter): which rule each batched step used (for ``RunStats.groups_by_rule``).
     """
 
-    def __init__(self, program, kernels=None, ragged_plan=None):
+    def __init__(self, program, kernels=None, ragged_plan=None, fuse=False):
         self.program = program
         self.kernels = kernels
         self.ragged_plan = ragged_plan
+        self.fuse = fuse
+        self.clusters: list = []
         self.fallbacks: dict = {}
         self.rules: Counter = Counter()
         self._fast = None
@@ -232,8 +235,14 @@ class Runner:
                 return vals[(ref[1], ref[2])]
             return em.name(ref[1], "C"), False
 
+        step_lines: dict = {}
+        leaf_exprs: dict = {}
+        leaf_batched: dict = {}
         for st in prog.steps:
             ex, bt = zip(*[leaf_expr(r) for r in st.refs]) if st.refs else ((), ())
+            leaf_exprs[st.index] = ex
+            leaf_batched[st.index] = bt
+            lines = step_lines[st.index] = []
             batched = list(bt)
             var = f"v{st.index}"
             if not any(batched):
@@ -270,6 +279,11 @@ class Runner:
                     lines.append(f"    if r is not None: raise _StepFailed({st.index}, r)")
             for s in range(n_out):
                 vals[(st.index, s)] = (f"{var}_{s}", any_b)
+        clusters = [] if checked or not self.fuse else _fuse.plan(prog, leaf_exprs, leaf_batched, self.ragged_plan,
+                                                                          self.fallbacks)
+        lines = _assemble(em, prog, step_lines, clusters)
+        if not checked:
+            self.clusters = clusters
         outs = []
         for ref, did in zip(prog.out_refs, prog.out_dids):
             e, b = leaf_expr(ref)
@@ -282,6 +296,11 @@ class Runner:
         code = compile(src, f"<batchcraft program {prog.name}>", "exec")
         exec(code, em.ns)
         return em.ns["run"], src, rules
+
+    @property
+    def fused_steps(self) -> int:
+        """Steps of this program that run inside fused elementwise kernels (:mod:`fuse`)."""
+        return sum(len(c.members) for c in self.clusters)
 
     @staticmethod
     def _rebuilt(st, exprs):
@@ -300,7 +319,7 @@ class Runner:
             fn = _per_instance(st.func.fn if hasattr(st.func, "record_in") else st.func, st.struct, batched)
             return f"{em.name(fn, 'P')}({', '.join(exprs)})", "fallback"
         if st.info is not None and st.info.program is not None:  # a nested static block
-            nested = Runner(st.info.program, self.kernels)
+            nested = Runner(st.info.program, self.kernels, fuse=self.fuse)
             ins = []
             for e, b, d in zip(exprs, batched, st.dids):
                 if d is None:
@@ -359,6 +378,39 @@ class Runner:
     @property
     def fallback_steps(self) -> int:
         return len(self.fallbacks)
+
+
+def _assemble(em, prog, step_lines, clusters) -> list:
+    """The function body: each step's lines, with each fused cluster's kernel call (and its
+    steps, as lowered, for when the call declines) where the cluster runs (:mod:`fuse`)."""
+    at: dict = {}
+    fused = set()
+    for cl in clusters:
+        at.setdefault(cl.before, []).append(cl)
+        fused.update(cl.members)
+    lines: list = []
+
+    def emit(cl):
+        fz = em.name(cl.call, "fz")
+        rows = "n" if cl.space == "node" else f"len(S{cl.space})"
+        seg = "None" if cl.space == "node" else f"S{cl.space}"
+        lines.append(f"    _r = {fz}({rows}, {seg}, {', '.join(cl.operands)})")
+        lines.append("    if _r is None:")
+        for i in cl.members:
+            lines.extend("    " + ln for ln in step_lines[i])
+        lines.append("    else:")
+        lines.append(f"        {', '.join(f'v{k[1]}_{k[2]}' for k in cl.outputs)}, = _r")
+        for i in cl.remat:
+            lines.extend("    " + ln for ln in step_lines[i])
+
+    for st in prog.steps:
+        for cl in at.get(st.index, ()):
+            emit(cl)
+        if st.index not in fused:
+            lines.extend(step_lines[st.index])
+    for cl in at.get(None, ()):
+        emit(cl)
+    return lines
 
 
 def per_node_draws(n, draw):

@@ -39,7 +39,8 @@ class Options:
         fuse_recurrences (bool): depth scheduler, C core: the per-step chains of a recurrent cell
             block (``static_block(nn.LSTMCell)``, GRU, RNN) run as one packed recurrent-layer call
             where the trace proves it equivalent (``chains.py``).
-        compile_blocks (bool): run static blocks' batched programs through ``torch.compile``.
+        fuse_elementwise (bool): runs of elementwise steps of a batched program run as one C kernel
+            (``fuse.py``; float32 CPU values, nothing needing autograd).
         fast_attributes (bool): C core: during the call, the classes of the modules ``fn`` reaches
             hold a C descriptor per submodule / parameter / buffer name doing
             ``nn.Module.__getattr__``'s lookups (same values and errors; see ``attrs.py``).
@@ -67,7 +68,7 @@ class Options:
     consumer_order: bool = True
     dedup: bool = True
     fuse_recurrences: bool = True
-    compile_blocks: bool = False
+    fuse_elementwise: bool = True
     fast_attributes: bool = True
     fast_factories: bool = True
     fast_modules: bool = True
@@ -85,7 +86,7 @@ class Options:
         if self.fibers != "auto" and not isinstance(self.fibers, bool):
             raise ValueError(f"autobatch: fibers must be True, False or 'auto', got {self.fibers!r}")
         for name in ("ragged", "hoist", "arenas", "packed_order", "consumer_order", "dedup",
-                     "fuse_recurrences", "compile_blocks", "fast_attributes", "fast_factories", "fast_modules",
+                     "fuse_recurrences", "fuse_elementwise", "fast_attributes", "fast_factories", "fast_modules",
                      "retain_memory"):
             v = getattr(self, name)
             if not isinstance(v, bool):

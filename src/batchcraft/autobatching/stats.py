@@ -30,6 +30,9 @@ class RunStats:
             (``order.consumer_order``), so that the readers took views instead of gathers.
         groups_deduplicated, rows_deduplicated (int): groups with integer inputs run once per
             distinct input (``dedup.py``), and the rows that were not computed.
+        fused_kernels, steps_fused (int): fused elementwise kernel calls (``fuse.py``) and the
+            batched steps they ran instead of one torch call each; fused_declined: calls that ran
+            the steps' torch calls instead (autograd, another dtype or device, autocast).
         ragged_declined (dict[str, int]): static blocks whose list arguments could not run as
             ragged groups (their nodes then group by list length), with the operation or use that
             prevented it; noted when a block is traced for a new list pattern.
@@ -61,6 +64,9 @@ class RunStats:
     groups_deduplicated: int = 0
     rows_deduplicated: int = 0
     recurrences_unpacked: dict = field(default_factory=dict)
+    fused_kernels: int = 0
+    steps_fused: int = 0
+    fused_declined: int = 0
     ragged_declined: dict = field(default_factory=dict)
     record_s: float = 0.0
     schedule_s: float = 0.0
@@ -109,6 +115,9 @@ class RunStats:
         if self.page_faults >= 1000:  # fresh memory touched: each fault costs microseconds of kernel time
             text += (f"; {self.page_faults} page faults"
                      + ("" if self.memory_retained else " (memory retention off or unavailable: memory.py)"))
+        if self.fused_kernels or self.fused_declined:
+            text += (f"; {self.steps_fused} elementwise steps in {self.fused_kernels} fused kernels"
+                     + (f" ({self.fused_declined} declined)" if self.fused_declined else ""))
         if self.groups_by_rule:
             text += "; groups: " + ", ".join(f"{k} {v}" for k, v in sorted(self.groups_by_rule.items()))
         if self.fallback_reasons:

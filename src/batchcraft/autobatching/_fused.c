@@ -1,0 +1,482 @@
+/* batchcraft.autobatching._fused: fused elementwise tails of batched programs (float32, CPU).
+ *
+ * A batched program's elementwise steps (sigmoid, tanh, add, mul...) each cost a torch call: on
+ * the tens of rows a tree level or a time step batches, the call (its dispatch, an output
+ * allocation and one pass over memory) costs more than the maths. fuse.py finds clusters of such
+ * steps and hands each one here as a Kernel: a list of operations over value slots, run row by row
+ * with the row's intermediates in a small scratch buffer, one pass, no torch call.
+ *
+ * Plain CPython C API and raw float pointers (no torch headers, so no tie to a torch version).
+ * fuse.py checks every operand (float32, CPU, strided, unit element stride, no autograd) before a
+ * call; anything else runs the program's own torch calls.
+ *
+ * Maths: add/sub/mul/neg/relu are IEEE single precision as in torch (one rounding per op;
+ * -ffp-contract=off keeps the compiler from fusing a multiply and an add). exp, sigmoid and tanh
+ * are polynomial approximations (Cephes' expf and tanhf coefficients, S. L. Moshier) within a few
+ * units in the last place of torch's (which differ from one another by the same order: torch uses
+ * Sleef or MKL's vector library depending on layout). NaN propagates, +-inf saturate as torch's.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && defined(__linux__)
+#define BC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define BC_AVX512 1
+#include <immintrin.h>
+#else
+#define BC_CLONES
+#define BC_AVX512 0
+#endif
+
+/* opcodes (fuse.py mirrors them in OPCODES) */
+enum {
+    OP_ADD = 0, OP_SUB = 1, OP_MUL = 2,            /* d = a op b */
+    OP_ADD_S = 3, OP_SUB_S = 4, OP_MUL_S = 5,      /* d = a op s */
+    OP_RSUB_S = 6,                                  /* d = s - a */
+    OP_NEG = 7, OP_RELU = 8, OP_SIGMOID = 9, OP_TANH = 10, OP_EXP = 11,
+    OP_COUNT = 12
+};
+
+static inline float f_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* e^x; Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-7 polynomial, 2^n in two
+ * halves so that results down to the denormals stay right. */
+static inline float bc_exp(float x) {
+    float xc = x > 88.72283935546875f ? 88.72283935546875f : x;   /* NaN passes both tests */
+    xc = xc < -103.97208f ? -103.97208f : xc;
+    float n = xc * 1.44269504088896341f;
+    n = (n + 12582912.0f) - 12582912.0f;                             /* round to nearest */
+    n = (n == n) ? n : 0.0f;                                         /* NaN: keep the int cast defined */
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float z = r * r;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * z + r + 1.0f;
+    int32_t ni = (int32_t)n;
+    int32_t n1 = ni / 2;
+    int32_t n2 = ni - n1;
+    float y = p * f_of((uint32_t)(n1 + 127) << 23) * f_of((uint32_t)(n2 + 127) << 23);
+    y = x > 88.72283935546875f ? INFINITY : y;
+    y = x < -103.97208f ? 0.0f : y;
+    return y;
+}
+
+static inline float bc_sigmoid(float x) { return 1.0f / (1.0f + bc_exp(-x)); }
+
+/* tanh: Cephes tanhf's odd polynomial below |x| = 0.625, else 1 - 2 / (e^2|x| + 1) with x's sign */
+static inline float bc_tanh(float x) {
+    float ax = fabsf(x);
+    float z = x * x;
+    float p = -5.70498872745E-3f;
+    p = p * z + 2.06390887954E-2f;
+    p = p * z - 5.37397155531E-2f;
+    p = p * z + 1.33314422036E-1f;
+    p = p * z - 3.33332819422E-1f;
+    float small = p * z * x + x;
+    float e = bc_exp(2.0f * ax);
+    float large = copysignf(1.0f - 2.0f / (e + 1.0f), x);
+    small = x == 0.0f ? x : small;                                   /* tanh(-0) = -0 */
+    return ax < 0.625f ? small : large;                              /* NaN: large, which is NaN */
+}
+
+BC_CLONES static void k_add(float *restrict d, const float *a, const float *b, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = a[i] + b[i];
+}
+BC_CLONES static void k_sub(float *restrict d, const float *a, const float *b, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = a[i] - b[i];
+}
+BC_CLONES static void k_mul(float *restrict d, const float *a, const float *b, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = a[i] * b[i];
+}
+BC_CLONES static void k_add_s(float *restrict d, const float *a, float s, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = a[i] + s;
+}
+BC_CLONES static void k_sub_s(float *restrict d, const float *a, float s, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = a[i] - s;
+}
+BC_CLONES static void k_mul_s(float *restrict d, const float *a, float s, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = a[i] * s;
+}
+BC_CLONES static void k_rsub_s(float *restrict d, const float *a, float s, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = s - a[i];
+}
+BC_CLONES static void k_neg(float *restrict d, const float *a, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = -a[i];
+}
+BC_CLONES static void k_relu(float *restrict d, const float *a, Py_ssize_t w) {
+    /* as torch: relu(NaN) = NaN, relu(-0.0) = -0.0 */
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = a[i] < 0.0f ? 0.0f : a[i];
+}
+BC_CLONES static void k_sigmoid(float *restrict d, const float *a, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = bc_sigmoid(a[i]);
+}
+BC_CLONES static void k_tanh(float *restrict d, const float *a, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = bc_tanh(a[i]);
+}
+BC_CLONES static void k_exp(float *restrict d, const float *a, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] = bc_exp(a[i]);
+}
+
+typedef void (*unary_fn)(float *restrict, const float *, Py_ssize_t);
+static unary_fn f_sigmoid = k_sigmoid, f_tanh = k_tanh, f_exp = k_exp;
+
+#if BC_AVX512
+/* The same maths, 16 lanes with AVX-512F: vscalefps scales by 2^n with the right overflow to inf
+ * and underflow through the denormals, so the clamps only keep the polynomial's argument small. */
+#define T512 __attribute__((target("avx512f")))
+T512 static inline __m512 exp16(__m512 x) {
+    __m512 xc = _mm512_min_ps(_mm512_set1_ps(89.0f), x);             /* min/max(c, NaN) = NaN */
+    xc = _mm512_max_ps(_mm512_set1_ps(-104.0f), xc);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+T512 static inline __m512 sigmoid16(__m512 x) {
+    __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+T512 static inline __m512 tanh16(__m512 x) {
+    __m512 sign = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+    __m512 ax = _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_set1_epi32((int)0x80000000u), _mm512_castps_si512(x)));
+    __m512 z = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(-5.70498872745E-3f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954E-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531E-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036E-1f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422E-1f));
+    __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
+    small = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_EQ_OQ), small, x);  /* tanh(-0) = -0 */
+    __m512 e = exp16(_mm512_add_ps(ax, ax));
+    __m512 large = _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    large = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(large), _mm512_castps_si512(sign)));
+    __mmask16 m = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ);   /* NaN: large (NaN) */
+    return _mm512_mask_blend_ps(m, large, small);
+}
+#define LOOP16(NAME, FN)                                                                      \
+    T512 static void NAME(float *restrict d, const float *a, Py_ssize_t w) {                 \
+        Py_ssize_t i = 0;                                                                     \
+        for (; i + 16 <= w; i += 16) _mm512_storeu_ps(d + i, FN(_mm512_loadu_ps(a + i)));    \
+        if (i < w) {                                                                          \
+            __mmask16 m = (__mmask16)((1u << (w - i)) - 1u);                                  \
+            _mm512_mask_storeu_ps(d + i, m, FN(_mm512_maskz_loadu_ps(m, a + i)));             \
+        }                                                                                     \
+    }
+LOOP16(k_sigmoid512, sigmoid16)
+LOOP16(k_tanh512, tanh16)
+LOOP16(k_exp512, exp16)
+#endif
+
+static void choose_kernels(void) {
+#if BC_AVX512
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+        f_sigmoid = k_sigmoid512; f_tanh = k_tanh512; f_exp = k_exp512;
+    }
+#endif
+}
+
+/* ---- Kernel ------------------------------------------------------------------------------------
+ * Slots 0..n_slots-1, each a row of `width` floats:
+ *   input j   (kind 0): an operand; row r at ptr_j + (index ? index[r] : r) * row_stride_j
+ *   scratch   (kind 1): computed, read only inside the kernel: a buffer reused for every row
+ *   output j  (kind 2): computed and returned: row r at out_j + r * width
+ *   view      (kind 3): columns [offset, offset + width) of an earlier slot (a chunk)
+ * An op: (code, dst, a, b, scalar); b is -1 for unary and scalar ops. */
+
+typedef struct { int code, dst, a, b; float s; } Op;
+typedef struct { int kind, ref; Py_ssize_t width, offset; } Slot;
+
+typedef struct {
+    PyObject_HEAD
+    int n_ops, n_slots, n_in, n_out;
+    Op *ops;
+    Slot *slots;
+    Py_ssize_t scratch_floats;
+    Py_ssize_t *scratch_off;     /* per slot: offset in the scratch buffer (kind 1) */
+} Kernel;
+
+static void kernel_dealloc(Kernel *k) {
+    PyMem_Free(k->ops);
+    PyMem_Free(k->slots);
+    PyMem_Free(k->scratch_off);
+    Py_TYPE(k)->tp_free((PyObject *)k);
+}
+
+static int as_int(PyObject *seq, Py_ssize_t i, long *out) {
+    PyObject *o = PySequence_GetItem(seq, i);
+    if (!o) return -1;
+    *out = PyLong_AsLong(o);
+    Py_DECREF(o);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Kernel(slots, ops, n_in, n_out): slots [(kind, ref, width, offset)], ops [(code, dst, a, b, s)] */
+static PyObject *kernel_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *slots, *ops;
+    int n_in, n_out;
+    if (!PyArg_ParseTuple(args, "OOii:Kernel", &slots, &ops, &n_in, &n_out)) return NULL;
+    Py_ssize_t ns = PySequence_Size(slots), no = PySequence_Size(ops);
+    if (ns < 0 || no < 0) return NULL;
+    if (ns > 4096 || no > 4096 || n_in < 0 || n_out < 0) {
+        PyErr_SetString(PyExc_ValueError, "Kernel: too many slots or ops");
+        return NULL;
+    }
+    Kernel *k = (Kernel *)type->tp_alloc(type, 0);
+    if (!k) return NULL;
+    k->n_slots = (int)ns; k->n_ops = (int)no; k->n_in = n_in; k->n_out = n_out;
+    k->slots = PyMem_Calloc(ns ? ns : 1, sizeof(Slot));
+    k->ops = PyMem_Calloc(no ? no : 1, sizeof(Op));
+    k->scratch_off = PyMem_Calloc(ns ? ns : 1, sizeof(Py_ssize_t));
+    if (!k->slots || !k->ops || !k->scratch_off) { Py_DECREF(k); return PyErr_NoMemory(); }
+    int seen_in = 0, seen_out = 0;
+    for (Py_ssize_t i = 0; i < ns; i++) {
+        PyObject *t = PySequence_GetItem(slots, i);
+        if (!t) { Py_DECREF(k); return NULL; }
+        long v[4];
+        int bad = 0;
+        for (int q = 0; q < 4 && !bad; q++) bad = as_int(t, q, &v[q]);
+        Py_DECREF(t);
+        if (bad) { Py_DECREF(k); return NULL; }
+        Slot *s = &k->slots[i];
+        s->kind = (int)v[0]; s->ref = (int)v[1]; s->width = v[2]; s->offset = v[3];
+        int ok = s->width > 0 && s->offset >= 0;
+        if (s->kind == 0) ok = ok && s->ref == seen_in++ ;
+        else if (s->kind == 2) ok = ok && s->ref == seen_out++;
+        else if (s->kind == 3) ok = ok && s->ref >= 0 && s->ref < i && s->offset + s->width <= k->slots[s->ref].width;
+        else if (s->kind != 1) ok = 0;
+        if (!ok) { Py_DECREF(k); PyErr_Format(PyExc_ValueError, "Kernel: bad slot %zd", i); return NULL; }
+        if (s->kind == 1) { k->scratch_off[i] = k->scratch_floats; k->scratch_floats += s->width; }
+    }
+    if (seen_in != n_in || seen_out != n_out) {
+        Py_DECREF(k);
+        PyErr_SetString(PyExc_ValueError, "Kernel: input / output slots do not match n_in / n_out");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < no; i++) {
+        PyObject *t = PySequence_GetItem(ops, i);
+        if (!t) { Py_DECREF(k); return NULL; }
+        long v[4];
+        int bad = 0;
+        for (int q = 0; q < 4 && !bad; q++) bad = as_int(t, q, &v[q]);
+        double sv = 0.0;
+        if (!bad) {
+            PyObject *so = PySequence_GetItem(t, 4);
+            if (!so) bad = 1;
+            else { sv = PyFloat_AsDouble(so); Py_DECREF(so); bad = sv == -1.0 && PyErr_Occurred(); }
+        }
+        Py_DECREF(t);
+        if (bad) { Py_DECREF(k); return NULL; }
+        Op *o = &k->ops[i];
+        o->code = (int)v[0]; o->dst = (int)v[1]; o->a = (int)v[2]; o->b = (int)v[3]; o->s = (float)sv;
+        int binary = o->code <= OP_MUL;
+        int ok = o->code >= 0 && o->code < OP_COUNT && o->dst >= 0 && o->dst < ns && o->a >= 0 && o->a < ns
+                 && (k->slots[o->dst].kind == 1 || k->slots[o->dst].kind == 2)
+                 && k->slots[o->a].width == k->slots[o->dst].width
+                 && (binary ? (o->b >= 0 && o->b < ns && k->slots[o->b].width == k->slots[o->dst].width) : o->b == -1);
+        if (!ok) { Py_DECREF(k); PyErr_Format(PyExc_ValueError, "Kernel: bad op %zd", i); return NULL; }
+    }
+    return (PyObject *)k;
+}
+
+/* kernel(rows, in_ptrs, in_row_strides, in_index_ptrs, out_ptrs): in_index_ptrs[j] is 0 or the
+ * address of `rows` int64 row numbers (a gather); every address is the caller's, checked by fuse.py. */
+static PyObject *kernel_call(Kernel *k, PyObject *args, PyObject *kwds) {
+    Py_ssize_t rows;
+    PyObject *ip, *is, *ix, *op;
+    if (!PyArg_ParseTuple(args, "nO!O!O!O!:Kernel", &rows, &PyTuple_Type, &ip, &PyTuple_Type, &is,
+                          &PyTuple_Type, &ix, &PyTuple_Type, &op))
+        return NULL;
+    if (PyTuple_GET_SIZE(ip) != k->n_in || PyTuple_GET_SIZE(is) != k->n_in || PyTuple_GET_SIZE(ix) != k->n_in
+        || PyTuple_GET_SIZE(op) != k->n_out || rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "Kernel: wrong number of inputs or outputs");
+        return NULL;
+    }
+    int ns = k->n_slots;
+    char **base = PyMem_Malloc(sizeof(char *) * ns);
+    Py_ssize_t *stride = PyMem_Malloc(sizeof(Py_ssize_t) * ns);      /* bytes per row */
+    const int64_t **index = PyMem_Calloc(ns, sizeof(int64_t *));
+    float *scratch = PyMem_Malloc(sizeof(float) * (k->scratch_floats ? k->scratch_floats : 1));
+    float **ptr = PyMem_Malloc(sizeof(float *) * ns);
+    if (!base || !stride || !index || !scratch || !ptr) {
+        PyMem_Free(base); PyMem_Free(stride); PyMem_Free(index); PyMem_Free(scratch); PyMem_Free(ptr);
+        return PyErr_NoMemory();
+    }
+    int err = 0;
+    for (int i = 0; i < ns && !err; i++) {
+        Slot *s = &k->slots[i];
+        if (s->kind == 0) {
+            base[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(ip, s->ref));
+            stride[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(is, s->ref)) * (Py_ssize_t)sizeof(float);
+            void *xp = PyLong_AsVoidPtr(PyTuple_GET_ITEM(ix, s->ref));
+            index[i] = (const int64_t *)xp;
+            err = PyErr_Occurred() != NULL || base[i] == NULL;
+        } else if (s->kind == 1) {
+            base[i] = (char *)(scratch + k->scratch_off[i]);
+            stride[i] = 0;
+        } else if (s->kind == 2) {
+            base[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(op, s->ref));
+            stride[i] = s->width * (Py_ssize_t)sizeof(float);
+            err = PyErr_Occurred() != NULL || (base[i] == NULL && rows > 0);
+        } else {
+            base[i] = base[s->ref] + s->offset * (Py_ssize_t)sizeof(float);
+            stride[i] = stride[s->ref];
+            index[i] = index[s->ref];
+        }
+    }
+    if (err) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Kernel: a null address");
+        PyMem_Free(base); PyMem_Free(stride); PyMem_Free(index); PyMem_Free(scratch); PyMem_Free(ptr);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        for (int i = 0; i < ns; i++) {
+            Py_ssize_t row = index[i] ? (Py_ssize_t)index[i][r] : r;
+            ptr[i] = (float *)(base[i] + row * stride[i]);
+        }
+        for (int q = 0; q < k->n_ops; q++) {
+            const Op *o = &k->ops[q];
+            float *d = ptr[o->dst];
+            const float *a = ptr[o->a];
+            Py_ssize_t w = k->slots[o->dst].width;
+            switch (o->code) {
+            case OP_ADD: k_add(d, a, ptr[o->b], w); break;
+            case OP_SUB: k_sub(d, a, ptr[o->b], w); break;
+            case OP_MUL: k_mul(d, a, ptr[o->b], w); break;
+            case OP_ADD_S: k_add_s(d, a, o->s, w); break;
+            case OP_SUB_S: k_sub_s(d, a, o->s, w); break;
+            case OP_MUL_S: k_mul_s(d, a, o->s, w); break;
+            case OP_RSUB_S: k_rsub_s(d, a, o->s, w); break;
+            case OP_NEG: k_neg(d, a, w); break;
+            case OP_RELU: k_relu(d, a, w); break;
+            case OP_SIGMOID: f_sigmoid(d, a, w); break;
+            case OP_TANH: f_tanh(d, a, w); break;
+            default: f_exp(d, a, w); break;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(base); PyMem_Free(stride); PyMem_Free(index); PyMem_Free(scratch); PyMem_Free(ptr);
+    Py_RETURN_NONE;
+}
+
+static PyTypeObject KernelType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._fused.Kernel",
+    .tp_basicsize = sizeof(Kernel),
+    .tp_dealloc = (destructor)kernel_dealloc,
+    .tp_call = (ternaryfunc)kernel_call,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Kernel(slots, ops, n_in, n_out): a fused elementwise program (see fuse.py).",
+    .tp_new = kernel_new,
+};
+
+/* map(code, values): one op applied to a list of floats, for tests of the maths against torch */
+static PyObject *fused_map(PyObject *self, PyObject *args) {
+    int code, generic = 0;
+    PyObject *vals;
+    double s = 0.0;
+    if (!PyArg_ParseTuple(args, "iO|dp:map", &code, &vals, &s, &generic)) return NULL;
+    PyObject *seq = PySequence_Fast(vals, "map: a sequence of floats");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    float *x = PyMem_Malloc(sizeof(float) * (n ? n : 1)), *y = PyMem_Malloc(sizeof(float) * (n ? n : 1));
+    if (!x || !y) { PyMem_Free(x); PyMem_Free(y); Py_DECREF(seq); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1.0 && PyErr_Occurred()) { PyMem_Free(x); PyMem_Free(y); Py_DECREF(seq); return NULL; }
+        x[i] = (float)v;
+    }
+    Py_DECREF(seq);
+    float sf = (float)s;
+    switch (code) {
+    case OP_NEG: k_neg(y, x, n); break;
+    case OP_RELU: k_relu(y, x, n); break;
+    case OP_SIGMOID: (generic ? k_sigmoid : f_sigmoid)(y, x, n); break;
+    case OP_TANH: (generic ? k_tanh : f_tanh)(y, x, n); break;
+    case OP_EXP: (generic ? k_exp : f_exp)(y, x, n); break;
+    case OP_ADD_S: k_add_s(y, x, sf, n); break;
+    case OP_MUL_S: k_mul_s(y, x, sf, n); break;
+    case OP_SUB_S: k_sub_s(y, x, sf, n); break;
+    case OP_RSUB_S: k_rsub_s(y, x, sf, n); break;
+    default:
+        PyMem_Free(x); PyMem_Free(y);
+        PyErr_Format(PyExc_ValueError, "map: op %d is not unary", code);
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *f = PyFloat_FromDouble(y[i]);
+        if (!f) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, f);
+    }
+    PyMem_Free(x); PyMem_Free(y);
+    return out;
+}
+
+/* seg_sum(out, x, seg, rows, width, x_row_stride): out[seg[j]] += x[j] for j in order (torch's
+ * index_add_ on the CPU adds the rows in the same order: the same bits); out is zeroed by the
+ * caller, (n, width) contiguous; every address and bound is the caller's (ragged.seg_sum). */
+BC_CLONES static void add_row(float *restrict d, const float *a, Py_ssize_t w) {
+    for (Py_ssize_t i = 0; i < w; i++) d[i] += a[i];
+}
+
+static PyObject *fused_seg_sum(PyObject *self, PyObject *args) {
+    PyObject *po, *px, *ps;
+    Py_ssize_t rows, width, xs;
+    if (!PyArg_ParseTuple(args, "OOOnnn:seg_sum", &po, &px, &ps, &rows, &width, &xs)) return NULL;
+    float *out = PyLong_AsVoidPtr(po);
+    const float *x = PyLong_AsVoidPtr(px);
+    const int64_t *seg = PyLong_AsVoidPtr(ps);
+    if (PyErr_Occurred()) return NULL;
+    if (rows < 0 || width < 0 || (rows > 0 && (!out || !x || !seg))) {
+        PyErr_SetString(PyExc_ValueError, "seg_sum: bad sizes or a null address");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < rows; j++) add_row(out + seg[j] * width, x + j * xs, width);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"seg_sum", fused_seg_sum, METH_VARARGS,
+     "seg_sum(out, x, seg, rows, width, x_row_stride): out[seg[j]] += x[j] over float32 rows (ragged.py)."},
+    {"map", fused_map, METH_VARARGS,
+     "map(code, values[, scalar[, generic]]) -> list: one op over floats (tests; generic: the portable loop)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "batchcraft.autobatching._fused",
+    "Fused elementwise tails of batched programs (float32, CPU); see fuse.py.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__fused(void) {
+    choose_kernels();
+    if (PyType_Ready(&KernelType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&KernelType);
+    if (PyModule_AddObject(m, "Kernel", (PyObject *)&KernelType) < 0) { Py_DECREF(&KernelType); Py_DECREF(m); return NULL; }
+    PyModule_AddIntConstant(m, "OP_COUNT", OP_COUNT);
+    PyModule_AddStringConstant(m, "vector_maths", f_sigmoid == k_sigmoid ? "portable" : "avx512f");
+    return m;
+}

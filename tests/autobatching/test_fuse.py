@@ -1,0 +1,365 @@
+"""Fused elementwise kernels (fuse.py, _fused.c): the maths, the planning, the run-time checks.
+
+Every fused result is compared with eager PyTorch (and the unfused batched program); the counts
+in ``RunStats`` show that the kernels really ran. Needs the optional ``_fused`` extension.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchcraft import autobatch, static_block
+from batchcraft.autobatching import fuse
+
+_fused = pytest.importorskip("batchcraft.autobatching._fused")
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
+    ia = a.numpy().view(np.int32).astype(np.int64)
+    ib = b.numpy().view(np.int32).astype(np.int64)
+    ia = np.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
+    ib = np.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    return np.abs(ia - ib)
+
+
+SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-30, -1e-30, 1e-42, 0.625, -0.625, 0.6249, 9.0, -9.0,
+           44.0, 88.7, 88.72, 88.73, 89.5, -87.3, -87.4, -103.9, -104.0, -110.0, 20.0, -20.0]
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["dispatched", "portable"])
+@pytest.mark.parametrize("name,code,fn,max_ulps", [
+    ("sigmoid", fuse.SIGMOID, torch.sigmoid, 4), ("tanh", fuse.TANH, torch.tanh, 2),
+    ("exp", fuse.EXP, torch.exp, 2), ("relu", fuse.RELU, torch.relu, 0), ("neg", fuse.NEG, torch.neg, 0)])
+def test_unary_maths_is_torch_within_a_few_ulps(name, code, fn, max_ulps, generic):
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(20000, generator=g) * 4, torch.linspace(-105, 105, 4001), torch.tensor(SPECIAL)])
+    y = torch.tensor(_fused.map(code, x.tolist(), 0.0, generic), dtype=torch.float32)
+    r = fn(x)
+    assert torch.equal(torch.isnan(y), torch.isnan(r)), f"{name}: NaN where torch has none (or not)"
+    inf = torch.isinf(r)
+    assert torch.equal(torch.isinf(y), inf) and torch.equal(y[inf], r[inf]), f"{name}: infinities differ"
+    fin = ~torch.isnan(r) & ~inf
+    assert _ulps(y[fin], r[fin]).max() <= max_ulps
+    zeros = r == 0
+    assert torch.equal(torch.signbit(y[zeros]), torch.signbit(r[zeros])), f"{name}: the sign of a zero differs"
+
+
+@pytest.mark.parametrize("code,s,fn", [(fuse.ADD_S, 0.1, lambda x: x + 0.1), (fuse.MUL_S, -3.0, lambda x: x * -3.0),
+                                       (fuse.SUB_S, 2.5, lambda x: x - 2.5), (fuse.RSUB_S, 1.0, lambda x: 1.0 - x)])
+def test_scalar_ops_are_torchs_bits(code, s, fn):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor(_fused.map(code, x.tolist(), s), dtype=torch.float32)
+    assert torch.equal(y, fn(x))
+
+
+@static_block
+class Gates(torch.nn.Module):
+    """An LSTM-style tail: a projection, four gates by chunk, products and sums."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, 4 * d)
+        self.scale = torch.nn.Parameter(torch.randn(d))
+
+    def forward(self, x, c):
+        i, f, g, o = self.lin(x).chunk(4, -1)
+        c2 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = o.sigmoid() * torch.tanh(c2)
+        return h * self.scale - 0.5 * torch.relu(-h), c2
+
+
+def _gates_fn(block):
+    def fn(inst):
+        x, c = inst
+        h, c2 = block(x, c)
+        h, c2 = block(h, c2)  # a second level reads the first one's outputs
+        return h, c2
+    return fn
+
+
+def _instances(n, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(d, generator=g), torch.randn(d, generator=g)) for _ in range(n)]
+
+
+def _close(out, ref, atol=2e-6):
+    for o, r in zip(out, ref):
+        for a, b in zip(o, r):
+            torch.testing.assert_close(a, b, atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("core", ["c", "python"])
+def test_block_tail_runs_fused_and_matches_eager(core):
+    from batchcraft.autobatching import _native
+
+    if core == "c" and not _native.available:
+        pytest.skip("C core not built")
+    torch.manual_seed(0)
+    blk = Gates()
+    fn = _gates_fn(blk)
+    xs = _instances(12)
+    f = autobatch(fn, core=core)
+    with torch.no_grad():
+        f(xs)  # the first run of a program checks each step; the next ones are fused
+        out = f(xs)
+        ref = [fn(x) for x in xs]
+        unfused = autobatch(fn, core=core, fuse_elementwise=False)(xs)
+    _close(out, ref)
+    _close(out, unfused)
+    s = f.stats
+    assert s.fused_kernels == 2 and s.steps_fused == 2 * 15 and s.fallbacks == 0, s.summary()
+    assert "fused kernels" in s.summary()
+
+
+def test_the_lowered_source_keeps_the_steps_for_a_declined_call():
+    torch.manual_seed(0)
+    blk = Gates()
+    f = autobatch(_gates_fn(blk))
+    with torch.no_grad():
+        f(_instances(4))
+        f(_instances(4))  # the second run lowers without the first run's checks: fused
+    src = "\n".join(r.source for r in _runners() if r.clusters)
+    assert "_fz" in src and "if _r is None:" in src and "else:" in src
+
+
+def _runners():
+    import gc
+
+    from batchcraft.autobatching.lower import Runner
+
+    return [o for o in gc.get_objects() if type(o) is Runner]
+
+
+def test_training_declines_and_gradients_are_eagers():
+    torch.manual_seed(0)
+    blk = Gates()
+    fn = _gates_fn(blk)
+    xs = _instances(6)
+    f = autobatch(fn)
+    f(xs)  # first call: checked program
+    out = f(xs)
+    ref = [fn(x) for x in xs]
+    _close(out, ref, atol=1e-5)
+    assert f.stats.fused_kernels == 0 and f.stats.fused_declined >= 1
+    gb = torch.autograd.grad(sum(h.sum() + c.sum() for h, c in out), list(blk.parameters()))
+    ge = torch.autograd.grad(sum(h.sum() + c.sum() for h, c in ref), list(blk.parameters()))
+    for a, b in zip(gb, ge):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_inputs_that_need_grad_under_no_grad_are_fine():
+    # no_grad around the call: a requires_grad input is only read; no autograd history to keep
+    torch.manual_seed(0)
+    blk = Gates()
+    fn = _gates_fn(blk)
+    xs = [(x.requires_grad_(), c) for x, c in _instances(5)]
+    f = autobatch(fn)
+    with torch.no_grad():
+        f(xs)
+        out = f(xs)
+        ref = [fn(x) for x in xs]
+    _close(out, ref)
+    assert f.stats.fused_kernels >= 1 and not any(t.requires_grad for o in out for t in o)
+
+
+def test_float64_is_not_fused_and_is_exact():
+    torch.manual_seed(0)
+    blk = Gates().double()
+    fn = _gates_fn(blk)
+    xs = [(x.double(), c.double()) for x, c in _instances(5)]
+    f = autobatch(fn)
+    with torch.no_grad():
+        f(xs)
+        out = f(xs)
+        ref = [fn(x) for x in xs]
+    _close(out, ref, atol=1e-12)
+    assert f.stats.steps_fused == 0 and f.stats.fused_declined == 0  # never planned
+
+
+def test_autocast_declines():
+    torch.manual_seed(0)
+    blk = Gates()
+    fn = _gates_fn(blk)
+    xs = _instances(5)
+    f = autobatch(fn)
+    with torch.no_grad():
+        f(xs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = f(xs)
+            ref = [fn(x) for x in xs]
+    for o, r in zip(out, ref):
+        for a, b in zip(o, r):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert f.stats.fused_kernels == 0
+
+
+@static_block
+def inplace_between(x):
+    t = x * 2.0
+    u = t.sigmoid()
+    t.add_(1.0)            # a write between two fusable steps: the cluster must not move past it
+    return u * t + torch.tanh(u)
+
+
+def test_a_write_between_steps_is_a_barrier():
+    xs = [torch.randn(6, generator=torch.Generator().manual_seed(i)) for i in range(7)]
+    fn = lambda x: inplace_between(x)  # noqa: E731
+    f = autobatch(fn)
+    with torch.no_grad():
+        f(xs)
+        out = f(xs)
+        ref = [fn(x) for x in xs]
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_fused_call_checks_every_operand():
+    # kernel: out = sigmoid(a) * b over width 4
+    slots = [(fuse.IN, 0, 4, 0), (fuse.IN, 1, 4, 0), (fuse.SCRATCH, 0, 4, 0), (fuse.OUT, 0, 4, 0)]
+    ops = [(fuse.SIGMOID, 2, 0, -1, 0.0), (fuse.MUL, 3, 2, 1, 0.0)]
+    fc = fuse.FusedCall(_fused.Kernel(slots, ops, 2, 1), ["b", "c"], [4, 4], [4], 2)
+    a, b = torch.randn(3, 4), torch.randn(4)
+    (out,) = fc(3, None, a, b)
+    torch.testing.assert_close(out, torch.sigmoid(a) * b, atol=1e-7, rtol=1e-6)
+    view = torch.randn(3, 8)[:, 2:6]  # rows with a stride of 8: read in place
+    torch.testing.assert_close(fc(3, None, view, b)[0], torch.sigmoid(view) * b, atol=1e-7, rtol=1e-6)
+    assert fc(3, None, a.double(), b) is None                      # dtype
+    assert fc(3, None, a.t().contiguous().t(), b) is None          # column stride != 1
+    assert fc(2, None, a, b) is None                               # rows
+    assert fc(3, None, a, torch.randn(3, 4)) is None               # shared operand of the wrong shape
+    assert fc(3, None, a.to(torch.bfloat16).float().requires_grad_(), b) is None  # grad mode on
+    with torch.no_grad():
+        assert fc(3, None, a.clone().requires_grad_(), b) is not None
+    assert fc(3, None, torch.empty(3, 4, device="meta"), b) is None  # not CPU
+    assert fc(0, None, torch.empty(0, 4), b)[0].shape == (0, 4)
+
+
+def test_kernel_rejects_malformed_programs():
+    with pytest.raises(ValueError):
+        _fused.Kernel([(fuse.IN, 0, 4, 0), (fuse.OUT, 0, 8, 0)], [(fuse.NEG, 1, 0, -1, 0.0)], 1, 1)  # widths
+    with pytest.raises(ValueError):
+        _fused.Kernel([(fuse.IN, 0, 4, 0)], [(fuse.NEG, 0, 0, -1, 0.0)], 1, 0)  # writes an input
+    with pytest.raises(ValueError):
+        _fused.Kernel([(fuse.IN, 0, 4, 0), (fuse.VIEW, 0, 4, 2)], [], 1, 0)  # view past its parent
+    with pytest.raises(ValueError):
+        _fused.Kernel([(fuse.IN, 0, 4, 0), (fuse.OUT, 0, 4, 0)], [(99, 1, 0, -1, 0.0)], 1, 1)  # opcode
+
+
+def test_compile_blocks_is_deprecated():
+    with pytest.warns(DeprecationWarning, match="compile_blocks"):
+        autobatch(lambda x: x, compile_blocks=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autobatch(lambda x: x)
+
+
+def test_treelstm_on_real_trees_runs_fused_ragged_levels():
+    from batchcraft.data import load_sentences
+    from batchcraft.models import suite
+
+    task = suite.build("treelstm", load_sentences(limit=24), hidden=16)
+    f = autobatch(task.fn)
+    with torch.no_grad():
+        f(task.instances)
+        out = f(task.instances)
+        ref = [task.fn(x) for x in task.instances]
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    s = f.stats
+    assert s.fused_kernels > 0 and s.steps_fused >= 3 * s.fused_kernels // 2, s.summary()
+
+
+# -- random elementwise blocks -----------------------------------------------------------------------
+
+UNARY = ["sigmoid", "tanh", "relu", "neg", "exp_small"]
+BINARY = ["add", "sub", "mul", "radd_s", "rsub_s", "mul_s", "sub_s"]
+
+
+@st.composite
+def programs(draw):
+    """A straight-line block over x, y (d,) and a shared p (d,): a list of (op, a, b) on earlier values."""
+    n = draw(st.integers(1, 9))
+    prog = []
+    for k in range(n):
+        avail = 3 + k  # x, y, p, then the values made so far
+        kind = draw(st.sampled_from(["u", "b", "b", "chunk"]))
+        if kind == "u":
+            prog.append((draw(st.sampled_from(UNARY)), draw(st.integers(0, avail - 1)), None))
+        elif kind == "b":
+            prog.append((draw(st.sampled_from(BINARY)), draw(st.integers(0, avail - 1)),
+                         draw(st.integers(0, avail - 1))))
+        else:
+            prog.append(("chunk_swap", draw(st.integers(0, avail - 1)), None))
+    outs = draw(st.lists(st.integers(0, 2 + n), min_size=1, max_size=3))
+    return prog, outs
+
+
+def _apply(op, a, b):
+    if op == "sigmoid":
+        return torch.sigmoid(a)
+    if op == "tanh":
+        return a.tanh()
+    if op == "relu":
+        return torch.nn.functional.relu(a)
+    if op == "neg":
+        return -a
+    if op == "exp_small":
+        return torch.exp(torch.tanh(a))
+    if op == "add":
+        return a + b
+    if op == "sub":
+        return torch.sub(a, b)
+    if op == "mul":
+        return a.mul(b)
+    if op == "radd_s":
+        return 0.25 + a
+    if op == "rsub_s":
+        return 1 - a
+    if op == "mul_s":
+        return a * 1.5
+    if op == "sub_s":
+        return a - 3
+    if op == "chunk_swap":
+        lo, hi = a.chunk(2, -1)
+        return torch.cat([hi.sigmoid(), lo * 2.0], -1)
+    raise ValueError(op)
+
+
+def _block_of(program, p):
+    prog, outs = program
+
+    def body(x, y):
+        vals = [x, y, p]
+        for op, i, j in prog:
+            vals.append(_apply(op, vals[i], vals[j] if j is not None else None))
+        return tuple(vals[k] for k in outs)
+
+    return static_block(body)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=programs(), n=st.integers(1, 9), seed=st.integers(0, 10_000))
+def test_random_elementwise_blocks_match_eager(program, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    d = 6
+    p = torch.randn(d, generator=g)
+    blk = _block_of(program, p)
+    xs = [(torch.randn(d, generator=g), torch.randn(d, generator=g)) for _ in range(n)]
+    fn = lambda xy: blk(*xy)  # noqa: E731
+    f = autobatch(fn)
+    with torch.no_grad():
+        f(xs)
+        out = f(xs)
+        ref = [fn(x) for x in xs]
+    for o, r in zip(out, ref):
+        for a, b in zip(o, r):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert f.stats.fallbacks == 0
