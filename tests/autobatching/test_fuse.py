@@ -240,6 +240,9 @@ def test_fused_call_checks_every_operand():
         assert fc(3, None, a.clone().requires_grad_(), b) is not None
     assert fc(3, None, torch.empty(3, 4, device="meta"), b) is None  # not CPU
     assert fc(0, None, torch.empty(0, 4), b)[0].shape == (0, 4)
+    assert fc(3, None, torch._neg_view(a), b) is None              # the negative bit of a view
+    with torch.no_grad():
+        assert fc(3, None, torch._efficientzerotensor((3, 4)), b) is None  # no storage
 
 
 def test_kernel_rejects_malformed_programs():
@@ -363,3 +366,34 @@ def test_random_elementwise_blocks_match_eager(program, n, seed):
         for a, b in zip(o, r):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)
     assert f.stats.fallbacks == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 40), width=st.integers(1, 33), n=st.integers(1, 12), strided=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_segment_sum_is_index_adds_bits(rows, width, n, strided, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width * (2 if strided else 1), generator=g)
+    if strided:
+        x = x[:, width:]  # rows of a wider tensor: a row stride of 2 * width
+    seg = torch.randint(0, n, (rows,), generator=g)
+    out = fuse.segment_sum(x, seg, n)
+    assert out is not None
+    assert torch.equal(out, torch.zeros(n, x.shape[1]).index_add_(0, seg, x))
+    if width > 1:
+        assert fuse.segment_sum(torch.randn(rows, 2 * width)[:, ::2], seg, n) is None  # columns apart
+
+
+def test_segment_sum_leaves_autograd_and_other_dtypes_to_torch():
+    x = torch.randn(5, 3, requires_grad=True)
+    seg = torch.tensor([0, 0, 1, 2, 2])
+    assert fuse.segment_sum(x, seg, 3) is None           # needs autograd: index_add_ keeps the history
+    with torch.no_grad():
+        assert fuse.segment_sum(x, seg, 3) is not None
+    assert fuse.segment_sum(x.detach().double(), seg, 3) is None
+    assert fuse.segment_sum(x.detach(), seg.int(), 3) is None
+    assert fuse.segment_sum(torch._neg_view(x.detach()), seg, 3) is None
+    from batchcraft.autobatching import ragged
+
+    y = ragged.seg_sum(x, seg, 3)
+    assert y.requires_grad and torch.equal(y.detach(), torch.zeros(3, 3).index_add_(0, seg, x.detach()))

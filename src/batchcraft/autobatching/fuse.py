@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.rules import rule_for
+from batchcraft.autobatching.signature import rebuild
 
 try:  # optional extension, as the C core: without a compiler no program is fused
     from batchcraft.autobatching import _fused
@@ -185,7 +187,8 @@ class FusedCall:
         for x, kind, w in zip(xs, self.kinds, self.widths):
             tx = type(x)
             if ((tx is not _T and tx is not torch.nn.Parameter) or x.dtype is not _F32 or not x.is_cpu
-                    or x.layout is not torch.strided or (grad and x.requires_grad)):
+                    or x.layout is not torch.strided or (grad and x.requires_grad) or x.is_neg()
+                    or x._is_zerotensor()):  # a negative view's bit, or no storage: torch's calls
                 return None
             d = x.dim()
             if kind == "c":      # shared (W,): every row reads it
@@ -248,8 +251,6 @@ def _candidate(st, ragged_plan, fallbacks, batched):
     space, rplan = sp
     func = st.func
     it = iter([_Leaf(j) for j in range(len(st.refs))])
-    from batchcraft.autobatching.signature import rebuild
-
     args = list(rebuild(st.struct[0], it))
     kwargs = rebuild(st.struct[1], it) if st.struct[1] is not None else {}
     for d in st.out_dids:
@@ -367,8 +368,6 @@ def _is_barrier(st, ragged_plan, fallbacks) -> bool:
         return True
     if "embedding" in name and _kwarg_value(st, "max_norm", None) is not None:
         return True  # renorms the table in place
-    from batchcraft.autobatching.rules import rule_for
-
     rule = rule_for(st.func)
     return rule is None or rule.name not in _PURE_RULES
 
@@ -542,4 +541,21 @@ def _finish(cl, consumers, outside_read) -> bool:
     return True
 
 
-__all__ = ["plan", "Cluster", "FusedCall", "COUNTS", "available"]
+def segment_sum(x, seg, n):
+    """``(n, W)`` sums of the float32 rows ``x`` ``(R, W)`` per segment id ``seg`` ``(R,)`` int64,
+    added in row order as ``index_add_`` adds them on the CPU (the same bits), in one C loop; None
+    where that does not apply (another dtype, device or layout, autograd, no extension)."""
+    if (_fused is None or type(x) is not _T or x.dtype is not _F32 or x.dim() != 2 or not x.is_cpu
+            or x.layout is not torch.strided or (x.shape[1] > 1 and x.stride(1) != 1) or x.is_neg()
+            or x._is_zerotensor()
+            or (x.requires_grad and torch.is_grad_enabled()) or type(seg) is not _T
+            or seg.dtype is not torch.int64 or not seg.is_cpu or seg.dim() != 1 or seg.shape[0] != x.shape[0]
+            or (seg.shape[0] > 1 and seg.stride(0) != 1)):
+        return None
+    out = x.new_zeros((n, x.shape[1]))
+    if x.shape[0] and x.shape[1]:
+        _fused.seg_sum(out.data_ptr(), x.data_ptr(), seg.data_ptr(), x.shape[0], x.shape[1], x.stride(0))
+    return out
+
+
+__all__ = ["plan", "Cluster", "FusedCall", "COUNTS", "available", "segment_sum"]

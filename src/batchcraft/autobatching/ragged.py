@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from batchcraft.autobatching.descs import DESCS
-from batchcraft.autobatching.fuse import _fused
+from batchcraft.autobatching.fuse import segment_sum as _segment_sum
 from batchcraft.autobatching.kernels import TORCH_LINEAR as _LINEAR
 from batchcraft.autobatching.rules import rule_for
 from batchcraft.autobatching.signature import rebuild
@@ -254,17 +254,10 @@ def analyse(prog) -> bool:
 
 def seg_sum(x, seg, n):
     """Sum of the rows of ``x`` per segment: ``(n, *x.shape[1:])`` (``index_add_``: at one thread
-    3x faster than ``scatter_add_`` with an expanded index on this CPU). Float32 rows that need no
-    autograd go through the ``_fused`` extension's loop, which adds them in the same order (the same
-    bits) without ``index_add_``'s per-row tensor calls (about 20 µs for 300 rows of 256)."""
-    if (_fused is not None and type(x) is torch.Tensor and x.dtype is torch.float32 and x.dim() == 2
-            and x.is_cpu and x.layout is torch.strided and (x.shape[1] < 2 or x.stride(1) == 1)
-            and not (x.requires_grad and torch.is_grad_enabled()) and type(seg) is torch.Tensor
-            and seg.dtype is torch.int64 and seg.is_cpu and seg.dim() == 1 and seg.shape[0] == x.shape[0]
-            and (seg.shape[0] < 2 or seg.stride(0) == 1)):
-        out = x.new_zeros((n, x.shape[1]))
-        if x.shape[0] and x.shape[1]:
-            _fused.seg_sum(out.data_ptr(), x.data_ptr(), seg.data_ptr(), x.shape[0], x.shape[1], x.stride(0))
+    3x faster than ``scatter_add_`` with an expanded index on this CPU; float32 rows that need no
+    autograd: :func:`fuse.segment_sum`, the same bits without ``index_add_``'s per-row calls)."""
+    out = _segment_sum(x, seg, n)
+    if out is not None:
         return out
     return x.new_zeros((n,) + tuple(x.shape[1:])).index_add_(0, seg, x)
 
