@@ -397,3 +397,77 @@ def test_segment_sum_leaves_autograd_and_other_dtypes_to_torch():
 
     y = ragged.seg_sum(x, seg, 3)
     assert y.requires_grad and torch.equal(y.detach(), torch.zeros(3, 3).index_add_(0, seg, x.detach()))
+
+
+# -- the hostile pass's finds (docs/reliability.md #164-#167) -----------------------------------------
+
+@static_block
+def _pieces_after_a_later_value(x, y):
+    g = x * 2.0 + y
+    h = torch.tanh(y) * x
+    a, b = g.chunk(2, -1)          # g's pieces are read outside; g is numbered after h (#164)
+    return h, a, b
+
+
+@static_block
+def _pieces_of_a_piece(x, y):
+    a, b = (x * y + 1.0).chunk(2, -1)
+    c, d = a.chunk(2, -1)          # a piece of a piece, read outside (#165)
+    return c.sigmoid() * 3.0, d, b
+
+
+@static_block
+def _dead_steps(x, y):
+    lo, hi = x.chunk(2, -1)
+    unused = torch.sigmoid(y) * 2.0  # computed, read by nothing (#166)
+    return hi
+
+
+@pytest.mark.parametrize("blk,fused", [(_pieces_after_a_later_value, True), (_pieces_of_a_piece, False),
+                                       (_dead_steps, False)])
+def test_planner_corner_cases_batch_and_match_eager(blk, fused):
+    fn = lambda xy: blk(*xy)  # noqa: E731
+    g = torch.Generator().manual_seed(3)
+    xs = [(torch.randn(8, generator=g), torch.randn(8, generator=g)) for _ in range(9)]
+    f = autobatch(fn)
+    with torch.no_grad():
+        for _ in range(3):
+            out = f(xs)
+            assert f.stats.fallbacks == 0 and not f.stats.fallback_reasons, f.stats.summary()
+        ref = [fn(x) for x in xs]
+    for o, r in zip(out, ref):
+        for a, b in zip(o, r):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert (f.stats.fused_kernels > 0) == fused
+
+
+def test_a_planning_failure_costs_the_fusion_not_the_batching(monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("planner bug")
+
+    monkeypatch.setattr(fuse, "plan", broken)
+    torch.manual_seed(0)
+    blk = Gates()
+    fn = _gates_fn(blk)
+    xs = _instances(6)
+    f = autobatch(fn)
+    with torch.no_grad():
+        f(xs)
+        out = f(xs)
+        ref = [fn(x) for x in xs]
+    _close(out, ref)
+    s = f.stats
+    assert s.fallbacks == 0 and s.fused_kernels == 0
+    assert any("elementwise fusion off" in k and "planner bug" in k for k in s.fallback_reasons), s.fallback_reasons
+
+
+def test_out_of_range_segment_ids_raise_as_index_add_does():
+    x = torch.randn(3, 4)
+    for seg in (torch.tensor([0, 1, 5]), torch.tensor([0, -1, 1]), torch.tensor([0, 1, 10 ** 12])):
+        with pytest.raises(IndexError):
+            fuse.segment_sum(x, seg, 2)
+    slots = [(fuse.IN, 0, 4, 0), (fuse.OUT, 0, 4, 0)]
+    fc = fuse.FusedCall(_fused.Kernel(slots, [(fuse.NEG, 1, 0, -1, 0.0)], 1, 1), ["g"], [4], [4], 1)
+    with pytest.raises(IndexError):
+        fc(3, torch.tensor([0, 2, 3]), x)       # row 3 of a 3-row operand
+    torch.testing.assert_close(fc(3, torch.tensor([2, 0, 2]), x)[0], -x[[2, 0, 2]])

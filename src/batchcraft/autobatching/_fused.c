@@ -200,6 +200,8 @@ static void choose_kernels(void) {
  *   view      (kind 3): columns [offset, offset + width) of an earlier slot (a chunk)
  * An op: (code, dst, a, b, scalar); b is -1 for unary and scalar ops. */
 
+static int check_index(const int64_t *ix, Py_ssize_t rows, Py_ssize_t limit, const char *what);
+
 typedef struct { int code, dst, a, b; float s; } Op;
 typedef struct { int kind, ref; Py_ssize_t width, offset; } Slot;
 
@@ -295,16 +297,17 @@ static PyObject *kernel_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     return (PyObject *)k;
 }
 
-/* kernel(rows, in_ptrs, in_row_strides, in_index_ptrs, out_ptrs): in_index_ptrs[j] is 0 or the
- * address of `rows` int64 row numbers (a gather); every address is the caller's, checked by fuse.py. */
+/* kernel(rows, in_ptrs, in_row_strides, in_index_ptrs, in_rows, out_ptrs): in_index_ptrs[j] is 0
+ * or the address of `rows` int64 row numbers (a gather), each checked against in_rows[j] (the
+ * gathered tensor's rows); the addresses are the caller's, checked by fuse.py. */
 static PyObject *kernel_call(Kernel *k, PyObject *args, PyObject *kwds) {
     Py_ssize_t rows;
-    PyObject *ip, *is, *ix, *op;
-    if (!PyArg_ParseTuple(args, "nO!O!O!O!:Kernel", &rows, &PyTuple_Type, &ip, &PyTuple_Type, &is,
-                          &PyTuple_Type, &ix, &PyTuple_Type, &op))
+    PyObject *ip, *is, *ix, *il, *op;
+    if (!PyArg_ParseTuple(args, "nO!O!O!O!O!:Kernel", &rows, &PyTuple_Type, &ip, &PyTuple_Type, &is,
+                          &PyTuple_Type, &ix, &PyTuple_Type, &il, &PyTuple_Type, &op))
         return NULL;
     if (PyTuple_GET_SIZE(ip) != k->n_in || PyTuple_GET_SIZE(is) != k->n_in || PyTuple_GET_SIZE(ix) != k->n_in
-        || PyTuple_GET_SIZE(op) != k->n_out || rows < 0) {
+        || PyTuple_GET_SIZE(il) != k->n_in || PyTuple_GET_SIZE(op) != k->n_out || rows < 0) {
         PyErr_SetString(PyExc_ValueError, "Kernel: wrong number of inputs or outputs");
         return NULL;
     }
@@ -327,6 +330,11 @@ static PyObject *kernel_call(Kernel *k, PyObject *args, PyObject *kwds) {
             void *xp = PyLong_AsVoidPtr(PyTuple_GET_ITEM(ix, s->ref));
             index[i] = (const int64_t *)xp;
             err = PyErr_Occurred() != NULL || base[i] == NULL;
+            if (!err && xp != NULL) {
+                Py_ssize_t limit = PyLong_AsSsize_t(PyTuple_GET_ITEM(il, s->ref));
+                err = (limit == -1 && PyErr_Occurred()) || check_index(index[i], rows, limit, "Kernel") < 0;
+                if (err) { PyMem_Free(base); PyMem_Free(stride); PyMem_Free(index); PyMem_Free(scratch); PyMem_Free(ptr); return NULL; }
+            }
         } else if (s->kind == 1) {
             base[i] = (char *)(scratch + k->scratch_off[i]);
             stride[i] = 0;
@@ -431,17 +439,29 @@ static PyObject *fused_map(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* seg_sum(out, x, seg, rows, width, x_row_stride): out[seg[j]] += x[j] for j in order (torch's
+/* seg_sum(out, x, seg, rows, width, x_row_stride, n): out[seg[j]] += x[j] for j in order (torch's
  * index_add_ on the CPU adds the rows in the same order: the same bits); out is zeroed by the
- * caller, (n, width) contiguous; every address and bound is the caller's (ragged.seg_sum). */
+ * caller, (n, width) contiguous; the addresses are the caller's (fuse.segment_sum), each segment
+ * id is checked against n (IndexError, as index_add_ raises). */
 BC_CLONES static void add_row(float *restrict d, const float *a, Py_ssize_t w) {
     for (Py_ssize_t i = 0; i < w; i++) d[i] += a[i];
 }
 
+static int check_index(const int64_t *ix, Py_ssize_t rows, Py_ssize_t limit, const char *what) {
+    for (Py_ssize_t j = 0; j < rows; j++) {
+        if (ix[j] < 0 || ix[j] >= limit) {
+            PyErr_Format(PyExc_IndexError, "%s: row index %lld out of range for %zd rows", what,
+                         (long long)ix[j], limit);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *fused_seg_sum(PyObject *self, PyObject *args) {
     PyObject *po, *px, *ps;
-    Py_ssize_t rows, width, xs;
-    if (!PyArg_ParseTuple(args, "OOOnnn:seg_sum", &po, &px, &ps, &rows, &width, &xs)) return NULL;
+    Py_ssize_t rows, width, xs, n_out;
+    if (!PyArg_ParseTuple(args, "OOOnnnn:seg_sum", &po, &px, &ps, &rows, &width, &xs, &n_out)) return NULL;
     float *out = PyLong_AsVoidPtr(po);
     const float *x = PyLong_AsVoidPtr(px);
     const int64_t *seg = PyLong_AsVoidPtr(ps);
@@ -450,6 +470,7 @@ static PyObject *fused_seg_sum(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "seg_sum: bad sizes or a null address");
         return NULL;
     }
+    if (check_index(seg, rows, n_out, "seg_sum") < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < rows; j++) add_row(out + seg[j] * width, x + j * xs, width);
     Py_END_ALLOW_THREADS
@@ -458,7 +479,7 @@ static PyObject *fused_seg_sum(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"seg_sum", fused_seg_sum, METH_VARARGS,
-     "seg_sum(out, x, seg, rows, width, x_row_stride): out[seg[j]] += x[j] over float32 rows (ragged.py)."},
+     "seg_sum(out, x, seg, rows, width, x_row_stride, n): out[seg[j]] += x[j] over float32 rows (fuse.py)."},
     {"map", fused_map, METH_VARARGS,
      "map(code, values[, scalar[, generic]]) -> list: one op over floats (tests; generic: the portable loop)."},
     {NULL, NULL, 0, NULL},

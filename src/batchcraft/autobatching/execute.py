@@ -273,6 +273,8 @@ class Executor:
                 st.fused_kernels += fc.calls - c0
                 st.steps_fused += fc.steps - s0
                 st.fused_declined += fc.declined - d0
+        if runner.fuse_error:
+            st.note_fallback(f"{info.name}: elementwise fusion off ({runner.fuse_error})", n)
         if runner.fallback_steps:
             st.fallbacks += n * runner.fallback_steps
             for reason in runner.fallbacks.values():

@@ -174,6 +174,7 @@ class FusedCall:
         ptrs = []
         strides = []
         index = []
+        limits = []
         grad = torch.is_grad_enabled()
         if torch.is_autocast_enabled("cpu"):
             return None
@@ -215,11 +216,13 @@ class FusedCall:
             ptrs.append(x.data_ptr())
             strides.append(rs)
             index.append(ix)
+            limits.append(x.shape[0])
         if first is None:
             return None
         outs = [first.new_empty((rows, w)) for w in self.out_widths]
         if rows > 0:
-            self.kernel(rows, tuple(ptrs), tuple(strides), tuple(index), tuple(o.data_ptr() for o in outs))
+            self.kernel(rows, tuple(ptrs), tuple(strides), tuple(index), tuple(limits),
+                        tuple(o.data_ptr() for o in outs))
         return outs
 
 
@@ -481,56 +484,57 @@ def _operand(cl, st, j, kind, width, leaf_exprs):
 
 
 def _finish(cl, consumers, outside_read) -> bool:
-    """Outputs, rematerialised chunks, slots and the kernel of a closed cluster."""
+    """Outputs, rematerialised chunks, slots and the kernel of a closed cluster (False: not worth
+    one, or not one this stage can run)."""
     members = set(cl.members)
-    computed = [op[1] for op in cl.ops]
 
     def read_outside(key):
         if key in outside_read:
             return True
         return any(c not in members for c in consumers.get((key[1], key[2]), ()))
 
-    outputs = [k for k in computed if read_outside(k)]
+    wanted = {op[1] for op in cl.ops if read_outside(op[1])}
     remat = []
     for idx in cl.members:
         pieces = [k for k in cl.views if k[1] == idx]
-        if any(read_outside(k) for k in pieces):
+        if pieces and any(read_outside(k) for k in pieces):
             parent = cl.views[pieces[0]][0]
-            if parent in cl.operand_info:
-                pass  # the chunk of an operand: its pieces are views of a program value
-            elif parent not in outputs:
-                outputs.append(parent)
+            if parent in cl.views:
+                return False  # pieces of a piece read outside: run as lowered
+            if parent not in cl.operand_info:
+                wanted.add(parent)  # the pieces are taken again from the kernel's output
             remat.append(idx)
-    if not outputs and not remat:
-        return False
-    # slots: operands, then computed values (scratch or output), views after their parents
+    if not wanted:
+        return False  # nothing computed is read outside (dead steps, chunks of operands only)
+    # slots: operands, then views (after their parents) and computed values in op order; the
+    # outputs numbered in that order too (the kernel's rule)
     slot: dict = {}
     slots = []
     for i, k in enumerate(cl.operand_keys):
         slot[k] = len(slots)
         slots.append((IN, i, cl.widths[k], 0))
-    out_index = {k: i for i, k in enumerate(outputs)}
 
     def ensure(k):
         if k in slot:
             return slot[k]
-        if k in cl.views:
-            parent, off = cl.views[k]
-            p = ensure(parent)
-            slot[k] = len(slots)
-            slots.append((VIEW, p, cl.widths[k], off))
-            return slot[k]
-        raise KeyError(k)
+        parent, off = cl.views[k]
+        p = ensure(parent)
+        slot[k] = len(slots)
+        slots.append((VIEW, p, cl.widths[k], off))
+        return slot[k]
 
     ops = []
-    for code, dst, a, b, s in cl.ops:
+    outputs = []
+    for code, dst, a, b, sc in cl.ops:
         ia = ensure(a)
         ib = ensure(b) if b is not None else -1
         slot[dst] = len(slots)
-        slots.append((OUT, out_index[dst], cl.widths[dst], 0) if dst in out_index else (SCRATCH, 0, cl.widths[dst], 0))
-        ops.append((code, slot[dst], ia, ib, float(s)))
-    if any(k not in slot for k in outputs):
-        return False  # an output that no op computes (a chunk of an operand): not worth a kernel
+        if dst in wanted:
+            slots.append((OUT, len(outputs), cl.widths[dst], 0))
+            outputs.append(dst)
+        else:
+            slots.append((SCRATCH, 0, cl.widths[dst], 0))
+        ops.append((code, slot[dst], ia, ib, float(sc)))
     kernel = _fused.Kernel(slots, ops, len(cl.operand_keys), len(outputs))
     kinds = [cl.operand_info[k][1] for k in cl.operand_keys]
     cl.operands = [cl.operand_info[k][0] for k in cl.operand_keys]
@@ -554,7 +558,7 @@ def segment_sum(x, seg, n):
         return None
     out = x.new_zeros((n, x.shape[1]))
     if x.shape[0] and x.shape[1]:
-        _fused.seg_sum(out.data_ptr(), x.data_ptr(), seg.data_ptr(), x.shape[0], x.shape[1], x.stride(0))
+        _fused.seg_sum(out.data_ptr(), x.data_ptr(), seg.data_ptr(), x.shape[0], x.shape[1], x.stride(0), n)
     return out
 
 

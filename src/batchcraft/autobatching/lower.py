@@ -202,6 +202,7 @@ class Runner:
         self.ragged_plan = ragged_plan
         self.fuse = fuse
         self.clusters: list = []
+        self.fuse_error = ""   # why planning the fused kernels failed (the program then runs unfused)
         self.fallbacks: dict = {}
         self.rules: Counter = Counter()
         self._fast = None
@@ -279,11 +280,6 @@ class Runner:
                     lines.append(f"    if r is not None: raise _StepFailed({st.index}, r)")
             for s in range(n_out):
                 vals[(st.index, s)] = (f"{var}_{s}", any_b)
-        clusters = [] if checked or not self.fuse else _fuse.plan(prog, leaf_exprs, leaf_batched, self.ragged_plan,
-                                                                          self.fallbacks)
-        lines = _assemble(em, prog, step_lines, clusters)
-        if not checked:
-            self.clusters = clusters
         outs = []
         for ref, did in zip(prog.out_refs, prog.out_dids):
             e, b = leaf_expr(ref)
@@ -291,11 +287,25 @@ class Runner:
                 shape = DESCS[did][0]
                 e = f"{e}.unsqueeze(0).expand((n,) + {tuple(shape)!r})"
             outs.append(e)
-        lines.append(f"    return [{', '.join(outs)}]")
-        src = f"def run({', '.join(params)}):\n" + "\n".join(lines) + "\n"
-        code = compile(src, f"<batchcraft program {prog.name}>", "exec")
-        exec(code, em.ns)
-        return em.ns["run"], src, rules
+        ret = f"    return [{', '.join(outs)}]"
+
+        def compiled(clusters):
+            body = _assemble(em, prog, step_lines, clusters) + [ret]
+            src = f"def run({', '.join(params)}):\n" + "\n".join(body) + "\n"
+            exec(compile(src, f"<batchcraft program {prog.name}>", "exec"), em.ns)
+            return em.ns["run"], src
+
+        if checked or not self.fuse:
+            return (*compiled([]), rules)
+        try:
+            clusters = _fuse.plan(prog, leaf_exprs, leaf_batched, self.ragged_plan, self.fallbacks)
+            run, src = compiled(clusters)
+        except Exception as exc:  # a planning bug must cost the fusion, never the batching
+            self.fuse_error = f"{type(exc).__name__}: {exc}"
+            clusters = []
+            run, src = compiled([])
+        self.clusters = clusters
+        return run, src, rules
 
     @property
     def fused_steps(self) -> int:
