@@ -547,3 +547,74 @@ def test_instance_norm_running_statistics_update_in_instance_order(core, block, 
     [ine(x) for x in xs]
     torch.testing.assert_close(inb.running_mean, ine.running_mean)
     torch.testing.assert_close(inb.running_var, ine.running_var)
+
+
+# -- saved_tensors_hooks (reliability #162) -------------------------------------------------------
+
+def _pack(t):
+    return t * 2
+
+
+def _unpack(t):
+    return t / 2 + 0.1  # changes what backward reads: a hook applied at other times shows
+
+
+def _top_saved_hooks():
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_saved_tensors_hooks_inside_instance_code_is_a_clear_error(core):
+    from batchcraft.errors import AutobatchError
+
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        h = torch.sigmoid(x)
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            return (torch.tanh(lin(h)) * h).sum()
+
+    xs = [torch.randn(4, requires_grad=True) for _ in range(3)]
+    with pytest.raises(AutobatchError, match="saved_tensors_hooks entered inside"):
+        autobatch(fn, core=core)(xs)
+    assert _top_saved_hooks() is None  # nothing left pushed
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):  # torch's class is torch's again
+        y = (torch.randn(3, requires_grad=True) * 2).sum()
+    assert y.requires_grad
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_saved_tensors_hooks_around_the_call_match_eager(core):
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    fn = lambda x: (torch.tanh(lin(torch.sigmoid(x))) * x).sum()  # noqa: E731
+    xs = [torch.randn(4, requires_grad=True) for _ in range(5)]
+    f = autobatch(fn, core=core)
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        ref = [fn(x) for x in xs]
+        out = f(xs)
+    ge = torch.autograd.grad(sum(ref), [lin.weight] + xs)
+    gb = torch.autograd.grad(sum(out), [lin.weight] + xs)
+    for a, b in zip(gb, ge):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_torchs_own_saved_tensor_hooks_still_work_inside_instance_code(core):
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        y = checkpoint(lambda a: torch.tanh(lin(a)), x, use_reentrant=False)
+        with torch.autograd.graph.save_on_cpu():
+            return (y * torch.sigmoid(x)).sum()
+
+    xs = [torch.randn(4, requires_grad=True) for _ in range(4)]
+    out = autobatch(fn, core=core)(xs)
+    ref = [fn(x) for x in xs]
+    ge = torch.autograd.grad(sum(ref), [lin.weight] + xs)
+    gb = torch.autograd.grad(sum(out), [lin.weight] + xs)
+    for a, b in zip(gb, ge):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

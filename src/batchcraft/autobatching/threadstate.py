@@ -17,6 +17,10 @@ import contextlib
 
 import torch
 
+from batchcraft.autobatching import stack as _stack
+from batchcraft.autobatching.patches import SharedPatch
+from batchcraft.errors import AutobatchError
+
 _grad = torch.is_grad_enabled
 # torch's print options live in one process-wide object; its __dict__ is compared and restored
 _PRINT_OPTS = vars(torch._tensor_str.PRINT_OPTS)
@@ -252,4 +256,28 @@ class FiberState:
         self._in_guard = None
 
 
-__all__ = ["PLAIN", "op_state", "under", "autocast_dtypes", "set_autocast_dtypes", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
+_SavedHooks = torch.autograd.graph.saved_tensors_hooks
+_saved_hooks_enter = _SavedHooks.__enter__
+
+
+def _refusing_enter(self):
+    """``saved_tensors_hooks.__enter__`` while calls record: refused in a recording thread.
+
+    Eager packs the tensors that the operations inside the ``with`` save; batched, those
+    operations run later, at a flush, as groups that mix instances, so the hooks would pack other
+    work (and miss this instance's): silently different gradients (reliability #162). Torch's own
+    subclasses (``save_on_cpu``, non-reentrant checkpoint's) are let through: they keep values.
+    """
+    if type(self) is _SavedHooks and _stack.current() is not None:
+        raise AutobatchError(
+            "torch.autograd.graph.saved_tensors_hooks entered inside auto-batched instance code: its hooks "
+            "would see batched work at other times than eager does",
+            hint="enter it around the autobatched call (the hooks then see the batched tensors), or run "
+                 "that part outside batchcraft.autobatch")
+    return _saved_hooks_enter(self)
+
+
+#: entered around a recording call (process-wide; other threads keep torch's behaviour)
+SAVED_TENSORS_HOOKS = SharedPatch(_SavedHooks, "__enter__", _refusing_enter)
+
+__all__ = ["PLAIN", "op_state", "SAVED_TENSORS_HOOKS", "under", "autocast_dtypes", "set_autocast_dtypes", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
