@@ -618,3 +618,49 @@ def test_torchs_own_saved_tensor_hooks_still_work_inside_instance_code(core):
     gb = torch.autograd.grad(sum(out), [lin.weight] + xs)
     for a, b in zip(gb, ge):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_users_subclass_of_saved_tensors_hooks_is_refused_too(core):
+    from batchcraft.errors import AutobatchError
+
+    class Bf16Saved(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self):
+            super().__init__(lambda t: t.to(torch.bfloat16), lambda t: t.float())
+
+    def fn(x):
+        with Bf16Saved():
+            return (torch.tanh(x) * x).sum()
+
+    with pytest.raises(AutobatchError, match="saved_tensors_hooks entered inside"):
+        autobatch(fn, core=core)([torch.randn(4, requires_grad=True) for _ in range(3)])
+    assert _top_saved_hooks() is None
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_users_dispatch_mode_inside_instance_code_is_refused(core):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from batchcraft.errors import AutobatchError
+
+    class PlusOne(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out + 1 if func is torch.ops.aten.tanh.default else out
+
+    def fn(x):
+        with PlusOne():
+            return torch.tanh(x) * 2
+
+    with pytest.raises(AutobatchError, match=r"TorchDispatchMode \(PlusOne\) entered inside"):
+        autobatch(fn, core=core)([torch.randn(4) for _ in range(3)])
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+    def counted(x):  # torch's own modes are let through (they see the batched work)
+        with FlopCounterMode(display=False):
+            return torch.tanh(x) * 2
+
+    xs = [torch.randn(4) for _ in range(3)]
+    for o, x in zip(autobatch(counted, core=core)(xs), xs):
+        torch.testing.assert_close(o, torch.tanh(x) * 2)

@@ -422,3 +422,29 @@ def test_a_block_storing_a_new_list_on_its_module_runs_unblocked(core):
     _close(autobatch(lambda x: blk(x), core=core)(xs), ref)
     assert len(blk.hist) == 3 and all(type(h) is torch.Tensor for h in blk.hist)
     _close(blk.hist, eager.hist)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_mode_of_the_users_around_a_block_call_is_refused_even_once_the_block_is_traced(core):
+    # reliability #170: the check ran only when the block was traced; a cached program ignored the mode
+    from torch.overrides import TorchFunctionMode
+
+    from batchcraft.errors import AutobatchError
+
+    class Half(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * 0.5 if func is torch.sigmoid else out
+
+    blk = static_block(lambda x, c: torch.sigmoid(x) * c + torch.tanh(c))
+    xs = [(torch.randn(4), torch.randn(4)) for _ in range(3)]
+
+    def with_mode(i):
+        with Half():
+            return blk(*i)
+
+    autobatch(lambda i: blk(*i), core=core)(xs)  # traced and cached without the mode
+    f = autobatch(with_mode, core=core)
+    for _ in range(2):
+        with pytest.raises(AutobatchError, match=r"torch-function mode \(Half\)"):
+            f(xs)

@@ -471,3 +471,30 @@ def test_out_of_range_segment_ids_raise_as_index_add_does():
     with pytest.raises(IndexError):
         fc(3, torch.tensor([0, 2, 3]), x)       # row 3 of a 3-row operand
     torch.testing.assert_close(fc(3, torch.tensor([2, 0, 2]), x)[0], -x[[2, 0, 2]])
+
+
+def test_dual_tensors_keep_their_tangents():
+    # a forward-AD level: the kernels would drop tangents, so torch's calls run (reliability #172)
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    blk = Gates()
+    fn = _gates_fn(blk)
+    xs = _instances(5)
+    tangents = [torch.randn(8) for _ in xs]
+    f = autobatch(fn)
+    with torch.no_grad(), fwAD.dual_level():
+        duals = [(fwAD.make_dual(x, t), c) for (x, c), t in zip(xs, tangents)]
+        f(duals)
+        out = f(duals)
+        ref = [fn(d) for d in duals]
+        for o, r in zip(out, ref):
+            for a, b in zip(o, r):
+                pa, ta = fwAD.unpack_dual(a)
+                pb, tb = fwAD.unpack_dual(b)
+                torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
+                assert ta is not None
+                torch.testing.assert_close(ta, tb, atol=1e-5, rtol=1e-4)
+        assert f.stats.fused_kernels == 0
+        x = fwAD.make_dual(torch.randn(4, 3), torch.randn(4, 3))
+        assert fuse.segment_sum(x, torch.tensor([0, 0, 1, 1]), 2) is None

@@ -2674,15 +2674,19 @@ static PyObject *blockcall_vectorcall(BlockCallObject *bc, PyObject *const *args
     }
     PyObject *rec = current_rec();
     PyObject *r;
+    int user = 0;
     if (!rec) {
         PyObject *fn = PyObject_GetAttr(block, s_fn);
         r = fn ? PyObject_Vectorcall(fn, args + 1, (nargs - 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, kwnames) : NULL;
         Py_XDECREF(fn);
-    } else if (PyObject_TypeCheck(rec, &RecorderType)) {
+    } else if (PyObject_TypeCheck(rec, &RecorderType) && (user = user_mode_on_top(rec)) == 0) {
+        /* (a mode of the user's innermost: StaticBlock.record_in refuses it, reliability #170) */
         PyObject *kw = NULL;
         if (kwnames && PyTuple_GET_SIZE(kwnames)) { kw = kwnames_to_dict(args, nargs, kwnames); if (!kw) { Py_DECREF(block); return NULL; } }
         r = record_block((RecObject *)rec, block, args + 1, nargs - 1, kw);
         Py_XDECREF(kw);
+    } else if (user < 0) {
+        r = NULL;
     } else {
         PyObject *t = PyTuple_New(nargs - 1);
         for (Py_ssize_t i = 1; t && i < nargs; i++) { Py_INCREF(args[i]); PyTuple_SET_ITEM(t, i - 1, args[i]); }

@@ -36,7 +36,7 @@ from batchcraft.autobatching.devices import with_factory_device
 from batchcraft.autobatching.functional import is_inplace_call, writes_first
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.reach import reach
-from batchcraft.autobatching.lazy import LazyTensor
+from batchcraft.autobatching.lazy import LazyTensor, user_mode_on_top
 from batchcraft.autobatching.program import Program, Step
 from batchcraft.autobatching.signature import (LEAF, RAGGED, SCALAR_TYPES, SIGNATURES, SigInfo, flatten,
                                                rebuild, shared_descriptor)
@@ -375,6 +375,14 @@ class StaticBlock:
     # -- recording ---------------------------------------------------------------------------------
     def record_in(self, rec, args, kwargs):
         """Record one call of the block with the active recorder ``rec``."""
+        if user_mode_on_top(rec):
+            # the block's operations run batched, where a mode of the user's would not see them;
+            # refused whether the block was traced before or not (reliability #170)
+            mode = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+            raise AutobatchError(f"static block {self.name!r}: called under a torch-function mode "
+                                 f"({type(mode).__name__}) entered in instance code, which is not supported",
+                                 hint="enter the mode inside the block's caller without static_block, or around "
+                                      "the autobatched call")
         if self not in rec.blocks_checked:
             self._check_fingerprint()
             rec.blocks_checked.add(self)

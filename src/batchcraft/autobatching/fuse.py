@@ -28,8 +28,8 @@ write. The lowered source keeps the unfused steps as the cluster's other branch:
 
 :class:`FusedCall` declines at run time unless every operand is a plain float32 CPU strided
 tensor with unit stride along its row, the shapes are the trace's, and no operand needs autograd
-(``torch.is_grad_enabled()`` and ``requires_grad``) or autocast is on: training, other dtypes and
-devices run torch's calls. Values: add/sub/mul/neg/relu are torch's bits; sigmoid, tanh and exp
+(``torch.is_grad_enabled()`` and ``requires_grad``; a forward-AD level is active) or autocast is on:
+training, dual tensors, other dtypes and devices run torch's calls. Values: add/sub/mul/neg/relu are torch's bits; sigmoid, tanh and exp
 are within a few float32 units in the last place (``_fused.c``; torch's own kernels differ by as
 much between a contiguous and a strided input).
 
@@ -43,6 +43,7 @@ import operator
 import threading
 
 import torch
+import torch.autograd.forward_ad as _fwad
 import torch.nn.functional as F
 
 from batchcraft.autobatching.descs import DESCS
@@ -176,8 +177,8 @@ class FusedCall:
         index = []
         limits = []
         grad = torch.is_grad_enabled()
-        if torch.is_autocast_enabled("cpu"):
-            return None
+        if torch.is_autocast_enabled("cpu") or _fwad._current_level >= 0:
+            return None  # autocast; a forward-AD level (dual tensors carry tangents the kernel drops)
         sp = 0
         if seg is not None:
             if (type(seg) is not _T or seg.dtype is not torch.int64 or not seg.is_cpu or seg.dim() != 1
@@ -549,7 +550,8 @@ def segment_sum(x, seg, n):
     """``(n, W)`` sums of the float32 rows ``x`` ``(R, W)`` per segment id ``seg`` ``(R,)`` int64,
     added in row order as ``index_add_`` adds them on the CPU (the same bits), in one C loop; None
     where that does not apply (another dtype, device or layout, autograd, no extension)."""
-    if (_fused is None or type(x) is not _T or x.dtype is not _F32 or x.dim() != 2 or not x.is_cpu
+    if (_fused is None or _fwad._current_level >= 0 or type(x) is not _T or x.dtype is not _F32 or x.dim() != 2
+            or not x.is_cpu
             or x.layout is not torch.strided or (x.shape[1] > 1 and x.stride(1) != 1) or x.is_neg()
             or x._is_zerotensor()
             or (x.requires_grad and torch.is_grad_enabled()) or type(seg) is not _T

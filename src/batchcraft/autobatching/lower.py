@@ -12,7 +12,8 @@ once per signature::
         return [v5, v6_1]
 
 so a group costs its torch calls and little else (ACRoBat generates its batched kernels and host
-code ahead of time; this is the same idea at Python level). The first run of a program checks
+code ahead of time; this is the same idea at Python level). Runs of elementwise steps then become
+one fused C kernel call each (:mod:`fuse`), the steps kept as its fallback branch. The first run of a program checks
 every step's shape and dtype against the per-instance trace; a step whose rule fails or
 disagrees runs one instance at a time from then on (correct, counted, with the reason), and the
 program is compiled again without the checks.
@@ -191,9 +192,14 @@ class Runner:
 
     Call: ``runner(n, inputs, ragged_members, segments, counts) -> list`` of the program's
     outputs, each ``(n, *per-instance shape)``.
+    Args:
+        fuse (bool): the program without the first run's checks runs its elementwise clusters as
+            fused C kernels (:mod:`fuse`; option ``fuse_elementwise``).
     Attributes:
         fallbacks (dict[int, str]): steps run one instance at a time, with the reason.
         rules (Counter): which rule each batched step used (for ``RunStats.groups_by_rule``).
+        clusters (list[fuse.Cluster]): the fused clusters of the unchecked program.
+        fuse_error (str): why planning them failed ("" if it did not; the program then runs unfused).
     """
 
     def __init__(self, program, kernels=None, ragged_plan=None, fuse=False):
@@ -306,11 +312,6 @@ class Runner:
             run, src = compiled([])
         self.clusters = clusters
         return run, src, rules
-
-    @property
-    def fused_steps(self) -> int:
-        """Steps of this program that run inside fused elementwise kernels (:mod:`fuse`)."""
-        return sum(len(c.members) for c in self.clusters)
 
     @staticmethod
     def _rebuilt(st, exprs):

@@ -50,7 +50,8 @@ from batchcraft.autobatching.lazy import ATOMIC_PRINT, LazyTensor
 from batchcraft.autobatching.schedule import make_scheduler
 from batchcraft.autobatching.signature import flatten, rebuild
 from batchcraft.autobatching.stats import RunStats
-from batchcraft.autobatching.threadstate import SAVED_TENSORS_HOOKS, FiberState, autocast_dtypes, set_autocast_dtypes
+from batchcraft.autobatching.threadstate import (DISPATCH_MODES, SAVED_TENSORS_HOOKS, FiberState, autocast_dtypes,
+                                                 set_autocast_dtypes)
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
@@ -222,7 +223,8 @@ class Runtime:
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
             _functional.intercept_function_apply(True)
             install_train_hook()
-            with attrs, cells, calls, dispatch, retention, SET_DEFAULT_DEVICE, ATOMIC_PRINT, SAVED_TENSORS_HOOKS:
+            with (attrs, cells, calls, dispatch, retention, SET_DEFAULT_DEVICE, ATOMIC_PRINT, SAVED_TENSORS_HOOKS,
+                  DISPATCH_MODES):
                 return self._run(instances, t_start)
         finally:
             try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils._python_dispatch
 
 from batchcraft.autobatching import stack as _stack
 from batchcraft.autobatching.patches import SharedPatch
@@ -266,9 +267,11 @@ def _refusing_enter(self):
     Eager packs the tensors that the operations inside the ``with`` save; batched, those
     operations run later, at a flush, as groups that mix instances, so the hooks would pack other
     work (and miss this instance's): silently different gradients (reliability #162). Torch's own
-    subclasses (``save_on_cpu``, non-reentrant checkpoint's) are let through: they keep values.
+    subclasses (``save_on_cpu``, non-reentrant checkpoint's) are let through: they keep values;
+    a user's subclass (bf16 packing, say) is refused like the class itself.
     """
-    if type(self) is _SavedHooks and _stack.current() is not None:
+    cls = type(self)
+    if (cls is _SavedHooks or not cls.__module__.startswith("torch.")) and _stack.current() is not None:
         raise AutobatchError(
             "torch.autograd.graph.saved_tensors_hooks entered inside auto-batched instance code: its hooks "
             "would see batched work at other times than eager does",
@@ -280,4 +283,25 @@ def _refusing_enter(self):
 #: entered around a recording call (process-wide; other threads keep torch's behaviour)
 SAVED_TENSORS_HOOKS = SharedPatch(_SavedHooks, "__enter__", _refusing_enter)
 
-__all__ = ["PLAIN", "op_state", "SAVED_TENSORS_HOOKS", "under", "autocast_dtypes", "set_autocast_dtypes", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
+_DispatchMode = torch.utils._python_dispatch.TorchDispatchMode
+_dispatch_enter = _DispatchMode.__enter__
+
+
+def _refusing_dispatch_enter(self):
+    """``TorchDispatchMode.__enter__`` while calls record: a user's mode is refused in a recording
+    thread. Its handler sees aten calls; instance code's operations reach aten later, batched,
+    where the mode is no longer entered (or is, for other instances' work): a mode that changes
+    results gave silently different values (reliability #171). Torch's own modes (the flop
+    counter's, fake tensors of a compile) are let through; they see the batched work."""
+    if not type(self).__module__.startswith("torch.") and _stack.current() is not None:
+        raise AutobatchError(
+            f"a TorchDispatchMode ({type(self).__name__}) entered inside auto-batched instance code: it would "
+            "see batched work at other times than eager does",
+            hint="enter it around the autobatched call (the call then runs its instances eagerly, each "
+                 "seen by the mode), or run that part outside batchcraft.autobatch")
+    return _dispatch_enter(self)
+
+
+DISPATCH_MODES = SharedPatch(_DispatchMode, "__enter__", _refusing_dispatch_enter)
+
+__all__ = ["PLAIN", "op_state", "SAVED_TENSORS_HOOKS", "DISPATCH_MODES", "under", "autocast_dtypes", "set_autocast_dtypes", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
