@@ -498,3 +498,24 @@ def test_dual_tensors_keep_their_tangents():
         assert f.stats.fused_kernels == 0
         x = fwAD.make_dual(torch.randn(4, 3), torch.randn(4, 3))
         assert fuse.segment_sum(x, torch.tensor([0, 0, 1, 1]), 2) is None
+
+
+def test_the_portable_loops_run_the_same_programs(tmp_path):
+    """Without AVX-512 (forced here: BATCHCRAFT_FUSED_PORTABLE=1) the kernels' portable loops run."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "portable.py"
+    script.write_text(
+        "import sys, torch\n"
+        "sys.path.insert(0, %r)\n"
+        "from batchcraft.autobatching import _fused\n"
+        "import test_fuse as T\n"
+        "assert _fused.vector_maths == 'portable', _fused.vector_maths\n"
+        "T.test_block_tail_runs_fused_and_matches_eager('python')\n"
+        "T.test_treelstm_on_real_trees_runs_fused_ragged_levels()\n"
+        "print('ok')\n" % os.path.dirname(__file__))
+    env = dict(os.environ, BATCHCRAFT_FUSED_PORTABLE="1")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -20,6 +20,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
 #include <math.h>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && defined(__linux__)
@@ -127,6 +128,7 @@ BC_CLONES static void k_exp(float *restrict d, const float *a, Py_ssize_t w) {
 
 typedef void (*unary_fn)(float *restrict, const float *, Py_ssize_t);
 static unary_fn f_sigmoid = k_sigmoid, f_tanh = k_tanh, f_exp = k_exp;
+static int avx512_maths = 0;
 
 #if BC_AVX512
 /* The same maths, 16 lanes with AVX-512F: vscalefps scales by 2^n with the right overflow to inf
@@ -185,9 +187,12 @@ LOOP16(k_exp512, exp16)
 
 static void choose_kernels(void) {
 #if BC_AVX512
+    const char *portable = getenv("BATCHCRAFT_FUSED_PORTABLE");  /* tests: the loop other CPUs run */
+    if (portable && *portable && strcmp(portable, "0") != 0) return;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) {
         f_sigmoid = k_sigmoid512; f_tanh = k_tanh512; f_exp = k_exp512;
+        avx512_maths = 1;
     }
 #endif
 }
@@ -498,6 +503,6 @@ PyMODINIT_FUNC PyInit__fused(void) {
     Py_INCREF(&KernelType);
     if (PyModule_AddObject(m, "Kernel", (PyObject *)&KernelType) < 0) { Py_DECREF(&KernelType); Py_DECREF(m); return NULL; }
     PyModule_AddIntConstant(m, "OP_COUNT", OP_COUNT);
-    PyModule_AddStringConstant(m, "vector_maths", f_sigmoid == k_sigmoid ? "portable" : "avx512f");
+    PyModule_AddStringConstant(m, "vector_maths", avx512_maths ? "avx512f" : "portable");
     return m;
 }
