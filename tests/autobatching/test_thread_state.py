@@ -737,3 +737,30 @@ def test_print_options_set_around_a_wait_are_each_instances_own(core, fibers):
     for (y, short, full), x in zip(out, xs):
         _, rshort, rfull = fn(x)
         assert (short, full) == (rshort, rfull)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("fibers", [True, "auto"])
+def test_disabled_saved_tensor_hooks_stay_with_their_instance(core, fibers):
+    # reliability #174: the "disabled" flag is per thread in torch; an instance waiting inside
+    # disable_saved_tensors_hooks made another instance's save_on_cpu raise
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+
+    def fn(inp):
+        k, x = inp
+        if k == 0:
+            with torch.autograd.graph.disable_saved_tensors_hooks("disabled by instance 0"):
+                y = lin(x)
+                if y.sum() > -1e9:  # a value wait inside the region
+                    y = y * 2
+                return y
+        with torch.autograd.graph.save_on_cpu():
+            return torch.tanh(lin(x))
+
+    xs = [(k, torch.randn(8, requires_grad=True)) for k in range(3)]
+    ref = [fn(x) for x in xs]
+    out = autobatch(fn, core=core, fibers=fibers)(xs)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r, atol=1e-6, rtol=1e-5)
+    assert torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is None

@@ -35,6 +35,10 @@ _tf_at = torch._C._get_function_stack_at
 _tf_push = torch._C._push_on_torch_function_stack
 _tf_pop = torch._C._pop_torch_function_stack
 _NoTF = torch._C.DisableTorchFunction
+# saved-tensor hooks "disabled" (``disable_saved_tensors_hooks``): a per-thread message or None
+_hooks_off = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
+_hooks_disable = torch._C._autograd._saved_tensors_hooks_disable
+_hooks_enable = torch._C._autograd._saved_tensors_hooks_enable
 
 
 def _autocast_devices() -> tuple:
@@ -167,9 +171,11 @@ class FiberState:
     creator expects.
     """
 
-    __slots__ = ("grad", "inference", "autocast", "dtype", "modes", "printopts", "_in_guard", "_out_guard")
+    __slots__ = ("grad", "inference", "autocast", "dtype", "modes", "printopts", "hooks_off", "_in_guard",
+                 "_out_guard")
 
-    def __init__(self, grad, inference, autocast, dtype, modes, printopts):
+    def __init__(self, grad, inference, autocast, dtype, modes, printopts, hooks_off=None):
+        self.hooks_off = hooks_off  # disable_saved_tensors_hooks's message (reliability #174)
         self.grad = grad
         self.inference = inference
         self.autocast = autocast
@@ -183,10 +189,11 @@ class FiberState:
     def capture(cls) -> "FiberState":
         n = _tf_len()
         return cls(_grad(), _inference(), autocast_state(), _default_dtype(),
-                   tuple(_tf_at(i) for i in range(n)) if n else (), dict(_PRINT_OPTS))
+                   tuple(_tf_at(i) for i in range(n)) if n else (), dict(_PRINT_OPTS), _hooks_off())
 
     def copy(self) -> "FiberState":
-        return FiberState(self.grad, self.inference, self.autocast, self.dtype, self.modes, self.printopts)
+        return FiberState(self.grad, self.inference, self.autocast, self.dtype, self.modes, self.printopts,
+                          self.hooks_off)
 
     def _apply(self, inference_via_guard: bool) -> None:
         cur_modes = _tf_len()
@@ -201,12 +208,18 @@ class FiberState:
             set_autocast_state(self.autocast)
         if _PRINT_OPTS != self.printopts:  # process-wide: printoptions(...) around a wait (str() waits)
             _PRINT_OPTS.update(self.printopts)
+        if _hooks_off() != self.hooks_off:
+            if self.hooks_off is None:
+                _hooks_enable()
+            else:
+                _hooks_disable(self.hooks_off)
         _set_grad(self.grad)
 
     def same_as(self, other: "FiberState") -> bool:
         """Equal grad mode, inference mode, autocast, default dtype and mode stack."""
         return (self.grad is other.grad and self.inference is other.inference and self.dtype is other.dtype
                 and self.autocast == other.autocast and self.modes == other.modes
+                and self.hooks_off == other.hooks_off
                 and (self.printopts is other.printopts or self.printopts == other.printopts))
 
     def enter(self, main: "FiberState") -> None:
@@ -231,10 +244,11 @@ class FiberState:
                 and _inference() is main.inference and _default_dtype() is main.dtype \
                 and (main.autocast is None and not autocast_enabled_any()) \
                 and (n == 0 or (_tf_at(0) is modes[0] if n == 1 else all(_tf_at(i) is m for i, m in enumerate(modes)))) \
-                and _PRINT_OPTS == main.printopts:
+                and _PRINT_OPTS == main.printopts and _hooks_off() == main.hooks_off:
             # the fiber left the state as the scheduler's (the common case): nothing to restore
             self.grad, self.inference, self.autocast = main.grad, main.inference, None
             self.dtype, self.modes, self.printopts = main.dtype, main.modes, main.printopts
+            self.hooks_off = main.hooks_off
             return
         with _NoTF():
             self._leave(main)
@@ -245,6 +259,7 @@ class FiberState:
         n = _tf_len()
         self.modes = tuple(_tf_at(i) for i in range(n)) if n else ()
         self.printopts = main.printopts if _PRINT_OPTS == main.printopts else dict(_PRINT_OPTS)
+        self.hooks_off = _hooks_off()
         if self._in_guard is not None:
             self._in_guard = None  # restores the scheduler's inference mode
         elif self.inference != main.inference:
