@@ -52,3 +52,25 @@ def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "batchcraft", "run", "--list"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "treelstm" in r.stdout
+
+
+def test_run_reports_fusion_and_a_busy_machine(capsys, monkeypatch):
+    from batchcraft.cli import cmd_run
+
+    monkeypatch.setattr(cmd_run, "_busy_cpus", lambda: 1.0)  # a fake load: no test depends on the real one
+    assert main(["run", "treelstm", "--limit", "16", "--batch-size", "8", "--hidden", "16",
+                 "--no-progress", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "fused kernels per batch" in out and "other processes kept 1.0 of" in out
+    monkeypatch.setattr(cmd_run, "_busy_cpus", lambda: 0.0)
+    assert main(["run", "treelstm", "--limit", "16", "--batch-size", "8", "--hidden", "16", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["busy_cpus_before"] == 0.0 and res["steps_fused"] >= 0 and "fused_kernels" in res
+
+
+def test_busy_cpus_reads_a_fraction_of_the_machine():
+    from batchcraft.cli import cmd_run
+
+    import os
+
+    assert 0.0 <= cmd_run._busy_cpus(0.05) <= (os.cpu_count() or 1) + 1e-9

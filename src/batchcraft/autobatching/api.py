@@ -91,8 +91,9 @@ class AutoBatched:
         self.stats = st
         if not self._warned_modes:
             self._warned_modes = True
-            warnings.warn(f"{self.__name__}: {reason} (enter the mode inside the per-instance function to keep "
-                          f"batching; see RunStats.fallback_reasons)", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{self.__name__}: {reason} (to batch the rest, enter a torch-function mode inside the "
+                          f"per-instance function around only the code it must see: the calls under it run per "
+                          f"instance, the others batch; see RunStats.fallback_reasons)", RuntimeWarning, stacklevel=3)
         out = []
         for i, x in enumerate(instances):
             try:
@@ -211,7 +212,10 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "a
         torch-function or torch-dispatch mode of the caller's active (``with Mode(): f(xs)``,
         ``FlopCounterMode``) or torch-function dispatch disabled around it, the instances run one
         at a time as in eager, so that the mode sees each of their operations (counted in
-        ``f.stats.fallbacks``, a ``RuntimeWarning`` once); a mode entered inside ``fn`` is batched.
+        ``f.stats.fallbacks``, a ``RuntimeWarning`` once). A torch-function mode entered inside
+        ``fn`` sees the calls under it on the instance's values (they run per instance, counted in
+        ``f.stats.fallback_reasons``; the rest of ``fn`` batches); a static block called under it,
+        and a ``TorchDispatchMode`` of the user's entered inside ``fn``, raise ``AutobatchError``.
     Raises:
         ValueError: unknown option value.
         TypeError: ``instances`` is one Tensor (pass a list of instances).

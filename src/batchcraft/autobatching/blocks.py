@@ -38,7 +38,7 @@ from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.reach import reach
 from batchcraft.autobatching.lazy import LazyTensor, user_mode_on_top
 from batchcraft.autobatching.program import Program, Step
-from batchcraft.autobatching.signature import (LEAF, RAGGED, SCALAR_TYPES, SIGNATURES, SigInfo, flatten,
+from batchcraft.autobatching.signature import (LEAF, RAGGED, SCALAR_TYPES, SIGNATURES, Opaque, SigInfo, flatten,
                                                rebuild, shared_descriptor)
 from batchcraft.autobatching.threadstate import op_state
 from batchcraft.errors import AutobatchError
@@ -381,8 +381,9 @@ class StaticBlock:
             mode = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
             raise AutobatchError(f"static block {self.name!r}: called under a torch-function mode "
                                  f"({type(mode).__name__}) entered in instance code, which is not supported",
-                                 hint="enter the mode inside the block's caller without static_block, or around "
-                                      "the autobatched call")
+                                 hint="call the block's code without static_block under the mode (its calls "
+                                      "then run per instance, seen by the mode), or enter the mode around the "
+                                      "autobatched call (the instances then run one at a time)")
         if self not in rec.blocks_checked:
             self._check_fingerprint()
             rec.blocks_checked.add(self)
@@ -447,6 +448,10 @@ class StaticBlock:
                 pattern.append((float, a.hex()))
             elif t in SCALAR_TYPES:
                 pattern.append((t, a))
+            elif t is not tuple and t is not dict and not isinstance(a, (torch.Tensor, list)):
+                # an object by identity, as the general path keys it: a decorated method's ``self``
+                # (its module state is in the block's fingerprint, ``_note_arg_modules``)
+                pattern.append((Opaque, Opaque(a)))
             else:
                 return NotImplemented
         if not any(p[1] for p in pattern if type(p) is tuple and p and p[0] is RAGGED):

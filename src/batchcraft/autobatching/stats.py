@@ -22,8 +22,11 @@ class RunStats:
         eager_reasons (dict[str, int]): those operations by name.
         syncs (int): times pending work was executed because instance code needed a value.
         peak_pending (int): most nodes waiting at once (the recorded graph's size bound).
-        groups_by_rule (dict[str, int]): batched calls per kind (block, ragged_block, rule names;
-            ``fused_lstm`` etc.: a recurrent cell's chains as one layer call, ``chains.py``).
+        groups_by_rule (dict[str, int]): batched calls per kind: ``block`` and ``ragged_block``
+            (static blocks), the batching rule of a single operation (``rules.py``: ``weight`` for
+            linear / embedding / layer norm, ``elementwise``, ``matmul``, ``gates``, ``unbind``...),
+            ``hoisted`` (a signature's shared prefix run once for its groups, ``hoist.py``),
+            ``fused_lstm`` etc. (a recurrent cell's chains as one layer call, ``chains.py``).
         groups_reordered (int): groups run in their largest input's source order (big rows:
             ``execute.ORDER_MIN_ROW_BYTES``).
         groups_consumer_ordered (int): groups whose rows were laid out in their readers' order
@@ -31,8 +34,10 @@ class RunStats:
         groups_deduplicated, rows_deduplicated (int): groups with integer inputs run once per
             distinct input (``dedup.py``), and the rows that were not computed.
         fused_kernels, steps_fused (int): fused elementwise kernel calls (``fuse.py``) and the
-            batched steps they ran instead of one torch call each; fused_declined: calls that ran
-            the steps' torch calls instead (autograd, another dtype or device, autocast).
+            batched steps they ran instead of one torch call each; fused_declined: kernel calls
+            that ran the steps' torch calls instead at run time (autograd needed, a forward-AD
+            level, an operand on another device or layout). Steps of other dtypes, and programs
+            traced under autocast, are never planned as kernels: not counted.
         ragged_declined (dict[str, int]): static blocks whose list arguments could not run as
             ragged groups (their nodes then group by list length), with the operation or use that
             prevented it; noted when a block is traced for a new list pattern.

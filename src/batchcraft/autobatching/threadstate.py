@@ -290,8 +290,8 @@ def _refusing_enter(self):
         raise AutobatchError(
             "torch.autograd.graph.saved_tensors_hooks entered inside auto-batched instance code: its hooks "
             "would see batched work at other times than eager does",
-            hint="enter it around the autobatched call (the hooks then see the batched tensors), or run "
-                 "that part outside batchcraft.autobatch")
+            hint="enter it around the autobatched call (the hooks then see the batched tensors, once per "
+                 "group), or run that part outside batchcraft.autobatch")
     return _saved_hooks_enter(self)
 
 
@@ -312,8 +312,8 @@ def _refusing_dispatch_enter(self):
         raise AutobatchError(
             f"a TorchDispatchMode ({type(self).__name__}) entered inside auto-batched instance code: it would "
             "see batched work at other times than eager does",
-            hint="enter it around the autobatched call (the call then runs its instances eagerly, each "
-                 "seen by the mode), or run that part outside batchcraft.autobatch")
+            hint="enter it around the autobatched call (the instances then run one at a time, each seen by "
+                 "the mode), or run that part outside batchcraft.autobatch")
     return _dispatch_enter(self)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 NAME = "run"
@@ -44,6 +45,24 @@ def _check(args) -> None:
         raise ConfigurationError(f"--threads must be >= 1, got {args.threads}")
 
 
+def _busy_cpus(window_s: float = 0.25) -> float:
+    """CPUs busy over a short window, from /proc/stat (0.0 where it cannot be read)."""
+    import time
+
+    def sample():
+        with open("/proc/stat") as fh:
+            v = [int(x) for x in fh.readline().split()[1:]]
+        return v[3] + (v[4] if len(v) > 4 else 0), sum(v)  # idle + iowait, total
+
+    try:
+        i0, t0 = sample()
+        time.sleep(window_s)
+        i1, t1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return (1.0 - (i1 - i0) / (t1 - t0)) * (os.cpu_count() or 1) if t1 > t0 else 0.0
+
+
 def run(args) -> int:
     from batchcraft.models import suite
 
@@ -75,10 +94,11 @@ def run(args) -> int:
         raise DataFormatError(args.data or "the embedded UD data", None, "no sentences to run",
                               hint="give a CoNLL-U file with at least one sentence")
     task = suite.build(args.model, sentences, size=args.size, hidden=args.hidden)
+    load = _busy_cpus()  # CPUs other processes kept busy just before the run
     res = compare_eager(task.fn, task.instances, batch_size=args.batch_size, scheduler=args.scheduler,
                         progress=not (args.no_progress or args.json))
     res = {"model": args.model, "size": args.size, "hidden": task.hidden, **res,
-           "machine": machine_info()}
+           "machine": machine_info(), "busy_cpus_before": load}
     if args.json:
         print(json.dumps(res))
         return 0
@@ -95,12 +115,17 @@ def run(args) -> int:
     print(format_table(["", "ms/batch", "instances/s", "speed-up vs eager", "batched calls / ops per batch",
                         "max |out - eager|"], rows))
     print("(ms/batch: median over every batch, after one untimed warm-up call of each system on the first; batched calls / ops: means per batch)")
+    if load >= 0.5:
+        print(f"note: other processes kept {load:.1f} of {os.cpu_count() or 1} CPUs busy as this run began: "
+              f"timings (the eager loop's with several threads most) are unreliable; rerun on a quiet machine "
+              f"or with --threads 1")
     if args.profile:
         print(f"auto-batched time split per batch: record {res['record_ms']:.1f} ms, schedule "
               f"{res['schedule_ms']:.1f} ms, gather {res['gather_ms']:.1f} ms, batched calls "
               f"{res['kernel_ms']:.1f} ms; {res['record_ms'] * 1e3 / max(res['ops_recorded'], 1):.1f} "
               f"host µs per recorded op; fallbacks {res['fallbacks']}, mean "
-              f"{res['mean_batch']:.1f} instances' ops per batched call")
+              f"{res['mean_batch']:.1f} instances' ops per batched call; {res['steps_fused']:.0f} elementwise "
+              f"steps in {res['fused_kernels']:.0f} fused kernels per batch")
         print(f"recording: {res['record_us_per_unit']:.1f} host µs per tree node / token "
               f"({res['work_units']:.0f} per batch); first call {res.get('first_call_ms', 0):.0f} ms = "
               f"{res.get('first_call_ratio', 0):.1f}x the same batch's steady call (signatures inferred, "

@@ -50,7 +50,8 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
     Returns:
         dict with ``eager_ms`` and ``batchcraft_ms`` (median ms per batch), ``speedup``,
         ``instances_per_s_eager`` / ``_batchcraft`` (instances per batch, on average, over the median batch time), ``max_abs_diff``, ``batched_calls`` and
-        ``ops_recorded`` (per batch, summed then averaged), ``mean_batch``, ``fallbacks``, the
+        ``ops_recorded`` (per batch, summed then averaged), ``mean_batch``, ``fallbacks``,
+        ``fused_kernels`` / ``steps_fused`` (per batch: elementwise steps run in fused kernels), the
         time split of the auto-batched runs, ``record_us_per_op`` / ``record_us_per_unit`` (host µs
         of recording), and ``first_call_ms`` (the first auto-batched call of the process on the
         first batch: signatures inferred, blocks traced, kernels chosen) with
@@ -65,8 +66,8 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
 
         it = progress_bar(bs, desc="batches", unit="batch")
     eager_t, bc_t, diffs, ref_t, ref_diffs = [], [], [], [], []
-    totals = dict(batched_calls=0, ops_recorded=0, fallbacks=0, eager_ops=0, syncs=0,
-                  record_s=0.0, schedule_s=0.0, gather_s=0.0, kernel_s=0.0)
+    totals = dict(batched_calls=0, ops_recorded=0, fallbacks=0, eager_ops=0, syncs=0, fused_kernels=0,
+                  steps_fused=0, record_s=0.0, schedule_s=0.0, gather_s=0.0, kernel_s=0.0)
     first_ms = None
     with ctx():
         if warmup and bs:
@@ -115,6 +116,8 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
         "fallbacks": totals["fallbacks"],
         "eager_ops": totals["eager_ops"],
         "syncs_per_batch": totals["syncs"] / nb,
+        "fused_kernels": totals["fused_kernels"] / nb,
+        "steps_fused": totals["steps_fused"] / nb,
         "scheduler": scheduler,
     }
     for k in ("record_s", "schedule_s", "gather_s", "kernel_s"):
