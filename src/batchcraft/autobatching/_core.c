@@ -54,6 +54,14 @@ static PyObject *g_cpu_device = NULL;      /* torch.device("cpu") */
 static PyObject *g_int64_dtype = NULL, *g_bool_dtype = NULL;  /* torch.int64, torch.bool */
 static PyObject *g_tf_mode_enabled = NULL; /* torch._C._is_torch_function_mode_enabled */
 static PyObject *g_tf_len = NULL;          /* torch._C._len_torch_function_stack */
+static PyCFunction g_tf_len_fn = NULL;     /* its C function when it takes no arguments (a direct call) */
+
+/* torch's function-mode stack length: the C function called directly where it is a plain
+   METH_NOARGS builtin (about 40 ns less than a call through the object), else through it. */
+static inline PyObject *tf_stack_len(void) {
+    if (g_tf_len_fn) return g_tf_len_fn(PyCFunction_GET_SELF(g_tf_len), NULL);
+    return PyObject_CallNoArgs(g_tf_len);
+}
 static PyObject *g_tf_at = NULL;           /* torch._C._get_function_stack_at */
 static PyObject *g_tf_enabled = NULL;      /* torch._C._is_torch_function_enabled */
 static PyObject *g_torch_dir = NULL;       /* torch's package directory, ending in the separator */
@@ -248,7 +256,7 @@ static PyObject *dispatch(PyObject *func, PyObject *const *args, Py_ssize_t narg
    in the common case (only the recorder's mode on the stack). */
 static int user_mode_on_top(PyObject *rec) {
     if (!g_ready) return 0;
-    PyObject *n = PyObject_CallNoArgs(g_tf_len);
+    PyObject *n = tf_stack_len();
     if (!n) return -1;
     Py_ssize_t len = PyLong_AsSsize_t(n);
     Py_DECREF(n);
@@ -2430,7 +2438,7 @@ static int rec_mode_on_top(PyObject *rec) {
     Py_ssize_t depth = is_mode ? ((ModeObject *)mode)->depth : -1;
     Py_DECREF(mode);
     if (!is_mode || depth <= 0) return 0;
-    PyObject *n = PyObject_CallNoArgs(g_tf_len);
+    PyObject *n = tf_stack_len();
     if (!n) return -1;
     Py_ssize_t len = PyLong_AsSsize_t(n);
     Py_DECREF(n);
@@ -2593,7 +2601,7 @@ static PyObject *mode_enter(ModeObject *self, PyObject *noargs) {
     PyObject *r = PyObject_CallOneArg(g_tf_push, (PyObject *)self);
     if (!r) return NULL;
     Py_DECREF(r);
-    PyObject *n = PyObject_CallNoArgs(g_tf_len);
+    PyObject *n = tf_stack_len();
     if (!n) return NULL;
     self->depth = PyLong_AsSsize_t(n);
     Py_DECREF(n);
@@ -3217,6 +3225,8 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     GET(g_scalar_dids, "scalar_dids"); GET(g_cpu_device, "cpu_device");
     GET(g_int64_dtype, "int64_dtype"); GET(g_bool_dtype, "bool_dtype");
     GET(g_tf_mode_enabled, "tf_mode_enabled"); GET(g_tf_len, "tf_len"); GET(g_tf_at, "tf_at");
+    g_tf_len_fn = (PyCFunction_Check(g_tf_len) && (PyCFunction_GET_FLAGS(g_tf_len) & METH_NOARGS))
+                  ? PyCFunction_GET_FUNCTION(g_tf_len) : NULL;
     GET(g_tf_enabled, "tf_enabled");
     GET(g_torch_dir, "torch_dir");
     PyObject *o = PyDict_GetItemString(d, "fill_factories");
