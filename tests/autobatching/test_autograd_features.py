@@ -559,6 +559,14 @@ def _unpack(t):
     return t / 2 + 0.1  # changes what backward reads: a hook applied at other times shows
 
 
+def _assert_same_gradients(out, ref, wrt):
+    """Gradients of the summed batched outputs and of the summed eager ones w.r.t. ``wrt`` agree."""
+    gb = torch.autograd.grad(sum(out), wrt)
+    ge = torch.autograd.grad(sum(ref), wrt)
+    for a, b in zip(gb, ge):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def _top_saved_hooks():
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
@@ -593,10 +601,7 @@ def test_saved_tensors_hooks_around_the_call_match_eager(core):
     with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
         ref = [fn(x) for x in xs]
         out = f(xs)
-    ge = torch.autograd.grad(sum(ref), [lin.weight] + xs)
-    gb = torch.autograd.grad(sum(out), [lin.weight] + xs)
-    for a, b in zip(gb, ge):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    _assert_same_gradients(out, ref, [lin.weight] + xs)
 
 
 @pytest.mark.parametrize("core", CORES)
@@ -614,10 +619,7 @@ def test_torchs_own_saved_tensor_hooks_still_work_inside_instance_code(core):
     xs = [torch.randn(4, requires_grad=True) for _ in range(4)]
     out = autobatch(fn, core=core)(xs)
     ref = [fn(x) for x in xs]
-    ge = torch.autograd.grad(sum(ref), [lin.weight] + xs)
-    gb = torch.autograd.grad(sum(out), [lin.weight] + xs)
-    for a, b in zip(gb, ge):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    _assert_same_gradients(out, ref, [lin.weight] + xs)
 
 
 @pytest.mark.parametrize("core", CORES)

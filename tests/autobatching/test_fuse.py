@@ -95,6 +95,17 @@ def _close(out, ref, atol=2e-6):
             torch.testing.assert_close(a, b, atol=atol, rtol=1e-5)
 
 
+def _second_call(fn, xs, **options):
+    """``(f, f's second call, eager)`` under ``no_grad``: a program's first run is its checked,
+    unfused form; the runs after it are fused."""
+    f = autobatch(fn, **options)
+    with torch.no_grad():
+        f(xs)
+        out = f(xs)
+        ref = [fn(x) for x in xs]
+    return f, out, ref
+
+
 @pytest.mark.parametrize("core", ["c", "python"])
 def test_block_tail_runs_fused_and_matches_eager(core):
     from batchcraft.autobatching import _native
@@ -160,11 +171,7 @@ def test_inputs_that_need_grad_under_no_grad_are_fine():
     blk = Gates()
     fn = _gates_fn(blk)
     xs = [(x.requires_grad_(), c) for x, c in _instances(5)]
-    f = autobatch(fn)
-    with torch.no_grad():
-        f(xs)
-        out = f(xs)
-        ref = [fn(x) for x in xs]
+    f, out, ref = _second_call(fn, xs)
     _close(out, ref)
     assert f.stats.fused_kernels >= 1 and not any(t.requires_grad for o in out for t in o)
 
@@ -174,11 +181,7 @@ def test_float64_is_not_fused_and_is_exact():
     blk = Gates().double()
     fn = _gates_fn(blk)
     xs = [(x.double(), c.double()) for x, c in _instances(5)]
-    f = autobatch(fn)
-    with torch.no_grad():
-        f(xs)
-        out = f(xs)
-        ref = [fn(x) for x in xs]
+    f, out, ref = _second_call(fn, xs)
     _close(out, ref, atol=1e-12)
     assert f.stats.steps_fused == 0 and f.stats.fused_declined == 0  # never planned
 
@@ -212,11 +215,7 @@ def inplace_between(x):
 def test_a_write_between_steps_is_a_barrier():
     xs = [torch.randn(6, generator=torch.Generator().manual_seed(i)) for i in range(7)]
     fn = lambda x: inplace_between(x)  # noqa: E731
-    f = autobatch(fn)
-    with torch.no_grad():
-        f(xs)
-        out = f(xs)
-        ref = [fn(x) for x in xs]
+    f, out, ref = _second_call(fn, xs)
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
@@ -357,11 +356,7 @@ def test_random_elementwise_blocks_match_eager(program, n, seed):
     blk = _block_of(program, p)
     xs = [(torch.randn(d, generator=g), torch.randn(d, generator=g)) for _ in range(n)]
     fn = lambda xy: blk(*xy)  # noqa: E731
-    f = autobatch(fn)
-    with torch.no_grad():
-        f(xs)
-        out = f(xs)
-        ref = [fn(x) for x in xs]
+    f, out, ref = _second_call(fn, xs)
     for o, r in zip(out, ref):
         for a, b in zip(o, r):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)
@@ -450,11 +445,7 @@ def test_a_planning_failure_costs_the_fusion_not_the_batching(monkeypatch):
     blk = Gates()
     fn = _gates_fn(blk)
     xs = _instances(6)
-    f = autobatch(fn)
-    with torch.no_grad():
-        f(xs)
-        out = f(xs)
-        ref = [fn(x) for x in xs]
+    f, out, ref = _second_call(fn, xs)
     _close(out, ref)
     s = f.stats
     assert s.fallbacks == 0 and s.fused_kernels == 0

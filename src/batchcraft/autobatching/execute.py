@@ -65,6 +65,7 @@ class Executor:
         self.stats = stats
         self.options = options
         self.kernels = kernels
+        self.runner_key = (kernels, options.fuse_elementwise)  # a program's Runner per (kernels, fusion)
         self.arenas: dict | None = None
 
     # -- arenas ----------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class Executor:
 
     def runner_of(self, info) -> Runner:
         prog = program_of(info)
-        key = (self.kernels, self.options.fuse_elementwise)
+        key = self.runner_key
         r = prog.lowered.get(key)
         if r is None:
             r = prog.lowered[key] = Runner(prog, self.kernels, getattr(prog, "ragged_plan", None)
@@ -166,7 +167,7 @@ class Executor:
 
     def runner_for(self, prog) -> Runner:
         """The runner of a derived (hoisting) program."""
-        key = (self.kernels, self.options.fuse_elementwise)
+        key = self.runner_key
         r = prog.lowered.get(key)
         if r is None:
             r = prog.lowered[key] = Runner(prog, self.kernels, fuse=self.options.fuse_elementwise)

@@ -181,16 +181,13 @@ class FusedCall:
             return None  # autocast; a forward-AD level (dual tensors carry tangents the kernel drops)
         sp = 0
         if seg is not None:
-            if (type(seg) is not _T or seg.dtype is not torch.int64 or not seg.is_cpu or seg.dim() != 1
-                    or seg.shape[0] != rows or (rows > 1 and seg.stride(0) != 1)):
+            if not _row_ids(seg, rows):
                 return None
             sp = seg.data_ptr()
         first = None
         for x, kind, w in zip(xs, self.kinds, self.widths):
             tx = type(x)
-            if ((tx is not _T and tx is not torch.nn.Parameter) or x.dtype is not _F32 or not x.is_cpu
-                    or x.layout is not torch.strided or (grad and x.requires_grad) or x.is_neg()
-                    or x._is_zerotensor()):  # a negative view's bit, or no storage: torch's calls
+            if (tx is not _T and tx is not torch.nn.Parameter) or not _plain_f32(x, grad):
                 return None
             d = x.dim()
             if kind == "c":      # shared (W,): every row reads it
@@ -225,6 +222,19 @@ class FusedCall:
             self.kernel(rows, tuple(ptrs), tuple(strides), tuple(index), tuple(limits),
                         tuple(o.data_ptr() for o in outs))
         return outs
+
+
+def _plain_f32(x, grad) -> bool:
+    """A float32 CPU strided tensor whose memory holds its values (no negative-view bit, a storage)
+    and that needs no autograd: what the C loops may read by address."""
+    return (x.dtype is _F32 and x.is_cpu and x.layout is torch.strided and not (grad and x.requires_grad)
+            and not x.is_neg() and not x._is_zerotensor())
+
+
+def _row_ids(seg, rows) -> bool:
+    """``seg`` is a contiguous ``(rows,)`` int64 CPU tensor of row numbers (checked in C)."""
+    return (type(seg) is _T and seg.dtype is torch.int64 and seg.is_cpu and seg.dim() == 1
+            and seg.shape[0] == rows and (rows < 2 or seg.stride(0) == 1))
 
 
 def _space_and_plan(st, ragged_plan):
@@ -550,13 +560,8 @@ def segment_sum(x, seg, n):
     """``(n, W)`` sums of the float32 rows ``x`` ``(R, W)`` per segment id ``seg`` ``(R,)`` int64,
     added in row order as ``index_add_`` adds them on the CPU (the same bits), in one C loop; None
     where that does not apply (another dtype, device or layout, autograd, no extension)."""
-    if (_fused is None or _fwad._current_level >= 0 or type(x) is not _T or x.dtype is not _F32 or x.dim() != 2
-            or not x.is_cpu
-            or x.layout is not torch.strided or (x.shape[1] > 1 and x.stride(1) != 1) or x.is_neg()
-            or x._is_zerotensor()
-            or (x.requires_grad and torch.is_grad_enabled()) or type(seg) is not _T
-            or seg.dtype is not torch.int64 or not seg.is_cpu or seg.dim() != 1 or seg.shape[0] != x.shape[0]
-            or (seg.shape[0] > 1 and seg.stride(0) != 1)):
+    if (_fused is None or _fwad._current_level >= 0 or type(x) is not _T or not _plain_f32(x, torch.is_grad_enabled())
+            or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1) or not _row_ids(seg, x.shape[0])):
         return None
     out = x.new_zeros((n, x.shape[1]))
     if x.shape[0] and x.shape[1]:

@@ -272,6 +272,11 @@ class FiberState:
         self._in_guard = None
 
 
+def _users(obj) -> bool:
+    """``obj``'s class is not torch's own (torch's subclasses and modes are let through)."""
+    return not type(obj).__module__.startswith("torch.")
+
+
 _SavedHooks = torch.autograd.graph.saved_tensors_hooks
 _saved_hooks_enter = _SavedHooks.__enter__
 
@@ -285,8 +290,7 @@ def _refusing_enter(self):
     subclasses (``save_on_cpu``, non-reentrant checkpoint's) are let through: they keep values;
     a user's subclass (bf16 packing, say) is refused like the class itself.
     """
-    cls = type(self)
-    if (cls is _SavedHooks or not cls.__module__.startswith("torch.")) and _stack.current() is not None:
+    if (type(self) is _SavedHooks or _users(self)) and _stack.current() is not None:
         raise AutobatchError(
             "torch.autograd.graph.saved_tensors_hooks entered inside auto-batched instance code: its hooks "
             "would see batched work at other times than eager does",
@@ -308,7 +312,7 @@ def _refusing_dispatch_enter(self):
     where the mode is no longer entered (or is, for other instances' work): a mode that changes
     results gave silently different values (reliability #171). Torch's own modes (the flop
     counter's, fake tensors of a compile) are let through; they see the batched work."""
-    if not type(self).__module__.startswith("torch.") and _stack.current() is not None:
+    if _users(self) and _stack.current() is not None:
         raise AutobatchError(
             f"a TorchDispatchMode ({type(self).__name__}) entered inside auto-batched instance code: it would "
             "see batched work at other times than eager does",

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from batchcraft.measure.machine import busy_cpus as _busy_cpus
+
 NAME = "run"
 HELP = "run a suite model over real UD EWT data: eager per instance vs. batchcraft.autobatch"
 DESCRIPTION = (
@@ -43,24 +45,6 @@ def _check(args) -> None:
         raise ConfigurationError(f"--hidden must be >= 1, got {args.hidden}")
     if args.threads is not None and args.threads < 1:
         raise ConfigurationError(f"--threads must be >= 1, got {args.threads}")
-
-
-def _busy_cpus(window_s: float = 0.25) -> float:
-    """CPUs busy over a short window, from /proc/stat (0.0 where it cannot be read)."""
-    import time
-
-    def sample():
-        with open("/proc/stat") as fh:
-            v = [int(x) for x in fh.readline().split()[1:]]
-        return v[3] + (v[4] if len(v) > 4 else 0), sum(v)  # idle + iowait, total
-
-    try:
-        i0, t0 = sample()
-        time.sleep(window_s)
-        i1, t1 = sample()
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return (1.0 - (i1 - i0) / (t1 - t0)) * (os.cpu_count() or 1) if t1 > t0 else 0.0
 
 
 def run(args) -> int:

@@ -33,6 +33,25 @@ def cpu_model() -> str:
     return _cpu_model()
 
 
+def busy_cpus(window_s: float = 0.25) -> float:
+    """CPUs kept busy (by any process) over ``window_s`` seconds, from ``/proc/stat``: 0.0 to
+    ``os.cpu_count()``; 0.0 where it cannot be read. ``batchcraft run`` warns above 0.5 before timing."""
+    import time
+
+    def sample():
+        with open("/proc/stat") as fh:
+            v = [int(x) for x in fh.readline().split()[1:]]
+        return v[3] + (v[4] if len(v) > 4 else 0), sum(v)  # idle + iowait, total
+
+    try:
+        i0, t0 = sample()
+        time.sleep(window_s)
+        i1, t1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return (1.0 - (i1 - i0) / (t1 - t0)) * (os.cpu_count() or 1) if t1 > t0 else 0.0
+
+
 def machine_info() -> dict:
     """Return a JSON-able description: CPU, usable cores, torch version and threads, GPU."""
     import torch
