@@ -89,8 +89,11 @@ def test_a_failing_or_silent_program_is_an_error_that_shows_its_output(tmp_path)
     bad = tmp_path / "bad.py"
     bad.write_text("import sys\nprint('the model file is missing', file=sys.stderr)\nsys.exit(4)\n")
     g = ProgramGroups([sys.executable, str(bad)], [0, 1])
-    with pytest.raises(WorkerError, match=r"exited with code 4(.|\n)*the model file is missing"):
-        g.measure(ParallelConfig(instances=1, intra_op_threads=1), 0.1, 0.1)
+    try:
+        with pytest.raises(WorkerError, match=r"exited with code 4(.|\n)*the model file is missing"):
+            g.measure(ParallelConfig(instances=1, intra_op_threads=1), 0.1, 0.1)
+    finally:
+        g.close()  # (its temporary directory was left in /tmp by every test run)
     silent = tmp_path / "silent.py"
     silent.write_text(f"import os, time\nopen({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
     g = ProgramGroups([sys.executable, str(silent)], [0, 1], first_report_timeout_s=3.0)
