@@ -391,3 +391,35 @@ def test_a_base_class_property_set_during_the_call_is_read_as_eager(fast_modules
         pytest.skip("C core not built")
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("fast_modules", [True, False])
+def test_class_attributes_set_and_removed_between_two_reads_are_seen(fast_modules):
+    # the descriptor remembers "nothing later in the MRO" per type version (C core): setting or
+    # deleting a base class's attribute gives the type a new version, so the next read walks again
+    class Base(nn.Module):
+        pass
+
+    class Net(Base):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def run(net, x):
+        a = x * net.scale
+        Base.scale = property(lambda self: torch.tensor(100.0))
+        try:
+            b = x * net.scale
+        finally:
+            del Base.scale
+        return a, b, x * net.scale
+
+    net = Net()
+    xs = [torch.ones(2), torch.full((2,), 3.0)]
+    ref = [run(net, x) for x in xs]
+    for core in CORES:
+        out = autobatch(lambda x: run(net, x), core=core, fast_modules=fast_modules)(xs)
+        assert not hasattr(Base, "scale")
+        for o, r in zip(out, ref):
+            for a, b in zip(o, r):
+                torch.testing.assert_close(a, b)

@@ -293,3 +293,51 @@ def test_the_fast_function_is_named_like_torch_tensor():
     assert names == [("tensor", "torch", False)]
     autobatch(f, core="c", fast_factories=False)([torch.ones(1)])
     assert names[-1] == ("tensor", "torch", True)
+
+
+def test_reads_from_a_handler_and_from_instance_code_alternate():
+    # the C core remembers its verdict for the last function that read torch.tensor: a handler's
+    # read between two of instance code's must still get the real function, and the next read of
+    # instance code the fast one again
+    seen, factories = [], []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(("handler", torch.tensor is ORIGINAL))
+            factories.append(func is torch.tensor)
+            return func(*args, **(kwargs or {}))
+
+    def f(x):
+        out = x
+        for i in range(3):
+            seen.append(("instance", torch.tensor is _native.core.fast_tensor))
+            out = out + torch.tensor(float(i))
+            with Spy():
+                out = out + torch.tensor(1.0)
+        return out
+
+    xs = [torch.ones(2), torch.zeros(2)]
+    out = autobatch(f, core="c")(xs)
+    assert all(torch.equal(o, x + 6.0) for o, x in zip(out, xs))
+    assert [s for s in seen if s[0] == "instance"] == [("instance", True)] * 6
+    assert sum(s[0] == "handler" for s in seen) >= 6 and all(s[1] for s in seen if s[0] == "handler")
+    assert sum(factories) == 6  # each instance's three torch.tensor calls inside the mode
+
+
+def test_device_objects_equal_to_the_cpu_and_others():
+    # the C core remembers the last device object found equal to the CPU (a model passes a new
+    # `p.device` object per call); a device that is not the CPU's default still takes torch's path
+    def f(x):
+        outs = []
+        for dev in (torch.device("cpu"), torch.device("cpu"), torch.device("cpu", 0), "cpu", torch.device("meta"),
+                    torch.device("cpu")):
+            t = torch.tensor(3.0, device=dev)
+            outs.append((t.device, t.dtype))
+            if t.device.type == "cpu":
+                x = x + t
+        return x, outs
+
+    xs = [torch.ones(2), torch.zeros(2)]
+    for (o, devs), x in zip(autobatch(f, core="c")(xs), xs):
+        ref, ref_devs = f(x)
+        assert torch.equal(o, ref) and devs == ref_devs

@@ -37,9 +37,6 @@ static PyObject *g_DtypeType = NULL;       /* torch.dtype */
 static PyObject *g_torch_tensor = NULL;    /* torch.tensor */
 static PyObject *g_fill_factories = NULL;  /* (torch.zeros, torch.ones): int sizes -> rec.factory_leaf */
 static PyObject *s_factory_leaf = NULL;
-static PyObject *g_is_grad = NULL;         /* torch.is_grad_enabled */
-static PyObject *g_any_autocast = NULL;    /* torch._C._is_any_autocast_enabled */
-static PyObject *g_is_inference = NULL;    /* torch.is_inference_mode_enabled */
 static PyObject *g_tf_push = NULL;         /* torch._C._push_on_torch_function_stack */
 static PyObject *g_tf_pop = NULL;          /* torch._C._pop_torch_function_stack */
 static PyObject *g_get_default_dtype = NULL;
@@ -52,18 +49,30 @@ static PyObject *g_float_dids = NULL;      /* dict dtype -> did for torch.tensor
 static PyObject *g_scalar_dids = NULL;     /* dict dtype -> did of a 0-d CPU tensor of that dtype */
 static PyObject *g_cpu_device = NULL;      /* torch.device("cpu") */
 static PyObject *g_int64_dtype = NULL, *g_bool_dtype = NULL;  /* torch.int64, torch.bool */
-static PyObject *g_tf_mode_enabled = NULL; /* torch._C._is_torch_function_mode_enabled */
-static PyObject *g_tf_len = NULL;          /* torch._C._len_torch_function_stack */
-static PyCFunction g_tf_len_fn = NULL;     /* its C function when it takes no arguments (a direct call) */
 
-/* torch's function-mode stack length: the C function called directly where it is a plain
-   METH_NOARGS builtin (about 40 ns less than a call through the object), else through it. */
-static inline PyObject *tf_stack_len(void) {
-    if (g_tf_len_fn) return g_tf_len_fn(PyCFunction_GET_SELF(g_tf_len), NULL);
-    return PyObject_CallNoArgs(g_tf_len);
+/* torch's state queries (grad mode, autocast, the function-mode stack) are no-argument
+   builtins: their C functions are called directly where they are plain METH_NOARGS builtins
+   (10-40 ns less a call than through the object, and each block call and scalar leaf asks
+   several), else through the object. NOARG(x) declares x and its direct function. */
+#define NOARG(name) static PyObject *name = NULL; static PyCFunction name##_fn = NULL;
+NOARG(g_is_grad_q) NOARG(g_any_autocast_q) NOARG(g_is_inference_q) NOARG(g_tf_mode_enabled_q)
+NOARG(g_tf_len_q) NOARG(g_tf_enabled_q)
+#undef NOARG
+static inline PyObject *call_noarg(PyObject *obj, PyCFunction fn) {
+    if (fn) return fn(PyCFunction_GET_SELF(obj), NULL);
+    return PyObject_CallNoArgs(obj);
 }
+static PyCFunction noarg_fn(PyObject *obj) {
+    return (PyCFunction_Check(obj) && (PyCFunction_GET_FLAGS(obj) & (METH_VARARGS | METH_FASTCALL | METH_NOARGS | METH_O
+            | METH_KEYWORDS | METH_METHOD)) == METH_NOARGS) ? PyCFunction_GET_FUNCTION(obj) : NULL;
+}
+#define Q_IS_GRAD() call_noarg(g_is_grad_q, g_is_grad_q_fn)
+#define Q_ANY_AUTOCAST() call_noarg(g_any_autocast_q, g_any_autocast_q_fn)
+#define Q_IS_INFERENCE() call_noarg(g_is_inference_q, g_is_inference_q_fn)
+#define Q_TF_MODE_ENABLED() call_noarg(g_tf_mode_enabled_q, g_tf_mode_enabled_q_fn)
+#define Q_TF_ENABLED() call_noarg(g_tf_enabled_q, g_tf_enabled_q_fn)
+static inline PyObject *tf_stack_len(void) { return call_noarg(g_tf_len_q, g_tf_len_q_fn); }
 static PyObject *g_tf_at = NULL;           /* torch._C._get_function_stack_at */
-static PyObject *g_tf_enabled = NULL;      /* torch._C._is_torch_function_enabled */
 static PyObject *g_torch_dir = NULL;       /* torch's package directory, ending in the separator */
 static int g_ready = 0;                    /* setup() ran */
 
@@ -254,6 +263,8 @@ static PyObject *dispatch(PyObject *func, PyObject *const *args, Py_ssize_t narg
 /* 1 when a torch-function mode that instance code entered is innermost (above the recorder's
    own mode, torch functions enabled), 0 if not, -1 on error. One call of torch's stack length
    in the common case (only the recorder's mode on the stack). */
+static PyObject *rec_mode_ref(PyObject *rec);  /* the recorder's mode: a new reference */
+
 static int user_mode_on_top(PyObject *rec) {
     if (!g_ready) return 0;
     PyObject *n = tf_stack_len();
@@ -262,7 +273,7 @@ static int user_mode_on_top(PyObject *rec) {
     Py_DECREF(n);
     if (len < 0 && PyErr_Occurred()) return -1;
     if (len <= 1) return 0;
-    PyObject *mode = PyObject_GetAttr(rec, s_mode);
+    PyObject *mode = rec_mode_ref(rec);
     if (!mode) { PyErr_Clear(); return 0; }  /* a block's tracer: no mode of its own */
     if (mode == Py_None) { Py_DECREF(mode); return 0; }
     PyObject *top = PyObject_CallFunction(g_tf_at, "n", len - 1);
@@ -271,7 +282,7 @@ static int user_mode_on_top(PyObject *rec) {
     Py_DECREF(top);
     Py_DECREF(mode);
     if (!user) return 0;
-    PyObject *en = PyObject_CallNoArgs(g_tf_mode_enabled);
+    PyObject *en = Q_TF_MODE_ENABLED();
     if (!en) return -1;
     user = en == Py_True;
     Py_DECREF(en);
@@ -693,6 +704,7 @@ typedef struct {
     PyObject *factory_funcs; /* None, or the functions the Python mode_call gives a default device= */
     PyObject *factory_device; /* None, or the device of the innermost DeviceContext on the mode stack */
     PyObject *dev_dids;    /* dict device -> dict dtype -> did of torch.tensor(scalar) leaves (filled by Python) */
+    PyObject *mode;        /* the recording mode (a slot: the C paths read it on every factory call) */
     PyObject *dict;
 } RecObject;
 
@@ -708,17 +720,24 @@ static void live_add(PyObject *rec, Py_ssize_t node, int slot, int d) {
     r->live[node] = (r->live[node] & ~(0xFFFFull << sh)) | (c << sh);
 }
 
+static PyObject *rec_mode_ref(PyObject *rec) {
+    if (!PyObject_TypeCheck(rec, &RecorderType)) return PyObject_GetAttr(rec, s_mode);
+    PyObject *m = ((RecObject *)rec)->mode ? ((RecObject *)rec)->mode : Py_None;
+    Py_INCREF(m);
+    return m;
+}
+
 static int rec_traverse(RecObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->leaf_obj); Py_VISIT(self->leaf_py); Py_VISIT(self->pending_leaves);
     Py_VISIT(self->runtime); Py_VISIT(self->views); Py_VISIT(self->checked); Py_VISIT(self->dict);
-    Py_VISIT(self->factory_funcs); Py_VISIT(self->factory_device); Py_VISIT(self->dev_dids);
+    Py_VISIT(self->factory_funcs); Py_VISIT(self->factory_device); Py_VISIT(self->dev_dids); Py_VISIT(self->mode);
     return 0;
 }
 
 static int rec_clear_refs(RecObject *self) {
     Py_CLEAR(self->leaf_obj); Py_CLEAR(self->leaf_py); Py_CLEAR(self->pending_leaves);
     Py_CLEAR(self->runtime); Py_CLEAR(self->views); Py_CLEAR(self->checked); Py_CLEAR(self->dict);
-    Py_CLEAR(self->factory_funcs); Py_CLEAR(self->factory_device); Py_CLEAR(self->dev_dids);
+    Py_CLEAR(self->factory_funcs); Py_CLEAR(self->factory_device); Py_CLEAR(self->dev_dids); Py_CLEAR(self->mode);
     return 0;
 }
 
@@ -915,16 +934,16 @@ static int after_append(RecObject *self) {
 
 /* state word: grad mode; returns -1 when the slow path must be taken (autocast, inference mode) */
 static inline int state_word(uint64_t *out) {
-    PyObject *g = PyObject_CallNoArgs(g_is_grad);
+    PyObject *g = Q_IS_GRAD();
     if (!g) return -1;
     int grad = (g == Py_True);
     Py_DECREF(g);
-    PyObject *a = PyObject_CallNoArgs(g_any_autocast);
+    PyObject *a = Q_ANY_AUTOCAST();
     if (!a) return -1;
     int ac = (a == Py_True);
     Py_DECREF(a);
     if (ac) return 1;
-    PyObject *inf = PyObject_CallNoArgs(g_is_inference);
+    PyObject *inf = Q_IS_INFERENCE();
     if (!inf) return -1;
     int im = (inf == Py_True);
     Py_DECREF(inf);
@@ -1117,32 +1136,43 @@ static PyObject *rec_append(RecObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 /* add_leaf(value, pyvalue, did, rg) -> node */
-static PyObject *rec_add_leaf(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "add_leaf(value, pyvalue, did, rg)"); return NULL; }
-    if (rec_reserve(self) < 0) return NULL;
-    int did = (int)PyLong_AsLong(args[2]);
-    int rg = PyObject_IsTrue(args[3]);
-    Py_ssize_t node = self->n++;
-    self->sid[node] = 0; self->depth[node] = 0; self->phase[node] = -1; self->inst[node] = self->instance;
-    self->rgbits[node] = rg ? 1 : 0; self->in_start[node] = self->in_node.n; self->in_count[node] = 0;
-    self->loc_buf[node] = -1; self->loc_row[node] = -1; self->lens_start[node] = -1; self->live[node] = 0;
-    self->leaf_idx[node] = (int32_t)self->leaf_did.n;
-    if (ivec_push(&self->leaf_did, did) < 0) return NULL;
-    if (PyList_Append(self->leaf_obj, args[0]) < 0 || PyList_Append(self->leaf_py, args[1]) < 0) return NULL;
+/* A leaf node (value: tensor or None, pyvalue: Python scalar or None), pending under `did`:
+   its index, or -1 with an error. */
+static Py_ssize_t add_leaf_c(RecObject *self, PyObject *value, PyObject *pyvalue, int did, int rg) {
+    if (rec_reserve(self) < 0) return -1;
     PyObject *key = PyLong_FromLong(did);
-    PyObject *lst = PyDict_GetItemWithError(self->pending_leaves, key);
+    if (!key) return -1;
+    PyObject *lst = PyDict_GetItemWithError(self->pending_leaves, key);  /* borrowed */
     if (!lst) {
-        if (PyErr_Occurred()) { Py_DECREF(key); return NULL; }
+        if (PyErr_Occurred()) { Py_DECREF(key); return -1; }
         lst = PyList_New(0);
-        if (!lst || PyDict_SetItem(self->pending_leaves, key, lst) < 0) { Py_XDECREF(lst); Py_DECREF(key); return NULL; }
+        if (!lst || PyDict_SetItem(self->pending_leaves, key, lst) < 0) { Py_XDECREF(lst); Py_DECREF(key); return -1; }
         Py_DECREF(lst);
     }
     Py_DECREF(key);
+    Py_ssize_t node = self->n;
     PyObject *nd = PyLong_FromSsize_t(node);
+    if (!nd) return -1;
     int r = PyList_Append(lst, nd);
     Py_DECREF(nd);
-    if (r < 0) return NULL;
-    return PyLong_FromSsize_t(node);
+    if (r < 0 || ivec_push(&self->leaf_did, did) < 0) return -1;
+    if (PyList_Append(self->leaf_obj, value) < 0 || PyList_Append(self->leaf_py, pyvalue) < 0) return -1;
+    self->n++;
+    self->sid[node] = 0; self->depth[node] = 0; self->phase[node] = -1; self->inst[node] = self->instance;
+    self->rgbits[node] = rg ? 1 : 0; self->in_start[node] = self->in_node.n; self->in_count[node] = 0;
+    self->loc_buf[node] = -1; self->loc_row[node] = -1; self->lens_start[node] = -1; self->live[node] = 0;
+    self->leaf_idx[node] = (int32_t)(self->leaf_did.n - 1);
+    return node;
+}
+
+static PyObject *rec_add_leaf(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "add_leaf(value, pyvalue, did, rg)"); return NULL; }
+    int did = (int)PyLong_AsLong(args[2]);
+    if (did == -1 && PyErr_Occurred()) return NULL;
+    int rg = PyObject_IsTrue(args[3]);
+    if (rg < 0) return NULL;
+    Py_ssize_t node = add_leaf_c(self, args[0], args[1], did, rg);
+    return node < 0 ? NULL : PyLong_FromSsize_t(node);
 }
 
 /* did of torch.tensor(v) on the CPU with the default dtype: -1 error, 0 the Python path (an int
@@ -1166,6 +1196,7 @@ static int default_cpu_did(PyObject *v) {
 /* did of torch.tensor(v, dtype=dt, device=dev) (dt, dev NULL or None when not given): the C path
    for CPU leaves and for devices the Python path has seen this call (rec->dev_dids); 0: the Python
    path; -1: error. Without device=, a DeviceContext's device applies (rec->factory_device). */
+static PyObject *g_last_cpu_dev = NULL;  /* a torch.device object last found equal to the CPU */
 static int scalar_did(RecObject *rec, PyObject *v, PyObject *dt, PyObject *dev) {
     if (dt == Py_None) dt = NULL;
     if (!dev || dev == Py_None) dev = rec->factory_device;
@@ -1175,10 +1206,13 @@ static int scalar_did(RecObject *rec, PyObject *v, PyObject *dt, PyObject *dev) 
         PyLong_AsLongLongAndOverflow(v, &of);
         if (of) return 0;
     }
-    int cpu = !dev || dev == Py_None || dev == g_cpu_device;
+    int cpu = !dev || dev == Py_None || dev == g_cpu_device || dev == g_last_cpu_dev;
     if (!cpu && Py_TYPE(dev) == Py_TYPE(g_cpu_device)) {
+        /* `device=p.device` makes a new device object per forward call: remember the last one
+           found equal to the CPU (devices are immutable; held, so its address is not reused) */
         cpu = PyObject_RichCompareBool(dev, g_cpu_device, Py_EQ);
         if (cpu < 0) return -1;
+        if (cpu) { Py_INCREF(dev); Py_XSETREF(g_last_cpu_dev, dev); }
     }
     if (cpu) {
         if (!dt) return default_cpu_did(v);
@@ -1206,15 +1240,8 @@ static PyObject *scalar_leaf(RecObject *self, PyObject *v, int forced_did) {
     int did = forced_did ? forced_did : default_cpu_did(v);
     if (did < 0) return NULL;
     if (!did) return NULL;
-    PyObject *a[4];
-    PyObject *didobj = PyLong_FromLong(did);
-    a[0] = Py_None; a[1] = v; a[2] = didobj; a[3] = Py_False;
-    PyObject *node = rec_add_leaf(self, a, 4);
-    Py_DECREF(didobj);
-    if (!node) return NULL;
-    Py_ssize_t nd = PyLong_AsSsize_t(node);
-    Py_DECREF(node);
-    return (PyObject *)new_lazy((PyObject *)self, nd, 0, did);
+    Py_ssize_t nd = add_leaf_c(self, Py_None, v, did, 0);
+    return nd < 0 ? NULL : (PyObject *)new_lazy((PyObject *)self, nd, 0, did);
 }
 
 /* ---- static-block calls ---------------------------------------------------------------------- */
@@ -2087,6 +2114,7 @@ static PyMemberDef rec_members[] = {
      "device -> dtype -> did of scalar leaves on that device (filled by RecorderBase.scalar_leaf)"},
     {"factory_funcs", T_OBJECT, offsetof(RecObject, factory_funcs), 0,
      "None, or a set of factory functions that the mode sends to mode_call (a default device applies)"},
+    {"mode", T_OBJECT, offsetof(RecObject, mode), 0, "the recording torch-function mode, or None"},
     {NULL}
 };
 
@@ -2298,7 +2326,10 @@ static PyObject *bind_to_instance(PyObject *self, PyObject *obj, PyObject *type)
    `verified`, the types checked at install, is kept only for the constructor). A miss, or a type
    whose __getattr__ is not `guard`
    (nn.Module's own), raises a bare AttributeError, and the type's __getattr__ then runs. */
-typedef struct { PyObject_HEAD PyObject *name; PyObject *guard; PyObject *owner; PyObject *verified; } ModuleAttrObject;
+typedef struct {
+    PyObject_HEAD PyObject *name; PyObject *guard; PyObject *owner; PyObject *verified;
+    PyTypeObject *clear_type; unsigned int clear_tag;  /* a type whose MRO walk found nothing, at version tag */
+} ModuleAttrObject;
 
 /* the first definition of `name` after `owner` in type t's MRO (borrowed), or NULL */
 static PyObject *modattr_after(ModuleAttrObject *self, PyTypeObject *t) {
@@ -2321,7 +2352,12 @@ static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *ty
     if (t) {
         /* every read: a class further along the MRO may have been given the name during the call
            (a base class's property set meanwhile, reliability #139); a walk of a few dicts */
-        PyObject *later = modattr_after(self, t);
+        /* the walk's "nothing later" is kept per type version: any change to the type or a base
+           (a class attribute set) gives the type a new tag (CPython's PyType_Modified) */
+        int tagged = (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) != 0;
+        PyObject *later = (tagged && t == self->clear_type && t->tp_version_tag == self->clear_tag)
+                          ? NULL : modattr_after(self, t);
+        if (!later && tagged && !PyErr_Occurred()) { self->clear_type = t; self->clear_tag = t->tp_version_tag; }
         if (later) {  /* what the lookup finds without the descriptor */
             descrgetfunc f = Py_TYPE(later)->tp_descr_get;
             if (f) return f(later, (obj == Py_None) ? NULL : obj, (PyObject *)t);
@@ -2427,12 +2463,12 @@ static PyTypeObject ModuleAttrType = {
    modes as right after that mode was pushed means it is on top: fibers restore the same stack, and
    a mode pushed by instance code makes it longer. */
 static int rec_mode_on_top(PyObject *rec) {
-    PyObject *en = PyObject_CallNoArgs(g_tf_mode_enabled);
+    PyObject *en = Q_TF_MODE_ENABLED();
     if (!en) return -1;
     int enabled = en == Py_True;
     Py_DECREF(en);
     if (!enabled) return 0;
-    PyObject *mode = PyObject_GetAttr(rec, s_mode);
+    PyObject *mode = rec_mode_ref(rec);
     if (!mode) { PyErr_Clear(); return 0; }
     int is_mode = Py_TYPE(mode) == &ModeType && ((ModeObject *)mode)->recorder == rec;
     Py_ssize_t depth = is_mode ? ((ModeObject *)mode)->depth : -1;
@@ -2486,13 +2522,17 @@ typedef struct { PyObject_HEAD PyObject *name, *original, *fast; } RecAttrObject
    outlive the call: `from torch import tensor` in a module first imported by instance code), not
    a `__torch_function__` handler (a mode of the user's, stashed while it runs, compares `func is
    torch.tensor`), and not torch's own code (TorchScript resolves the function by identity). */
+static PyCodeObject *g_last_code = NULL;  /* the code read_by_user_function judged last (a reference) */
+static int g_last_ok = 0;
 static int read_by_user_function(void) {
     PyFrameObject *f = PyEval_GetFrame();  /* borrowed */
     if (!f) return 0;
     PyCodeObject *co = PyFrame_GetCode(f);
+    if (co == g_last_code) { Py_DECREF(co); return g_last_ok; }  /* a recursive model asks from one function */
     int ok = (co->co_flags & CO_OPTIMIZED) && !code_is_handler(co) && !code_in_torch(co);
-    Py_DECREF(co);
     if (PyErr_Occurred()) { PyErr_Clear(); ok = 0; }
+    Py_XSETREF(g_last_code, co);  /* keeps it alive: the pointer is not reused meanwhile */
+    g_last_ok = ok;
     return ok;
 }
 
@@ -2727,7 +2767,7 @@ static PyTypeObject BlockCallType = {
    does around a mode's handler): pop_mode returns the mode (a new reference) or NULL; push_mode
    puts it back (stealing it), keeping an error that the work in between set, and returns `out`. */
 static PyObject *pop_mode(PyObject *rec) {
-    PyObject *mode = PyObject_GetAttr(rec, s_mode);
+    PyObject *mode = rec_mode_ref(rec);
     if (!mode) return NULL;
     PyObject *r = PyObject_CallNoArgs(g_tf_pop);
     if (!r) { Py_DECREF(mode); return NULL; }
@@ -2769,7 +2809,7 @@ static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size
         }
         if (lazy) {
             /* DisableTorchFunctionSubclass: torch's dispatch would not reach the mode either */
-            PyObject *en = PyObject_CallNoArgs(g_tf_enabled);
+            PyObject *en = Q_TF_ENABLED();
             if (!en) return NULL;
             int enabled = en == Py_True;
             Py_DECREF(en);
@@ -3219,15 +3259,16 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
 #define GET(var, key) do { PyObject *o_ = PyDict_GetItemString(d, key); \
     if (!o_) { PyErr_Format(PyExc_KeyError, "setup: missing %s", key); return NULL; } Py_INCREF(o_); Py_XSETREF(var, o_); } while (0)
     GET(g_TensorType, "Tensor"); GET(g_DtypeType, "dtype"); GET(g_torch_tensor, "tensor");
-    GET(g_is_grad, "is_grad_enabled"); GET(g_any_autocast, "any_autocast"); GET(g_is_inference, "is_inference");
+    GET(g_is_grad_q, "is_grad_enabled"); GET(g_any_autocast_q, "any_autocast"); GET(g_is_inference_q, "is_inference");
     GET(g_tf_push, "tf_push"); GET(g_tf_pop, "tf_pop"); GET(g_get_default_dtype, "get_default_dtype");
     GET(g_rebuild, "rebuild"); GET(g_escape, "escape"); GET(g_StaticBlock, "StaticBlock"); GET(g_float_dids, "float_dids");
     GET(g_scalar_dids, "scalar_dids"); GET(g_cpu_device, "cpu_device");
     GET(g_int64_dtype, "int64_dtype"); GET(g_bool_dtype, "bool_dtype");
-    GET(g_tf_mode_enabled, "tf_mode_enabled"); GET(g_tf_len, "tf_len"); GET(g_tf_at, "tf_at");
-    g_tf_len_fn = (PyCFunction_Check(g_tf_len) && (PyCFunction_GET_FLAGS(g_tf_len) & METH_NOARGS))
-                  ? PyCFunction_GET_FUNCTION(g_tf_len) : NULL;
-    GET(g_tf_enabled, "tf_enabled");
+    GET(g_tf_mode_enabled_q, "tf_mode_enabled"); GET(g_tf_len_q, "tf_len"); GET(g_tf_at, "tf_at");
+    GET(g_tf_enabled_q, "tf_enabled");
+    g_is_grad_q_fn = noarg_fn(g_is_grad_q); g_any_autocast_q_fn = noarg_fn(g_any_autocast_q);
+    g_is_inference_q_fn = noarg_fn(g_is_inference_q); g_tf_mode_enabled_q_fn = noarg_fn(g_tf_mode_enabled_q);
+    g_tf_len_q_fn = noarg_fn(g_tf_len_q); g_tf_enabled_q_fn = noarg_fn(g_tf_enabled_q);
     GET(g_torch_dir, "torch_dir");
     PyObject *o = PyDict_GetItemString(d, "fill_factories");
     Py_XINCREF(o); Py_XSETREF(g_fill_factories, o);

@@ -45,15 +45,18 @@ def factory_device() -> torch.device | None:
 
 
 def concrete_device(device) -> torch.device:
-    """``device`` as the tensors made on it report it: ``"cuda"`` -> ``cuda:0`` (the current one).
+    """``device`` as the tensors made on it report it: ``"cuda"`` -> ``cuda:0`` (the current one),
+    ``"cpu:0"`` -> ``cpu``.
 
     Not seen by torch-function modes (``torch.device(...)`` dispatches to them): a mode of the
     user's must not see batchcraft's own bookkeeping (reliability #123)."""
-    if type(device) is torch.device and (device.type == "cpu" or device.index is not None):
+    if type(device) is torch.device and (device.index is None) == (device.type == "cpu"):
         return device
     with torch._C.DisableTorchFunction():
         dev = torch.device(device)
-        if dev.type == "cpu" or dev.index is not None:
+        if dev.type == "cpu":  # CPU tensors report no index: "cpu:0" -> cpu (reliability #179)
+            return dev if dev.index is None else torch.device("cpu")
+        if dev.index is not None:
             return dev
         return torch.empty(0, device=dev).device
 
