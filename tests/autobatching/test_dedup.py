@@ -166,3 +166,39 @@ def test_a_train_mode_batch_norm_keeps_every_row_in_its_running_statistics(core)
     with torch.no_grad():
         f(ids)
     assert f.stats.groups_deduplicated == 0
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_nodes_are_placed_at_their_distinct_rows_without_a_copy_per_node(core, monkeypatch):
+    # the deduplicated group's outputs keep one row per distinct input; each node is placed at its
+    # input's row (no expansion to one row per node), and the consumers read those rows
+    from batchcraft.autobatching import execute
+
+    torch.manual_seed(0)
+    proj = _projection().eval()
+    sents = _sentences(3)
+    placed = []
+    real = execute._row_bytes
+    monkeypatch.setattr(execute, "_row_bytes", lambda rows: placed.append(rows.clone()) or real(rows))
+    with torch.no_grad():
+        f = assert_matches_eager(_program(proj), sents, [], core=core)
+    distinct = len({p for s in sents for p in s})
+    assert f.stats.groups_deduplicated == 1
+    (rows,) = placed
+    assert rows.shape[0] == sum(len(s) for s in sents) and int(rows.max()) + 1 == distinct
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_place_takes_one_row_per_node(core):
+    # Recorder.place with int64 bytes: node i at row rows[i] (both cores); a wrong length is refused
+    from array import array
+
+    from batchcraft.autobatching.core import make_recorder
+    from batchcraft.autobatching.options import Options
+
+    rec = make_recorder(None, Options(core=core))
+    nodes = [rec.add_leaf(torch.zeros(2), None, 1, False) for _ in range(4)]
+    rec.place(nodes, 0, bytearray(array("q", [3, 0, 3, 1])))
+    assert [rec.location(nd)[1] for nd in nodes] == [3, 0, 3, 1]
+    with pytest.raises(ValueError, match="one int64 row per node"):
+        rec.place(nodes, 0, bytearray(array("q", [0, 1])))

@@ -188,7 +188,8 @@ def test_lstm_cell_block_chain_writes_arenas_and_gathers_no_hoisted_input(monkey
     seqs = [[(3 * i + j) % 20 for j in range(n)] for i, n in enumerate((4, 9, 2, 6, 9))]
     gathered, placed = [], []
     real_take_all, real_arena = execute.take_all, execute.Executor._into_arena
-    monkeypatch.setattr(execute, "take_all", lambda bufs, plans: gathered.append(len(plans)) or real_take_all(bufs, plans))
+    monkeypatch.setattr(execute, "take_all", lambda bufs, plans, *a: gathered.append(len(plans))
+                        or real_take_all(bufs, plans, *a))
     monkeypatch.setattr(execute.Executor, "_into_arena",
                         lambda self, *a: placed.append(real_arena(self, *a)) or placed[-1])
     with torch.no_grad():  # the per-step path (chains.py would run the chains as one layer call)
@@ -217,7 +218,7 @@ def test_recurrences_run_in_packed_order_and_read_their_state_as_views(packed, m
     seqs = [torch.randn(n, 4) for n in (3, 9, 1, 6, 9, 2, 5, 7) * 5]
     kinds = []
     real = gather.take_all
-    monkeypatch.setattr(execute, "take_all", lambda bufs, plans: kinds.extend(p[0] for p in plans) or real(bufs, plans))
+    monkeypatch.setattr(execute, "take_all", lambda bufs, plans, *a: kinds.extend(p[0] for p in plans) or real(bufs, plans, *a))
     with torch.no_grad():
         assert_matches_eager(rnn, seqs, [], packed_order=packed, fuse_recurrences=False)
     gathers = sum(k != "view" for k in kinds)

@@ -510,3 +510,138 @@ def test_the_portable_loops_run_the_same_programs(tmp_path):
     env = dict(os.environ, BATCHCRAFT_FUSED_PORTABLE="1")
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+# -- inputs read in place through their index (gather.Rows) ----------------------------------------
+
+def test_fused_call_reads_rows_of_a_buffer_through_their_index():
+    from batchcraft.autobatching.gather import Rows
+
+    slots = [(fuse.IN, 0, 4, 0), (fuse.IN, 1, 4, 0), (fuse.SCRATCH, 0, 4, 0), (fuse.OUT, 0, 4, 0)]
+    ops = [(fuse.SIGMOID, 2, 0, -1, 0.0), (fuse.MUL, 3, 2, 1, 0.0)]
+    fc = fuse.FusedCall(_fused.Kernel(slots, ops, 2, 1), ["b", "b"], [4, 4], [4], 2)
+    buf, other = torch.randn(6, 4), torch.randn(3, 4)
+    idx = torch.tensor([5, 0, 5])
+    (out,) = fc(3, None, Rows(buf, idx), other)
+    torch.testing.assert_close(out, torch.sigmoid(buf[idx]) * other, atol=1e-7, rtol=1e-6)
+    wide = torch.randn(6, 10)[:, 3:7]  # rows with a stride: read in place too
+    torch.testing.assert_close(fc(3, None, Rows(wide, idx), other)[0], torch.sigmoid(wide[idx]) * other,
+                               atol=1e-7, rtol=1e-6)
+    assert fc(3, None, Rows(buf, torch.tensor([0, 1])), other) is None            # index length
+    assert fc(3, None, Rows(buf.double(), idx), other) is None                    # dtype
+    assert fc(3, None, Rows(buf, idx.to(torch.int32)), other) is None             # index dtype
+    assert fc(3, None, Rows(torch.randn(6, 5), idx), other) is None               # width
+    with pytest.raises(IndexError):
+        fc(3, None, Rows(buf, torch.tensor([0, 6, 1])), other)                    # row 6 of 6
+    shared = fuse.FusedCall(_fused.Kernel(slots, ops, 2, 1), ["b", "c"], [4, 4], [4], 2)
+    assert shared(3, None, other, Rows(buf, idx)) is None                         # only as rows
+
+
+def _tree_cell():
+    @static_block
+    class Cell(torch.nn.Module):  # a child-sum cell: its input and the children's c are only read by
+        def __init__(self):       # elementwise steps, so they arrive as Rows
+            super().__init__()
+            self.U = torch.nn.Linear(6, 18, bias=False)
+            self.F = torch.nn.Linear(6, 6, bias=False)
+
+        def forward(self, iou_x, f_x, hs, cs):
+            iou = iou_x
+            if hs:
+                h = torch.stack(hs, dim=-2)
+                c = torch.stack(cs, dim=-2)
+                iou = iou + self.U(h.sum(-2))
+                f = torch.sigmoid(f_x.unsqueeze(-2) + self.F(h))
+            i, o, u = iou.chunk(3, dim=-1)
+            c_new = torch.sigmoid(i) * torch.tanh(u)
+            if hs:
+                c_new = c_new + (f * c).sum(-2)
+            return torch.sigmoid(o) * torch.tanh(c_new), c_new
+
+    return Cell()
+
+
+def _tree_fn(cell, proj):
+    def node(tree):
+        kids = [node(k) for k in tree[1]]
+        x = proj(torch.tensor(tree[0]))
+        return cell(x[:18], x[18:], [h for h, _ in kids], [c for _, c in kids])
+
+    return lambda tree: node(tree)[0]
+
+
+def _trees(n, seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def tree(depth):
+        k = int(torch.randint(0, 3 if depth < 3 else 1, (), generator=g))
+        return (int(torch.randint(0, 5, (), generator=g)), [tree(depth + 1) for _ in range(k)])
+
+    return [tree(0) for _ in range(n)]
+
+
+def _count_rows(monkeypatch):
+    from batchcraft.autobatching import gather
+
+    made = [0, 0]
+    real_init, real_mat = gather.Rows.__init__, gather.Rows.materialize
+
+    def init(self, b, i):
+        made[0] += 1
+        real_init(self, b, i)
+
+    def mat(self):
+        made[1] += 1
+        return real_mat(self)
+
+    monkeypatch.setattr(gather.Rows, "__init__", init)
+    monkeypatch.setattr(gather.Rows, "materialize", mat)
+    return made
+
+
+def test_inputs_only_kernels_read_are_not_gathered(monkeypatch):
+    torch.manual_seed(0)
+    cell, proj = _tree_cell(), static_block(torch.nn.Embedding(5, 24))
+    fn = _tree_fn(cell, proj)
+    trees = _trees(12, 0)
+    made = _count_rows(monkeypatch)
+    f, out, ref = _second_call(fn, trees)
+    _close([(o,) for o in out], [(r,) for r in ref])
+    assert f.stats.fused_kernels > 0 and f.stats.fused_declined == 0
+    assert made[0] > 0 and made[1] == 0  # gathers left as rows, none copied after all
+
+
+@pytest.mark.parametrize("how", ["forward_ad_level", "group_fails"])
+def test_rows_are_copied_where_the_kernels_do_not_run(how, monkeypatch):
+    # a forward-AD level makes every kernel decline: the unfused branch copies the rows first; a
+    # group whose batched run fails runs one instance at a time on copied rows
+    import torch.autograd.forward_ad as fwAD
+
+    from batchcraft.autobatching import lower
+
+    torch.manual_seed(1)
+    cell, proj = _tree_cell(), static_block(torch.nn.Embedding(5, 24))
+    fn = _tree_fn(cell, proj)
+    trees = _trees(12, 1)
+    made = _count_rows(monkeypatch)
+    f = autobatch(fn)
+    with torch.no_grad():
+        f(trees)
+        if how == "forward_ad_level":
+            with fwAD.dual_level():
+                out = f(trees)
+            assert f.stats.fused_declined > 0 and f.stats.fallbacks == 0  # the unfused branches ran
+        else:
+            real = lower.Runner.__call__
+
+            def failing(self, n, ins, *rest):
+                if any(type(x).__name__ == "Rows" for x in (*ins, *(rest[0] if rest else ()))):
+                    raise RuntimeError("batched run failed")
+                return real(self, n, ins, *rest)
+
+            monkeypatch.setattr(lower.Runner, "__call__", failing)
+            out = f(trees)
+            assert f.stats.fallbacks > 0
+        ref = [fn(t) for t in trees]
+    _close([(o,) for o in out], [(r,) for r in ref])
+    assert made[0] > 0 and made[1] > 0

@@ -1661,15 +1661,40 @@ static PyObject *rec_input_depths(RecObject *self, PyObject *const *args, Py_ssi
     return lst ? Py_BuildValue("(iN)", mind == INT32_MAX ? 0 : mind, lst) : NULL;
 }
 
+/* place(nodes, buf, base): node i's outputs are row base + i of buffers buf, buf+1...; base may
+   instead be a bytes-like object of one int64 row per node (a deduplicated group's rows). */
 static PyObject *rec_place(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "place(nodes, buf, base)"); return NULL; }
     IVec nodes;
     if (nodes_from(args[0], &nodes) < 0) return NULL;
     int buf = (int)PyLong_AsLong(args[1]);
-    long base = PyLong_AsLong(args[2]);
-    for (Py_ssize_t i = 0; i < nodes.n; i++) {
-        self->loc_buf[nodes.v[i]] = buf;
-        self->loc_row[nodes.v[i]] = (int32_t)(base + i);
+    if (buf == -1 && PyErr_Occurred()) { PyMem_Free(nodes.v); return NULL; }
+    if (PyLong_Check(args[2])) {
+        long base = PyLong_AsLong(args[2]);
+        if (base == -1 && PyErr_Occurred()) { PyMem_Free(nodes.v); return NULL; }
+        for (Py_ssize_t i = 0; i < nodes.n; i++) {
+            self->loc_buf[nodes.v[i]] = buf;
+            self->loc_row[nodes.v[i]] = (int32_t)(base + i);
+        }
+    } else {
+        Py_buffer view;
+        if (PyObject_GetBuffer(args[2], &view, PyBUF_SIMPLE) < 0) { PyMem_Free(nodes.v); return NULL; }
+        if (view.len != nodes.n * (Py_ssize_t)sizeof(int64_t)) {
+            PyBuffer_Release(&view); PyMem_Free(nodes.v);
+            PyErr_SetString(PyExc_ValueError, "place: one int64 row per node expected");
+            return NULL;
+        }
+        const int64_t *rows = (const int64_t *)view.buf;
+        for (Py_ssize_t i = 0; i < nodes.n; i++) {
+            if (rows[i] < 0 || rows[i] > INT32_MAX) {
+                PyBuffer_Release(&view); PyMem_Free(nodes.v);
+                PyErr_SetString(PyExc_ValueError, "place: row out of range");
+                return NULL;
+            }
+            self->loc_buf[nodes.v[i]] = buf;
+            self->loc_row[nodes.v[i]] = (int32_t)rows[i];
+        }
+        PyBuffer_Release(&view);
     }
     PyMem_Free(nodes.v);
     Py_RETURN_NONE;

@@ -107,9 +107,11 @@ DREW = "drew"
 
 
 def run(runner, n: int, ins, probe: bool = False):
-    """``(outputs, rows saved)``: ``runner``'s outputs for the ``n`` nodes with inputs ``ins``,
-    computed once per distinct input; None when too few rows repeat (the caller runs the group
-    as it is).
+    """``(outputs, rows, rows saved)``: ``runner``'s outputs computed once per distinct input of
+    the ``n`` nodes with inputs ``ins`` (each ``(distinct, ...)``), and ``rows`` (``(n,)`` int64),
+    the row of each node's input among them; None when too few rows repeat (the caller runs the
+    group as it is). The nodes are placed at those rows: no copy per node (a consumer's gather,
+    or a fused kernel reading through the index, takes its rows from the distinct outputs).
 
     ``probe``: the program's first deduplicated run also checks that the default generator's
     state did not move: a random draw the name test missed (an operation that samples under
@@ -127,7 +129,7 @@ def run(runner, n: int, ins, probe: bool = False):
     outs = runner(nu, uins, [], [], [])
     if probe and not torch.equal(before, torch.default_generator.get_state()):
         return DREW
-    return [t.index_select(0, inv) for t in outs], n - nu
+    return outs, inv, n - nu
 
 
 __all__ = ["eligible", "distinct", "run", "DREW", "MIN_NODES", "MAX_DISTINCT"]

@@ -27,7 +27,7 @@ from batchcraft.autobatching import dedup as _dedup
 from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching.descs import DESCS, row_bytes
-from batchcraft.autobatching.gather import index_tensor, keep_requires_grad, take, take_all
+from batchcraft.autobatching.gather import index_tensor, keep_requires_grad, materialize, take, take_all
 from batchcraft.autobatching.lower import Runner
 from batchcraft.autobatching.program import Program
 from batchcraft.autobatching.signature import LEAF, RAGGED, SIGNATURES, call_with, flatten, rebuild
@@ -48,6 +48,19 @@ ORDER_MIN_ROW_BYTES = 4096
 
 class _NoLazy:
     pass
+
+
+def rows_of(rows) -> int:
+    """The number of distinct rows a deduplicated group computed (its row map's largest + 1)."""
+    return int(rows.max()) + 1 if rows.numel() else 0
+
+
+def _row_bytes(rows) -> bytearray:
+    """The int64 row map ``rows`` as bytes (``Recorder.place``'s per-node rows)."""
+    out = bytearray(8 * rows.numel())
+    if out:
+        torch.frombuffer(out, dtype=torch.int64).copy_(rows)
+    return out
 
 
 def program_of(info) -> Program:
@@ -214,9 +227,12 @@ class Executor:
         with under(PLAIN):  # leaves stacked here are shared by later groups: keep their history
             plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
         bufs = rec.buffers
+        # inputs only fused kernels read stay rows of their buffers (gather.Rows), read in place:
+        # only without grad mode or autocast, where the kernels run (else they would be copied anyway)
+        plain = hoisted is None and not info.state[0] and info.state[2] is None
         with under(info.state):
             if hoisted is None:
-                ins = take_all(bufs, plans[:prog.n_in])
+                ins = take_all(bufs, plans[:prog.n_in], runner.deferred_ins if plain else ())
             else:
                 sp = hoisted[0]
                 reads = sp.rest_reads
@@ -236,7 +252,7 @@ class Executor:
             if prog.n_ragged:
                 seen = set()
                 for r, (p, seg, cnt) in enumerate(plans[prog.n_in:]):
-                    rags.append(take(bufs, p))
+                    rags.append(take(bufs, p, plain and r in runner.deferred_rags))
                     c = prog.ragged_classes[r]
                     if c not in seen:
                         seen.add(c)
@@ -246,6 +262,7 @@ class Executor:
             t1 = _perf()
             fc = _fuse.COUNTS
             c0, s0, d0 = fc.calls, fc.steps, fc.declined
+            rows = None  # a deduplicated group: each node's row among its distinct outputs
             try:
                 outs = None
                 if (hoisted is None and n >= _dedup.MIN_NODES and self.options.dedup and not info.grad
@@ -255,21 +272,26 @@ class Executor:
                     if got is _dedup.DREW:  # it samples: each node keeps its own draw from now on
                         prog.lowered["dedup"] = False
                     elif got is not None:
-                        outs, saved = got
+                        outs, rows, saved = got
                         st.groups_deduplicated += 1
                         st.rows_deduplicated += saved
                         if probe:
                             prog.lowered["dedup"] = True
                 if outs is None:
                     outs = runner(n, ins, rags, segs, cnts)
-                if len(outs) != info.n_out or any(t.shape[0] != n for t in outs):
+                m = n if rows is None else rows_of(rows)
+                if len(outs) != info.n_out or any(t.shape[0] != m for t in outs):
                     raise AutobatchError(f"{info.name}: batched outputs of the wrong shape")
             except BatchcraftError as exc:
                 if isinstance(exc, InstanceError):
                     raise
-                outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), rags, plans, exc)
+                rows = None
+                outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), [materialize(x) for x in rags],
+                                              plans, exc)
             except Exception as exc:
-                outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), rags, plans, exc)
+                rows = None
+                outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), [materialize(x) for x in rags],
+                                              plans, exc)
             if fc.calls != c0 or fc.declined != d0:
                 st.fused_kernels += fc.calls - c0
                 st.steps_fused += fc.steps - s0
@@ -281,7 +303,12 @@ class Executor:
             for reason in runner.fallbacks.values():
                 st.note_fallback(f"{info.name}: {reason}", n)
         placed = None
-        if self.arenas and not info.grad and not info.state[1]:
+        if rows is not None:  # the distinct outputs are the buffers; each node at its row
+            buf = len(bufs)
+            bufs.extend(outs)
+            rec.place(nodes, buf, _row_bytes(rows))
+            placed = False
+        elif self.arenas and not info.grad and not info.state[1]:
             # (a group of the same op recorded with grad on must keep its own autograd history)
             a = self.arenas.get((info.func, info.out_dids))
             if a is not None:
@@ -290,7 +317,7 @@ class Executor:
             buf = len(bufs)
             bufs.extend(outs)
             rec.place(nodes, buf, 0)
-        else:
+        elif placed is not False:
             rec.place(nodes, placed[0], placed[1])
         if rec.hooks:
             rec.attach_hooks(nodes)
@@ -333,7 +360,7 @@ class Executor:
     # -- the last resort: node by node -------------------------------------------------------------
     def _all_inputs(self, ins, plans):
         """``ins`` with the inputs a hoisted rest did not read gathered too (for the original func)."""
-        return [take(self.rec.buffers, plans[j]) if t is None else t for j, t in enumerate(ins)]
+        return [take(self.rec.buffers, plans[j]) if t is None else materialize(t) for j, t in enumerate(ins)]
 
     def per_instance_group(self, info, nodes, ins, rags, plans, cause):
         """Run each node of the group alone, on its own rows; stack the outputs."""

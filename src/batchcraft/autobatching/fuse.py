@@ -47,6 +47,7 @@ import torch.autograd.forward_ad as _fwad
 import torch.nn.functional as F
 
 from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.gather import Rows as _Rows
 from batchcraft.autobatching.rules import rule_for
 from batchcraft.autobatching.signature import rebuild
 
@@ -187,6 +188,18 @@ class FusedCall:
         first = None
         for x, kind, w in zip(xs, self.kinds, self.widths):
             tx = type(x)
+            if tx is _Rows:      # rows of a buffer through an index (gather.Rows): read in place
+                b, ix = x.buffer, x.index
+                if (kind != "b" or type(b) is not _T or not _plain_f32(b, grad) or b.dim() != 2 or b.shape[1] != w
+                        or (w > 1 and b.stride(1) != 1) or not _row_ids(ix, rows) or (rows > 0 and b.numel() == 0)):
+                    return None
+                if first is None:
+                    first = b
+                ptrs.append(b.data_ptr())
+                strides.append(b.stride(0))
+                index.append(ix.data_ptr() if rows > 0 else 0)
+                limits.append(b.shape[0])
+                continue
             if (tx is not _T and tx is not torch.nn.Parameter) or not _plain_f32(x, grad):
                 return None
             d = x.dim()

@@ -51,7 +51,45 @@ def select_rows(t, idx) -> torch.Tensor:
     return t.index_select(0, idx)
 
 
-def take(buffers, plan) -> torch.Tensor:
+class Rows:
+    """Rows ``index`` (``(m,)`` int64) of the 2-D float32 ``buffer``, not copied yet: a gathered
+    input that fused kernels read in place (:mod:`fuse`), each row through the index, so the
+    gather's copy is never made. Any other reader calls :meth:`materialize` (the copy it saved)."""
+
+    __slots__ = ("buffer", "index")
+
+    def __init__(self, buffer, index):
+        self.buffer = buffer
+        self.index = index
+
+    @property
+    def device(self):
+        return self.buffer.device
+
+    def materialize(self) -> torch.Tensor:
+        return self.buffer.index_select(0, self.index)
+
+
+def materialize(x):
+    """``x``, or the tensor of a :class:`Rows` (what a program's unfused branch reads)."""
+    return x.materialize() if type(x) is Rows else x
+
+
+def _deferrable(t) -> bool:
+    return (t.dim() == 2 and t.dtype is torch.float32 and t.is_cpu and t.layout is torch.strided
+            and not t.requires_grad and (t.shape[1] < 2 or t.stride(1) == 1))
+
+
+def take(buffers, plan, defer: bool = False):
+    """The ``(n, ...)`` tensor described by ``plan``; with ``defer``, an index plan over a 2-D
+    float32 CPU buffer without autograd history is a :class:`Rows` instead (no copy)."""
+    if defer and plan[0] == "index" and _deferrable(buffers[plan[1]]):
+        t = buffers[plan[1]]
+        return Rows(t, index_tensor(plan[2], t.device))
+    return _take(buffers, plan)
+
+
+def _take(buffers, plan) -> torch.Tensor:
     """The ``(n, ...)`` tensor described by ``plan``."""
     kind = plan[0]
     if kind == "view":
@@ -87,7 +125,7 @@ def keep_requires_grad(buffers, plans, ins) -> list:
     """
     out = ins
     for j, t in enumerate(ins[:len(plans)]):  # (a hoisted rest's prefix outputs come after)
-        if t is None or t.requires_grad:
+        if t is None or type(t) is Rows or t.requires_grad:  # (Rows: of buffers without history)
             continue
         p = plans[j]
         kind = p[0]
@@ -105,16 +143,17 @@ def keep_requires_grad(buffers, plans, ins) -> list:
 JOIN_MIN = 2
 
 
-def take_all(buffers, plans) -> list:
+def take_all(buffers, plans, defer=()) -> list:
     """:func:`take` of every plan of a group; index plans reading one buffer share one gather.
 
     A group with many slots (``torch.stack`` of a sentence's words: one slot per word) would make
     one small ``index_select`` per slot; joined, the slots are one ``index_select`` of all their
     rows (slot after slot) and each slot is a contiguous view of it. Values are the same rows.
+    ``defer``: slots taken with ``take(..., defer=True)`` (possibly :class:`Rows`).
     """
     by_buf: dict = {}
     for j, p in enumerate(plans):
-        if p[0] == "index":
+        if p[0] == "index" and j not in defer:
             by_buf.setdefault(p[1], []).append(j)
     out = [None] * len(plans)
     for b, js in by_buf.items():
@@ -135,7 +174,7 @@ def take_all(buffers, plans) -> list:
         for j, n in zip(js, sizes):
             out[j] = g[r0:r0 + n]
             r0 += n
-    return [take(buffers, p) if o is None else o for p, o in zip(plans, out)]
+    return [take(buffers, p, j in defer) if o is None else o for j, (p, o) in enumerate(zip(plans, out))]
 
 
 def stack_leaves(records, desc, value_of, nodes) -> torch.Tensor:

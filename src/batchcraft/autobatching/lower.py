@@ -28,6 +28,7 @@ import torch
 
 from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.gather import materialize as _materialize
 from batchcraft.autobatching.program import draws
 from batchcraft.autobatching.rules import rule_for
 from batchcraft.autobatching.signature import LEAF, call_with, flatten, rebuild
@@ -200,6 +201,10 @@ class Runner:
         rules (Counter): which rule each batched step used (for ``RunStats.groups_by_rule``).
         clusters (list[fuse.Cluster]): the fused clusters of the unchecked program.
         fuse_error (str): why planning them failed ("" if it did not; the program then runs unfused).
+        deferred_ins, deferred_rags (frozenset[int]): inputs / ragged member inputs that only fused
+            kernels read, as rows (set once the unchecked program is built): the executor may pass
+            them as :class:`~batchcraft.autobatching.gather.Rows`, read in place through their
+            index (the unfused branches copy them first).
     """
 
     def __init__(self, program, kernels=None, ragged_plan=None, fuse=False):
@@ -213,6 +218,8 @@ class Runner:
         self.rules: Counter = Counter()
         self._fast = None
         self._checked = None
+        self.deferred_ins: frozenset = frozenset()
+        self.deferred_rags: frozenset = frozenset()
         self.source = ""
         self.compiled = None
 
@@ -295,8 +302,8 @@ class Runner:
             outs.append(e)
         ret = f"    return [{', '.join(outs)}]"
 
-        def compiled(clusters):
-            body = _assemble(em, prog, step_lines, clusters) + [ret]
+        def compiled(clusters, deferred=None):
+            body = _assemble(em, prog, step_lines, clusters, deferred) + [ret]
             src = f"def run({', '.join(params)}):\n" + "\n".join(body) + "\n"
             exec(compile(src, f"<batchcraft program {prog.name}>", "exec"), em.ns)
             return em.ns["run"], src
@@ -305,12 +312,15 @@ class Runner:
             return (*compiled([]), rules)
         try:
             clusters = _fuse.plan(prog, leaf_exprs, leaf_batched, self.ragged_plan, self.fallbacks)
-            run, src = compiled(clusters)
+            deferred = _deferrable(prog, clusters, self.ragged_plan)
+            run, src = compiled(clusters, deferred)
         except Exception as exc:  # a planning bug must cost the fusion, never the batching
             self.fuse_error = f"{type(exc).__name__}: {exc}"
-            clusters = []
+            clusters, deferred = [], {}
             run, src = compiled([])
         self.clusters = clusters
+        self.deferred_ins = frozenset(j for k, j in deferred.values() if k == "in")
+        self.deferred_rags = frozenset(r for k, r in deferred.values() if k == "ragged")
         return run, src, rules
 
     @staticmethod
@@ -391,9 +401,57 @@ class Runner:
         return len(self.fallbacks)
 
 
-def _assemble(em, prog, step_lines, clusters) -> list:
+def _deferrable(prog, clusters, ragged_plan=None) -> dict:
+    """``{operand key: input}`` for the inputs ``("in", j)`` / ``("ragged", r)`` that only fused
+    kernels read, each as a row operand of the kernel's rows (kind "b"): not read by an unfused
+    step, a chunk run again outside its cluster, a gathered-by-segment operand, or the program's
+    outputs. A ragged ``stack`` step is the member rows themselves: its value stands for them."""
+    alias = {}
+    if ragged_plan is not None:
+        for st in prog.steps:
+            e = ragged_plan.get(st.index)
+            if e is not None and e[0][0] == "stack":
+                alias[("val", st.index, 0)] = ("ragged", e[0][2])
+
+    def source(key):
+        return alias.get(key, key if key[0] in ("in", "ragged") else None)
+
+    fused = {i for cl in clusters for i in cl.members}
+    ok: dict = {}
+    keys: dict = {}
+    for cl in clusters:
+        for k in cl.operand_keys:
+            src = source(k)
+            if src is not None:
+                ok[src] = ok.get(src, True) and cl.operand_info[k][1] == "b"
+                keys[k] = src
+            elif k[0] == "gathered":
+                src = source(k[2:])
+                if src is not None:
+                    ok[src] = False
+        for i in cl.remat:
+            for r in prog.steps[i].refs:
+                src = source(_fuse._key(r))
+                if src is not None:
+                    ok[src] = False
+    for st in prog.steps:
+        if st.index not in fused and ("val", st.index, 0) not in alias:
+            for r in st.refs:
+                src = source(_fuse._key(r))
+                if src is not None:
+                    ok[src] = False
+    for r in prog.out_refs:
+        src = source(_fuse._key(r))
+        if src is not None:
+            ok[src] = False
+    return {k: src for k, src in keys.items() if ok[src]}
+
+
+def _assemble(em, prog, step_lines, clusters, deferred=None) -> list:
     """The function body: each step's lines, with each fused cluster's kernel call (and its
-    steps, as lowered, for when the call declines) where the cluster runs (:mod:`fuse`)."""
+    steps, as lowered, for when the call declines) where the cluster runs (:mod:`fuse`). A
+    ``deferred`` input (:func:`_deferrable`) may arrive as ``gather.Rows``: the unfused branch
+    copies it into a tensor first."""
     at: dict = {}
     fused = set()
     for cl in clusters:
@@ -407,6 +465,9 @@ def _assemble(em, prog, step_lines, clusters) -> list:
         seg = "None" if cl.space == "node" else f"S{cl.space}"
         lines.append(f"    _r = {fz}({rows}, {seg}, {', '.join(cl.operands)})")
         lines.append("    if _r is None:")
+        for k, e in zip(cl.operand_keys, cl.operands):
+            if deferred and k in deferred:
+                lines.append(f"        {e} = {em.name(_materialize, 'M')}({e})")
         for i in cl.members:
             lines.extend("    " + ln for ln in step_lines[i])
         lines.append("    else:")

@@ -1179,9 +1179,18 @@ class PyRecorder(RecorderBase):
                             requests.setdefault(o, []).append((g, single[j][0]))
         return changed
 
-    def place(self, nodes, buf: int, base: int) -> None:
-        """The outputs of ``nodes`` are rows ``base, base+1, ...`` of buffers ``buf, buf+1, ...``."""
+    def place(self, nodes, buf: int, base) -> None:
+        """The outputs of ``nodes`` are rows ``base, base+1, ...`` of buffers ``buf, buf+1, ...``;
+        ``base`` may instead be int64 bytes, one row per node (a deduplicated group's rows)."""
         loc_buf, loc_row = self.loc_buf, self.loc_row
+        if type(base) is not int:
+            rows = memoryview(base).cast("B").cast("q")
+            if len(rows) != len(nodes):
+                raise ValueError("place: one int64 row per node expected")
+            for nd, r in zip(nodes, rows):
+                loc_buf[nd] = buf
+                loc_row[nd] = r
+            return
         for r, nd in enumerate(nodes):
             loc_buf[nd] = buf
             loc_row[nd] = base + r
