@@ -605,10 +605,16 @@ def test_inputs_only_kernels_read_are_not_gathered(monkeypatch):
     fn = _tree_fn(cell, proj)
     trees = _trees(12, 0)
     made = _count_rows(monkeypatch)
-    f, out, ref = _second_call(fn, trees)
+    f = autobatch(fn)
+    with torch.no_grad():
+        f(trees)
+        made[0] = 0
+        out = f(trees)
+        ref = [fn(t) for t in trees]
     _close([(o,) for o in out], [(r,) for r in ref])
     assert f.stats.fused_kernels > 0 and f.stats.fused_declined == 0
     assert made[0] > 0 and made[1] == 0  # gathers left as rows, none copied after all
+    assert f.stats.rows_in_place == made[0] and "read in place" in f.stats.summary()
 
 
 @pytest.mark.parametrize("how", ["forward_ad_level", "group_fails"])

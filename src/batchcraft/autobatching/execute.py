@@ -27,7 +27,7 @@ from batchcraft.autobatching import dedup as _dedup
 from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching.descs import DESCS, row_bytes
-from batchcraft.autobatching.gather import index_tensor, keep_requires_grad, materialize, take, take_all
+from batchcraft.autobatching.gather import Rows, index_tensor, keep_requires_grad, materialize, take, take_all
 from batchcraft.autobatching.lower import Runner
 from batchcraft.autobatching.program import Program
 from batchcraft.autobatching.signature import LEAF, RAGGED, SIGNATURES, call_with, flatten, rebuild
@@ -249,10 +249,13 @@ class Executor:
             if not info.state[0] and not info.state[1]:
                 ins = keep_requires_grad(bufs, plans, ins)
             rags, segs, cnts = [], [], []
+            if plain and runner.deferred_ins:
+                st.rows_in_place += sum(type(x) is Rows for x in ins)
             if prog.n_ragged:
                 seen = set()
                 for r, (p, seg, cnt) in enumerate(plans[prog.n_in:]):
                     rags.append(take(bufs, p, plain and r in runner.deferred_rags))
+                    st.rows_in_place += type(rags[-1]) is Rows
                     c = prog.ragged_classes[r]
                     if c not in seen:
                         seen.add(c)

@@ -38,6 +38,8 @@ class RunStats:
             that ran the steps' torch calls instead at run time (autograd needed, a forward-AD
             level, an operand on another device or layout). Steps of other dtypes, and programs
             traced under autocast, are never planned as kernels: not counted.
+        rows_in_place (int): gathered inputs that fused kernels read in place through their row
+            index (``gather.Rows``) instead of a gather's copy.
         ragged_declined (dict[str, int]): static blocks whose list arguments could not run as
             ragged groups (their nodes then group by list length), with the operation or use that
             prevented it; noted when a block is traced for a new list pattern.
@@ -72,6 +74,7 @@ class RunStats:
     fused_kernels: int = 0
     steps_fused: int = 0
     fused_declined: int = 0
+    rows_in_place: int = 0
     ragged_declined: dict = field(default_factory=dict)
     record_s: float = 0.0
     schedule_s: float = 0.0
@@ -122,7 +125,8 @@ class RunStats:
                      + ("" if self.memory_retained else " (memory retention off or unavailable: memory.py)"))
         if self.fused_kernels or self.fused_declined:
             text += (f"; {self.steps_fused} elementwise steps in {self.fused_kernels} fused kernels"
-                     + (f" ({self.fused_declined} declined)" if self.fused_declined else ""))
+                     + (f" ({self.fused_declined} declined)" if self.fused_declined else "")
+                     + (f", {self.rows_in_place} gathered inputs read in place" if self.rows_in_place else ""))
         if self.groups_by_rule:
             text += "; groups: " + ", ".join(f"{k} {v}" for k, v in sorted(self.groups_by_rule.items()))
         if self.fallback_reasons:
