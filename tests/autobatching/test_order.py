@@ -89,8 +89,8 @@ def test_python_and_c_cores_order_a_flush_alike(monkeypatch):
     orders = {}
     real = order.consumer_order
 
-    def spy(rec, groups):
-        n = real(rec, groups)
+    def spy(rec, groups, *rest):
+        n = real(rec, groups, *rest)
         orders.setdefault(rec.core, []).append([list(nodes) for _, nodes in groups])
         return n
 
@@ -125,3 +125,27 @@ def test_left_and_right_children_are_each_a_contiguous_run(core, monkeypatch):
     with torch.no_grad():
         autobatch(model, core=core, consumer_order=False)(trees)
     assert "index" in [k for k, shape in seen if shape in ((n_nodes, 4), (n_nodes, 4, 4))]
+
+
+def test_a_deduplicated_group_is_not_ordered_by_its_readers(monkeypatch):
+    # once its program deduplicates, the input group's nodes are placed at their distinct inputs'
+    # rows whatever their order: ordering them by their readers would be wasted work
+    from batchcraft.autobatching import dedup
+
+    monkeypatch.setattr(dedup, "MIN_NODES", 4)
+    torch.manual_seed(0)
+    model = TreeLSTM(vocab_size=4, n_tags=2, hidden=8)
+    sents = [random_tree(n, seed=n) for n in (5, 9, 7, 12, 6)]
+    for s in sents:  # few distinct (word, tag) pairs: the input group deduplicates
+        s.word_ids = [w % 4 for w in s.word_ids]
+        s.upos_ids = [t % 2 for t in s.upos_ids]
+    f = autobatch(model)
+    with torch.no_grad():
+        f(sents)
+        first = f.stats.groups_consumer_ordered, f.stats.groups_deduplicated
+        out = f(sents)
+        ref = [model(s) for s in sents]
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert first == (1, 1)  # the first call: not known yet to deduplicate
+    assert (f.stats.groups_consumer_ordered, f.stats.groups_deduplicated) == (0, 1)

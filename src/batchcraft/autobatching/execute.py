@@ -169,6 +169,14 @@ class Executor:
                 prog, [DESCS[x] for x in info.in_dids[:prog.n_in]]) else False
         return d
 
+    def placed_by_rows(self, key, n: int) -> bool:
+        """Will the group ``key`` of ``n`` nodes run deduplicated (its nodes placed at their
+        distinct inputs' rows, in any order)? True only once its program has deduplicated."""
+        info = SIGNATURES.by_sid[key[2]]
+        prog = info.program
+        return (prog is not None and prog.lowered.get("dedup") is True and n >= _dedup.MIN_NODES
+                and self.options.dedup and not info.grad and not any(info.out_rg))
+
     def runner_of(self, info) -> Runner:
         prog = program_of(info)
         key = self.runner_key

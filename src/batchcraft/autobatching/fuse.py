@@ -90,6 +90,9 @@ _PURE_RULES = frozenset({"elementwise", "weight", "matmul", "dim", "direct", "fl
                          "new_factory", "permute", "repeat", "rnn_cell", "seq", "shape", "split", "squeeze",
                          "sum", "t", "transpose", "unbind", "unsqueeze"})
 _F32 = torch.float32
+_Param = torch.nn.Parameter
+_is_grad = torch.is_grad_enabled
+_autocast_on = torch.is_autocast_enabled
 _MAX_EXACT_INT = 2 ** 24  # a Python int operand beyond this is not one float32 value
 
 
@@ -177,8 +180,8 @@ class FusedCall:
         strides = []
         index = []
         limits = []
-        grad = torch.is_grad_enabled()
-        if torch.is_autocast_enabled("cpu") or _fwad._current_level >= 0:
+        grad = _is_grad()
+        if _autocast_on("cpu") or _fwad._current_level >= 0:
             return None  # autocast; a forward-AD level (dual tensors carry tangents the kernel drops)
         sp = 0
         if seg is not None:
@@ -200,24 +203,34 @@ class FusedCall:
                 index.append(ix.data_ptr() if rows > 0 else 0)
                 limits.append(b.shape[0])
                 continue
-            if (tx is not _T and tx is not torch.nn.Parameter) or not _plain_f32(x, grad):
+            if (tx is not _T and tx is not _Param) or not _plain_f32(x, grad):
                 return None
-            d = x.dim()
+            sh = x.shape
+            if kind == "b":      # one row per kernel row (the common case first)
+                if sh != (rows, w):
+                    return None
+                st = x.stride()
+                if w > 1 and st[1] != 1:
+                    return None
+                ptrs.append(x.data_ptr())
+                strides.append(st[0])
+                index.append(0)
+                limits.append(rows)
+                if first is None:
+                    first = x
+                continue
+            d = len(sh)
             if kind == "c":      # shared (W,): every row reads it
-                if d != 1 or x.shape[0] != w or (w > 1 and x.stride(0) != 1):
+                if d != 1 or sh[0] != w or (w > 1 and x.stride(0) != 1):
                     return None
                 rs, ix = 0, 0
-            elif kind == "b":    # one row per kernel row
-                if d != 2 or x.shape[0] != rows or x.shape[1] != w or (w > 1 and x.stride(1) != 1):
-                    return None
-                rs, ix = x.stride(0), 0
             else:                # "g" / "q": a dense (n, W) / (n, 1, W) value, row seg[r]
                 if kind == "q":
-                    if d != 3 or x.shape[1] != 1:
+                    if d != 3 or sh[1] != 1:
                         return None
                 elif d != 2:
                     return None
-                if x.shape[-1] != w or (w > 1 and x.stride(-1) != 1) or sp == 0 and rows > 0:
+                if sh[-1] != w or (w > 1 and x.stride(-1) != 1) or sp == 0 and rows > 0:
                     return None
                 rs, ix = x.stride(0), sp
             if rows > 0 and x.numel() == 0:

@@ -57,20 +57,23 @@ def packed_order(rec, groups) -> int:
     return done
 
 
-def consumer_order(rec, groups) -> int:
+def consumer_order(rec, groups, placed_by_rows=None) -> int:
     """Reorder, in place, the node lists of ``groups`` (``[(key, nodes), ...]`` in execution
     order) of each signature that has one group in the flush, by their readers (see above).
 
     Only reads through single (non-list) arguments count; list arguments (a node's children) are
     flat member rows ordered by their segment. Signatures with groups at several depths (cells,
-    recurrences) keep their order: packed order and the output arenas place those. Returns the
-    number of groups reordered.
+    recurrences) keep their order: packed order and the output arenas place those. Groups for
+    which ``placed_by_rows(key, n)`` is true are left alone: a deduplicated group places each
+    node at its distinct input's row, whatever the node order. Returns the number of groups
+    reordered.
     """
     count: dict = {}
     for key, _ in groups:
         sig = (key[0], key[2])
         count[sig] = count.get(sig, 0) + 1
-    eligible = [count[(key[0], key[2])] == 1 and len(nodes) >= 2 for key, nodes in groups]
+    eligible = [count[(key[0], key[2])] == 1 and len(nodes) >= 2
+                and not (placed_by_rows is not None and placed_by_rows(key, len(nodes))) for key, nodes in groups]
     if not any(eligible):
         return 0
     return rec.order_by_consumers([nodes for _, nodes in groups], eligible)

@@ -36,7 +36,7 @@ class DepthScheduler:
         if executor.options.packed_order:
             packed_order(rec, groups)
         if executor.options.consumer_order:
-            stats.groups_consumer_ordered += consumer_order(rec, groups)
+            stats.groups_consumer_ordered += consumer_order(rec, groups, executor.placed_by_rows)
         hoists = executor.plan_hoists(groups)
         stats.schedule_s += _perf() - t0
         executor.begin(groups)
