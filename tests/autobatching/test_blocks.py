@@ -448,3 +448,35 @@ def test_a_mode_of_the_users_around_a_block_call_is_refused_even_once_the_block_
     for _ in range(2):
         with pytest.raises(AutobatchError, match=r"torch-function mode \(Half\)"):
             f(xs)
+
+
+@pytest.mark.parametrize("where", ["submodule", "global"])
+def test_a_hook_added_or_removed_between_calls_is_seen(where):
+    # reliability #185 (hostile helper, stop 38; present before): a forward hook runs inside the
+    # block's trace; removed between two calls, it still applied in the second (the trace was kept)
+    torch.manual_seed(0)
+
+    class Proj(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+
+    proj = static_block(Proj())
+    xs = [torch.randn(4) for _ in range(6)]
+    f = autobatch(proj)
+    hook = (lambda m, i, o: o * 2)
+    with torch.no_grad():
+        f(xs)
+        h = (proj.lin.register_forward_hook(hook) if where == "submodule"
+             else torch.nn.modules.module.register_module_forward_hook(hook))
+        try:
+            hooked, ref_hooked = f(xs), [proj(x) for x in xs]
+        finally:
+            h.remove()
+        plain, ref_plain = f(xs), [proj(x) for x in xs]
+    for got, ref in ((hooked, ref_hooked), (plain, ref_plain)):
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b)

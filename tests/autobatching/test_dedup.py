@@ -202,3 +202,71 @@ def test_place_takes_one_row_per_node(core):
     assert [rec.location(nd)[1] for nd in nodes] == [3, 0, 3, 1]
     with pytest.raises(ValueError, match="one int64 row per node"):
         rec.place(nodes, 0, bytearray(array("q", [0, 1])))
+
+
+def _shared_tokens():
+    torch.manual_seed(0)
+    emb, lin = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8)
+
+    @static_block
+    def proj(w):
+        return lin(emb(w))
+
+    return proj, [[(i + j) % 5 for j in range(8)] for i in range(8)]  # 64 nodes, 5 distinct ids
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_outputs_with_the_same_token_are_separate_tensors(core):
+    # nodes of a deduplicated group share rows; a value handed out gets rows of its own first, so
+    # writing into one output (as a caller may) leaves the others as eager leaves them
+    proj, insts = _shared_tokens()
+
+    def fn(toks):
+        return [proj(torch.tensor(t)) for t in toks]
+
+    f = autobatch(fn, core=core)
+    with torch.no_grad():
+        out = f(insts)
+        ref = [fn(x) for x in insts]
+    assert f.stats.groups_deduplicated == 1
+    keep = out[1][4].clone()  # instance 1, position 4: token 0, as instance 0 position 0
+    out[0][0].zero_()
+    assert torch.equal(out[1][4], keep) and out[0][0].data_ptr() != out[1][4].data_ptr()
+    for o, r in zip(out[1:], ref[1:]):
+        for a, b in zip(o, r):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_write_into_a_waited_value_changes_that_node_only(core):
+    # instance code writes into a deduplicated node's value through .numpy() (eager: that tensor
+    # only); the write is seen by the node's later readers, batched ones too, and by no other node
+    proj, insts = _shared_tokens()
+
+    def fn(toks):
+        es = [proj(torch.tensor(t)) for t in toks]
+        a = es[0].numpy()  # a wait: the instance gets the concrete value
+        a *= 2
+        return torch.stack(es) + es[0]
+
+    with torch.no_grad():
+        f = assert_matches_eager(fn, insts, [], core=core)
+    assert f.stats.groups_deduplicated >= 1
+
+
+def test_deduplicated_calls_run_under_torch_func_transforms():
+    # placing the nodes by rows made a write into a tensor over bytes, which functorch refuses
+    proj, insts = _shared_tokens()
+    xs = tuple(torch.randn(8) for _ in insts)
+    tangents = tuple(torch.randn(8) for _ in insts)
+
+    def fn(inst):
+        toks, x = inst
+        return torch.stack([torch.tanh(proj(torch.tensor(t))) * x for t in toks]).sum(0)
+
+    f = autobatch(fn)
+    with torch.no_grad():
+        f(list(zip(insts, xs)))
+        _, got = torch.func.jvp(lambda *a: torch.stack(f(list(zip(insts, a)))), xs, tangents)
+        _, ref = torch.func.jvp(lambda *a: torch.stack([fn(i) for i in zip(insts, a)]), xs, tangents)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

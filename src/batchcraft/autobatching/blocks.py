@@ -28,6 +28,7 @@ import functools
 import weakref
 
 import torch
+import torch.nn.modules.module as _nn_module
 from torch import nn
 
 from batchcraft.autobatching import _native, buffers as _buffers, cells as _cells, embedding as _embedding, stack
@@ -46,6 +47,11 @@ from batchcraft.errors import AutobatchError
 _current = stack.current
 _Lazy = LazyTensor
 
+
+#: a module's hook dicts (torch.nn.Module) and the global ones: part of a block's fingerprint
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                      "_global_backward_pre_hooks")
 
 class _SharedWrite(Exception):
     """Raised while a block is traced: its body writes state that outlives the call (a module's
@@ -525,6 +531,9 @@ class StaticBlock:
                     continue
                 seen.add(id(m))
                 parts.append(m.training)
+                # hooks run inside the traces: one added or removed between calls means a new trace
+                # (reliability #185); their handles' ids are unique
+                parts.append(tuple(tuple(d) for d in (getattr(m, a, None) for a in _HOOK_DICTS) if d is not None))
                 for t in m._parameters.values():
                     if t is not None:
                         parts.append((id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad))
@@ -548,7 +557,8 @@ class StaticBlock:
         modules, tensors = self._reached()
         parts = self._modules_fingerprint(modules, tensors)
         nested = tuple(b._fingerprint_now(visiting) for b in list(self.nested) if b not in visiting)
-        return tuple(parts) + nested + (fdev,)
+        glob = tuple(tuple(d) for d in (getattr(_nn_module, a, None) for a in _GLOBAL_HOOK_DICTS) if d is not None)
+        return tuple(parts) + nested + (fdev, glob)
 
     # -- tracing -----------------------------------------------------------------------------------
     def _run_body(self, tracer, args, kwargs):

@@ -19,6 +19,7 @@ group runs node by node, one instance at a time, and an error names the instance
 from __future__ import annotations
 
 import time
+from array import array as _array
 
 import torch
 
@@ -56,11 +57,9 @@ def rows_of(rows) -> int:
 
 
 def _row_bytes(rows) -> bytearray:
-    """The int64 row map ``rows`` as bytes (``Recorder.place``'s per-node rows)."""
-    out = bytearray(8 * rows.numel())
-    if out:
-        torch.frombuffer(out, dtype=torch.int64).copy_(rows)
-    return out
+    """The int64 row map ``rows`` as bytes (``Recorder.place``'s per-node rows); through a list,
+    not a write into a tensor over the bytes, which functorch transforms refuse."""
+    return bytearray(_array("q", rows.tolist()))
 
 
 def program_of(info) -> Program:
@@ -318,6 +317,7 @@ class Executor:
             buf = len(bufs)
             bufs.extend(outs)
             rec.place(nodes, buf, _row_bytes(rows))
+            rec.shared_rows[buf] = len(outs)  # (a value handed out gets rows of its own: value_of)
             placed = False
         elif self.arenas and not info.grad and not info.state[1]:
             # (a group of the same op recorded with grad on must keep its own autograd history)

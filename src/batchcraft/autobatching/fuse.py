@@ -176,6 +176,12 @@ class FusedCall:
         return out
 
     def _run(self, rows, seg, xs):
+        try:
+            return self._checked_run(rows, seg, xs)
+        except RuntimeError:  # data_ptr() of a tensor without storage: a torch.func wrapper (vmap)
+            return None
+
+    def _checked_run(self, rows, seg, xs):
         ptrs = []
         strides = []
         index = []
@@ -252,7 +258,8 @@ class FusedCall:
 
 def _plain_f32(x, grad) -> bool:
     """A float32 CPU strided tensor whose memory holds its values (no negative-view bit, a storage)
-    and that needs no autograd: what the C loops may read by address."""
+    and that needs no autograd: what the C loops may read by address. (A torch.func wrapper, such
+    as vmap's batched tensor, passes; its ``data_ptr()`` raises: the callers decline then.)"""
     return (x.dtype is _F32 and x.is_cpu and x.layout is torch.strided and not (grad and x.requires_grad)
             and not x.is_neg() and not x._is_zerotensor())
 
@@ -589,9 +596,13 @@ def segment_sum(x, seg, n):
     if (_fused is None or _fwad._current_level >= 0 or type(x) is not _T or not _plain_f32(x, torch.is_grad_enabled())
             or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1) or not _row_ids(seg, x.shape[0])):
         return None
+    try:
+        ptrs = x.data_ptr(), seg.data_ptr()
+    except RuntimeError:  # no storage: a torch.func wrapper (vmap's batched tensor)
+        return None
     out = x.new_zeros((n, x.shape[1]))
     if x.shape[0] and x.shape[1]:
-        _fused.seg_sum(out.data_ptr(), x.data_ptr(), seg.data_ptr(), x.shape[0], x.shape[1], x.stride(0), n)
+        _fused.seg_sum(out.data_ptr(), ptrs[0], ptrs[1], x.shape[0], x.shape[1], x.stride(0), n)
     return out
 
 

@@ -75,9 +75,12 @@ def materialize(x):
     return x.materialize() if type(x) is Rows else x
 
 
+_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda x: False)
+
+
 def _deferrable(t) -> bool:
     return (t.dim() == 2 and t.dtype is torch.float32 and t.is_cpu and t.layout is torch.strided
-            and not t.requires_grad and (t.shape[1] < 2 or t.stride(1) == 1))
+            and not t.requires_grad and (t.shape[1] < 2 or t.stride(1) == 1) and not _wrapped(t))
 
 
 def take(buffers, plan, defer: bool = False):

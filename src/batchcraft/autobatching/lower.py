@@ -220,6 +220,7 @@ class Runner:
         self._checked = None
         self.deferred_ins: frozenset = frozenset()
         self.deferred_rags: frozenset = frozenset()
+        self._deferred = (frozenset(), frozenset())
         self.source = ""
         self.compiled = None
 
@@ -319,8 +320,8 @@ class Runner:
             clusters, deferred = [], {}
             run, src = compiled([])
         self.clusters = clusters
-        self.deferred_ins = frozenset(j for k, j in deferred.values() if k == "in")
-        self.deferred_rags = frozenset(r for k, r in deferred.values() if k == "ragged")
+        self._deferred = (frozenset(j for k, j in deferred.values() if k == "in"),
+                          frozenset(r for k, r in deferred.values() if k == "ragged"))
         return run, src, rules
 
     @staticmethod
@@ -394,6 +395,8 @@ class Runner:
                 self._checked = None
                 continue
             self._fast, self.source, self.rules = self._build(checked=False)
+            # published after _fast: another thread that reads them runs the program that takes Rows
+            self.deferred_ins, self.deferred_rags = self._deferred
             return out
 
     @property

@@ -209,6 +209,9 @@ class RecorderBase:
         self.eager_ops = 0
         self.blocks_checked: set = set()
         self.buffers: list = []
+        # first buffer -> outputs, of groups whose nodes share rows (a deduplicated group places
+        # every node at its distinct input's row): a value handed out gets rows of its own first
+        self.shared_rows: dict = {}
         self.scalar_rows: dict = {}  # buffer index -> (rows as Python scalars, floating): scalar()
         self.made_views: dict = {}  # id -> view of a shared tensor made by instance code this call
         self.hooks: dict = {}
@@ -678,6 +681,8 @@ class RecorderBase:
     def value_of(self, node: int, slot: int):
         """The concrete value of an executed node's output (a row of a batched result)."""
         buf, row = self.location(node)
+        if buf in self.shared_rows:
+            buf, row = self._own_rows(node, buf, row)
         t = self.buffers[buf + slot]
         if not self.rg_bit(node, slot):
             # the batched result requires grad if any instance's does; this one's may not
@@ -687,6 +692,17 @@ class RecorderBase:
             return t[row]
         with torch.enable_grad():  # the row keeps its autograd history (read under the caller's no_grad)
             return t[row]
+
+    def _own_rows(self, node: int, buf: int, row: int):
+        """Move ``node``'s outputs from rows it shares with other nodes to rows of its own (copies),
+        before the first concrete value of it is handed out: instance code or the caller may
+        write into that value (``.numpy()``, an in-place op on an output), which must change this
+        node's value only, as in eager. Later readers, batched ones too, read the copies."""
+        new = len(self.buffers)
+        for s in range(self.shared_rows[buf]):
+            self.buffers.append(self.buffers[buf + s][row:row + 1].clone())
+        self.place([node], new, 0)
+        return new, 0
 
     def scalar(self, x, why: str, to):
         """``to(value of x)`` for a Python scalar conversion (``bool``, ``float``, ``.item()``,

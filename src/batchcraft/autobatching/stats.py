@@ -38,8 +38,9 @@ class RunStats:
             that ran the steps' torch calls instead at run time (autograd needed, a forward-AD
             level, an operand on another device or layout). Steps of other dtypes, and programs
             traced under autocast, are never planned as kernels: not counted.
-        rows_in_place (int): gathered inputs that fused kernels read in place through their row
-            index (``gather.Rows``) instead of a gather's copy.
+        rows_in_place (int): gathered inputs handed to fused kernels as rows of their buffers
+            (``gather.Rows``), read through their row index instead of a gather's copy; where a
+            kernel declined at run time (``fused_declined``), its unfused branch copied them.
         ragged_declined (dict[str, int]): static blocks whose list arguments could not run as
             ragged groups (their nodes then group by list length), with the operation or use that
             prevented it; noted when a block is traced for a new list pattern.
@@ -126,7 +127,7 @@ class RunStats:
         if self.fused_kernels or self.fused_declined:
             text += (f"; {self.steps_fused} elementwise steps in {self.fused_kernels} fused kernels"
                      + (f" ({self.fused_declined} declined)" if self.fused_declined else "")
-                     + (f", {self.rows_in_place} gathered inputs read in place" if self.rows_in_place else ""))
+                     + (f", {self.rows_in_place} gathered inputs passed as rows of their buffers" if self.rows_in_place else ""))
         if self.groups_by_rule:
             text += "; groups: " + ", ".join(f"{k} {v}" for k, v in sorted(self.groups_by_rule.items()))
         if self.fallback_reasons:
