@@ -356,10 +356,9 @@ def test_a_bare_module_container_gets_no_descriptor(core):
     assert "norm" not in vars(nn.Module)
 
 
-@pytest.mark.parametrize("fast_modules", [True, False])
-def test_a_base_class_property_set_during_the_call_is_read_as_eager(fast_modules):
-    # reliability #139 (hostile find, stop 35): the lookup descriptor put on the leaf class was
-    # found before a property given to a base class during the call
+def _base_and_scaled_net():
+    """A fresh (Base, Net(Base)) pair, Net holding a parameter ``scale``: each test may give
+    Base attributes without touching other tests' classes."""
     class Base(nn.Module):
         pass
 
@@ -367,6 +366,15 @@ def test_a_base_class_property_set_during_the_call_is_read_as_eager(fast_modules
         def __init__(self):
             super().__init__()
             self.scale = nn.Parameter(torch.tensor(2.0))
+
+    return Base, Net
+
+
+@pytest.mark.parametrize("fast_modules", [True, False])
+def test_a_base_class_property_set_during_the_call_is_read_as_eager(fast_modules):
+    # reliability #139 (hostile find, stop 35): the lookup descriptor put on the leaf class was
+    # found before a property given to a base class during the call
+    Base, Net = _base_and_scaled_net()
 
     def run(net, x, flag):
         y = x * net.scale
@@ -397,13 +405,7 @@ def test_a_base_class_property_set_during_the_call_is_read_as_eager(fast_modules
 def test_class_attributes_set_and_removed_between_two_reads_are_seen(fast_modules):
     # the descriptor remembers "nothing later in the MRO" per type version (C core): setting or
     # deleting a base class's attribute gives the type a new version, so the next read walks again
-    class Base(nn.Module):
-        pass
-
-    class Net(Base):
-        def __init__(self):
-            super().__init__()
-            self.scale = nn.Parameter(torch.tensor(2.0))
+    Base, Net = _base_and_scaled_net()
 
     def run(net, x):
         a = x * net.scale

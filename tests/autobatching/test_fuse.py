@@ -580,6 +580,13 @@ def _trees(n, seed):
     return [tree(0) for _ in range(n)]
 
 
+def _tree_case(seed, n):
+    """(per-instance fn, trees): the child-sum cell over random trees, with embedded token inputs."""
+    torch.manual_seed(seed)
+    cell, proj = _tree_cell(), static_block(torch.nn.Embedding(5, 24))
+    return _tree_fn(cell, proj), _trees(n, seed)
+
+
 def _count_rows(monkeypatch):
     from batchcraft.autobatching import gather
 
@@ -600,10 +607,7 @@ def _count_rows(monkeypatch):
 
 
 def test_inputs_only_kernels_read_are_not_gathered(monkeypatch):
-    torch.manual_seed(0)
-    cell, proj = _tree_cell(), static_block(torch.nn.Embedding(5, 24))
-    fn = _tree_fn(cell, proj)
-    trees = _trees(12, 0)
+    fn, trees = _tree_case(0, 12)
     made = _count_rows(monkeypatch)
     f = autobatch(fn)
     with torch.no_grad():
@@ -625,10 +629,7 @@ def test_rows_are_copied_where_the_kernels_do_not_run(how, monkeypatch):
 
     from batchcraft.autobatching import lower
 
-    torch.manual_seed(1)
-    cell, proj = _tree_cell(), static_block(torch.nn.Embedding(5, 24))
-    fn = _tree_fn(cell, proj)
-    trees = _trees(12, 1)
+    fn, trees = _tree_case(1, 12)
     made = _count_rows(monkeypatch)
     f = autobatch(fn)
     with torch.no_grad():
@@ -658,10 +659,7 @@ def test_deferred_inputs_are_published_only_with_the_program_that_takes_them():
     # visible before runner._fast (the program whose unfused branches copy them) is
     from batchcraft.autobatching import lower
 
-    torch.manual_seed(2)
-    cell, proj = _tree_cell(), static_block(torch.nn.Embedding(5, 24))
-    fn = _tree_fn(cell, proj)
-    trees = _trees(12, 2)
+    fn, trees = _tree_case(2, 12)
     f = autobatch(fn)
     seen = []
     real = lower.Runner._build
