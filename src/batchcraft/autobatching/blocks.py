@@ -523,26 +523,34 @@ class StaticBlock:
         """Parameters, buffers and ``training`` flags of ``modules`` and their submodules, and
         the identity and metadata of captured ``tensors``."""
         # tensors captured outside modules (a global ``W`` re-bound or switched to requires_grad)
-        parts = [(id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors]
+        parts = [(id(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors]
         seen = set()
-        for root in modules:
-            for m in root.modules():
-                if id(m) in seen:
-                    continue
-                seen.add(id(m))
-                parts.append(m.training)
-                # hooks run inside the traces: one added or removed between calls means a new trace
-                # (reliability #185); their handles' ids are unique
-                parts.append(tuple(tuple(d) for d in (getattr(m, a, None) for a in _HOOK_DICTS) if d is not None))
-                for t in m._parameters.values():
-                    if t is not None:
-                        parts.append((id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad))
-                # a buffer counts by identity only where a trace read it: instance code may assign
-                # a new one every call (``self.ema = ...``) that no trace reads
-                for t in m._buffers.values():
-                    if t is not None:
-                        parts.append((id(t) if id(t) in self.const_ids else 0, tuple(t.shape), t.dtype,
-                                      t.device, t.requires_grad))
+        const_ids = self.const_ids
+        todo = list(reversed(modules))
+        while todo:  # every module and submodule once, depth first (Module.modules() without its names)
+            m = todo.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            d = m.__dict__
+            parts.append(m.training)
+            # hooks run inside the traces: one added or removed between calls means a new trace
+            # (reliability #185); their handles' ids are unique
+            for a in _HOOK_DICTS:
+                h = d.get(a)
+                if h:
+                    parts.append((a, tuple(h)))
+            for t in d["_parameters"].values():
+                if t is not None:
+                    parts.append((id(t), t.shape, t.dtype, t.device, t.requires_grad))
+            # a buffer counts by identity only where a trace read it: instance code may assign
+            # a new one every call (``self.ema = ...``) that no trace reads
+            for t in d["_buffers"].values():
+                if t is not None:
+                    parts.append((id(t) if id(t) in const_ids else 0, t.shape, t.dtype, t.device, t.requires_grad))
+            subs = d["_modules"]
+            if subs:
+                todo.extend(c for c in reversed(subs.values()) if c is not None)
         return parts
 
     def _fingerprint_now(self, visiting=None):
