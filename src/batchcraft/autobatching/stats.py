@@ -17,7 +17,10 @@ class RunStats:
         ops_recorded (int): per-instance operations recorded (static-block calls count once).
         batched_calls (int): batched executions of a (depth, signature) group; one per group.
         fallbacks (int): node-steps run one instance at a time because no batching rule applied.
-        fallback_reasons (dict[str, int]): why, per operation, and how many node-steps.
+        fallback_reasons (dict[str, int]): why, per operation, and how many node-steps; also notes
+            that are not counted in ``fallbacks`` because the work still batches: a static block
+            that runs unblocked, operation by operation (it writes shared state), and a program
+            whose elementwise fusion is off.
         eager_ops (int): operations run on concrete values at record time (value-dependent shapes).
         eager_reasons (dict[str, int]): those operations by name.
         syncs (int): times pending work was executed because instance code needed a value.
