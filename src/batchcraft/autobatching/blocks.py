@@ -53,6 +53,7 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                       "_global_backward_pre_hooks")
 
+
 class _SharedWrite(Exception):
     """Raised while a block is traced: its body writes state that outlives the call (a module's
     running statistics, a counter buffer) or updates a value in place. A program replayed once

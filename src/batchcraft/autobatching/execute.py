@@ -51,11 +51,6 @@ class _NoLazy:
     pass
 
 
-def rows_of(rows) -> int:
-    """The number of distinct rows a deduplicated group computed (its row map's largest + 1)."""
-    return int(rows.max()) + 1 if rows.numel() else 0
-
-
 def _row_bytes(rows) -> bytearray:
     """The int64 row map ``rows`` as bytes (``Recorder.place``'s per-node rows); through a list,
     not a write into a tensor over the bytes, which functorch transforms refuse."""
@@ -289,19 +284,17 @@ class Executor:
                             prog.lowered["dedup"] = True
                 if outs is None:
                     outs = runner(n, ins, rags, segs, cnts)
-                m = n if rows is None else rows_of(rows)
+                m = n if rows is None else n - saved  # (a deduplicated group: its distinct rows)
                 if len(outs) != info.n_out or any(t.shape[0] != m for t in outs):
                     raise AutobatchError(f"{info.name}: batched outputs of the wrong shape")
             except BatchcraftError as exc:
                 if isinstance(exc, InstanceError):
                     raise
                 rows = None
-                outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), [materialize(x) for x in rags],
-                                              plans, exc)
+                outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), rags, plans, exc)
             except Exception as exc:
                 rows = None
-                outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), [materialize(x) for x in rags],
-                                              plans, exc)
+                outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), rags, plans, exc)
             if fc.calls != c0 or fc.declined != d0:
                 st.fused_kernels += fc.calls - c0
                 st.steps_fused += fc.steps - s0
@@ -313,23 +306,21 @@ class Executor:
             for reason in runner.fallbacks.values():
                 st.note_fallback(f"{info.name}: {reason}", n)
         placed = None
-        if rows is not None:  # the distinct outputs are the buffers; each node at its row
-            buf = len(bufs)
-            bufs.extend(outs)
-            rec.place(nodes, buf, _row_bytes(rows))
-            rec.shared_rows[buf] = len(outs)  # (a value handed out gets rows of its own: value_of)
-            placed = False
-        elif self.arenas and not info.grad and not info.state[1]:
+        if rows is None and self.arenas and not info.grad and not info.state[1]:
             # (a group of the same op recorded with grad on must keep its own autograd history)
             a = self.arenas.get((info.func, info.out_dids))
             if a is not None:
                 placed = self._into_arena(a, outs, n)
-        if placed is None:
+        if placed is not None:
+            rec.place(nodes, placed[0], placed[1])
+        else:
             buf = len(bufs)
             bufs.extend(outs)
-            rec.place(nodes, buf, 0)
-        elif placed is not False:
-            rec.place(nodes, placed[0], placed[1])
+            if rows is None:
+                rec.place(nodes, buf, 0)
+            else:  # the distinct outputs are the buffers, each node at its row; a value handed
+                rec.place(nodes, buf, _row_bytes(rows))  # out gets rows of its own (value_of)
+                rec.shared_rows[buf] = len(outs)
         if rec.hooks:
             rec.attach_hooks(nodes)
         st.gather_s += t1 - t0
@@ -375,6 +366,7 @@ class Executor:
 
     def per_instance_group(self, info, nodes, ins, rags, plans, cause):
         """Run each node of the group alone, on its own rows; stack the outputs."""
+        rags = [materialize(x) for x in rags]
         rec = self.rec
         n = len(nodes)
         self.stats.fallbacks += n

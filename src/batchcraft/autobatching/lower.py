@@ -220,7 +220,6 @@ class Runner:
         self._checked = None
         self.deferred_ins: frozenset = frozenset()
         self.deferred_rags: frozenset = frozenset()
-        self._deferred = (frozenset(), frozenset())
         self.source = ""
         self.compiled = None
 
@@ -309,8 +308,9 @@ class Runner:
             exec(compile(src, f"<batchcraft program {prog.name}>", "exec"), em.ns)
             return em.ns["run"], src
 
+        none = frozenset()
         if checked or not self.fuse:
-            return (*compiled([]), rules)
+            return (*compiled([]), rules, (none, none))
         try:
             clusters = _fuse.plan(prog, leaf_exprs, leaf_batched, self.ragged_plan, self.fallbacks)
             deferred = _deferrable(prog, clusters, self.ragged_plan)
@@ -320,9 +320,8 @@ class Runner:
             clusters, deferred = [], {}
             run, src = compiled([])
         self.clusters = clusters
-        self._deferred = (frozenset(j for k, j in deferred.values() if k == "in"),
-                          frozenset(r for k, r in deferred.values() if k == "ragged"))
-        return run, src, rules
+        return run, src, rules, (frozenset(j for k, j in deferred.values() if k == "in"),
+                                 frozenset(r for k, r in deferred.values() if k == "ragged"))
 
     @staticmethod
     def _rebuilt(st, exprs):
@@ -383,7 +382,7 @@ class Runner:
             return fast(n, *ins, *rags, *segs, *cnts)
         while True:
             if self._checked is None:
-                self._checked, _, self.rules = self._build(checked=True)
+                self._checked, _, self.rules, _ = self._build(checked=True)
             try:
                 out = self._checked(n, *ins, *rags, *segs, *cnts)
             except StepFailed as exc:
@@ -394,9 +393,9 @@ class Runner:
                 self.fallbacks[exc.index] = f"{st.name}: {exc.reason}"
                 self._checked = None
                 continue
-            self._fast, self.source, self.rules = self._build(checked=False)
+            self._fast, self.source, self.rules, deferred = self._build(checked=False)
             # published after _fast: another thread that reads them runs the program that takes Rows
-            self.deferred_ins, self.deferred_rags = self._deferred
+            self.deferred_ins, self.deferred_rags = deferred
             return out
 
     @property
