@@ -174,3 +174,37 @@ def test_max_over_all_elements_sends_the_gradient_to_a_nan_as_eager(core):
         got = torch.autograd.grad(sum(autobatch(fn, core=core)(xs)), xs)
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, equal_nan=True)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_argmax_over_all_elements_is_one_batched_call_without_vmap(core, monkeypatch):
+    # int(torch.argmax(logits)) is how a decoder picks its label (DRNN): vmap cost ~100 us a group.
+    # The batched call flattens each instance; ties keep the first index, as eager does
+    from batchcraft.autobatching import rules
+
+    def no_vmap(*a, **k):
+        raise AssertionError("vmap used")
+
+    monkeypatch.setattr(rules, "rule_vmap", no_vmap)
+    monkeypatch.setattr(rules.VMAP, "fn", no_vmap)
+
+    def prog(x):
+        return (torch.argmax(x), x.argmin(), torch.argmax(x * 2, keepdim=False), torch.argmax(x, dim=None, keepdim=True),
+                x.argmin(None, True), x[0].argmax())
+
+    def decide(x):  # a value wait on the index, as a decoder's label choice
+        return x[int(torch.argmax(x[0])) % 3].sum()
+
+    g = torch.Generator().manual_seed(3)
+    insts = [torch.randn(3, 4, generator=g) for _ in range(4)] + [torch.zeros(3, 4), torch.ones(3, 4).tril()]
+    scalars = [torch.randn((), generator=g) for _ in range(3)]
+    for fn, xs in ((prog, insts), (static_block(prog), insts), (decide, insts), (lambda x: (x.argmax(), x.argmin(keepdim=True)), scalars)):
+        with torch.no_grad():
+            f = autobatch(fn, core=core)
+            out = f(xs)
+        for o, x in zip(out, xs):
+            r = fn(x)
+            for a, b in zip(o, r) if isinstance(r, tuple) else [(o, r)]:
+                a, b = torch.as_tensor(a), torch.as_tensor(b)
+                assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        assert f.stats.fallbacks == 0, f.stats.fallback_reasons

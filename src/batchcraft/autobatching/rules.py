@@ -152,6 +152,11 @@ def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):
         rank = len(shapes[0])
         args, kwargs = _args(struct, leaves)
         d, where = _find_dim(args, kwargs, pos, name, default)
+        if d is None and full == "flat":
+            if not _flat_ok(args, kwargs, pos):
+                return rule_vmap(func, struct, leaves, mask, shapes, n)
+            out = func(args[0].reshape(n, -1), 1)
+            return out.reshape((n,) + (1,) * rank) if _keepdim(args, kwargs, pos) else out
         if d is None:
             if full != "tuple":
                 return rule_vmap(func, struct, leaves, mask, shapes, n)
@@ -174,6 +179,17 @@ def make_dim_rule(pos: int, name: str = "dim", default=None, full=None):
 
 
 _BATCHED_OTHER_OK: set = set()
+
+
+def _flat_ok(args, kwargs, pos: int) -> bool:
+    """``argmax(x)`` / ``argmin(x)`` over all elements: per instance the index into the flattened
+    tensor, so the batched call is the same op over ``x.reshape(n, -1)`` along dim 1 (ties resolve
+    to the first index in both); ``keepdim=True`` reshapes that to ``(n, 1, ..., 1)``."""
+    return type(_keepdim(args, kwargs, pos)) is bool and set(kwargs) <= {"dim", "keepdim"} and len(args) <= pos + 2
+
+
+def _keepdim(args, kwargs, pos: int):
+    return kwargs.get("keepdim", args[pos + 1] if len(args) > pos + 1 else False)
 
 
 def rule_seq_dim(func, struct, leaves, mask, shapes, n):
@@ -415,6 +431,12 @@ def _dim_lowering(pos: int, name: str = "dim", default=None, full=None):
             return None
         rank = len(lw.shapes[0])
         d, where = _find_dim(args, kwargs, pos, name, default)
+        if d is None and full == "flat":
+            if not _flat_ok(args, kwargs, pos):
+                return None
+            lw.wrap(0, lambda e: f"{e}.reshape(n, -1)")
+            e = lw.call(func, [args[0], 1], {})
+            return f"{e}.reshape((n,) + {(1,) * rank!r})" if _keepdim(args, kwargs, pos) else e
         if d is None:
             if full != "tuple":
                 return None
@@ -596,11 +618,13 @@ _register([torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_
 _register([torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.__matmul__,
            torch.Tensor.__rmatmul__], Rule("matmul", rule_matmul, _lower_matmul, ragged="matmul"))
 _DIM1 = Rule("dim", make_dim_rule(1), _dim_lowering(1), ragged="reduce")
-_register(_torch_funcs("softmax", "log_softmax", "cumsum", "cumprod", "logsumexp", "argmax", "argmin",
+_register(_torch_funcs("softmax", "log_softmax", "cumsum", "cumprod", "logsumexp",
                        "amax", "amin", "index_select", "narrow", "select", "gather", "prod")
-          + _tensor_methods("softmax", "log_softmax", "cumsum", "cumprod", "logsumexp", "argmax", "argmin",
+          + _tensor_methods("softmax", "log_softmax", "cumsum", "cumprod", "logsumexp",
                             "amax", "amin", "index_select", "narrow", "select", "gather", "prod")
           + [F.softmax, F.log_softmax], _DIM1)
+_register(_torch_funcs("argmax", "argmin") + _tensor_methods("argmax", "argmin"),
+          Rule("dim", make_dim_rule(1, full="flat"), _dim_lowering(1, full="flat"), ragged="reduce"))
 _register(_torch_funcs("sum", "mean", "std", "var", "all", "any") + _tensor_methods("sum", "mean", "all", "any"),
           Rule("sum", make_dim_rule(1, full="tuple"), _dim_lowering(1, full="tuple"), ragged="reduce"))
 _DIM1_LOWER = _dim_lowering(1)
