@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from batchcraft.autobatching.kernels import onednn_available, onednn_linear
+
 #: the dense weight whose gradient the benchmark compares across systems, per model
 GRAD_PARAM = {"treelstm": "inputs.W_iou.weight", "birnn": "fwd.weight_hh", "mvrnn": "compose.W.weight",
               "nestedrnn": "char_rnn.weight_hh"}
@@ -53,6 +55,17 @@ def mvrnn_compose_flops(hidden: int) -> tuple[int, int]:
     return 2 * H * H * 2 + 2 * 2 * H * H + 2 * H * 2 * H * H, 2 * H
 
 
+def berxit_layer_flops(L: int, d: int, d_ff: int, n_heads: int, n_classes: int) -> tuple[int, int]:
+    """(GEMM, elementwise) FLOPs of one Berxit encoder layer on ``L`` positions plus its exit
+    head: ``qkv`` (L x d x 3d), scores and context (2 x L x L x d over the heads), ``proj``
+    (L x d x d), the feed-forward pair (2 x L x d x d_ff), the head's pool (d x d) and classes;
+    elementwise: scaling, mask and softmax (~5 per score), two residuals, two layer norms
+    (~8 per element), GELU (~8 per element), tanh and the exit softmax."""
+    gemm = 2 * L * d * 3 * d + 2 * 2 * L * L * d + 2 * L * d * d + 2 * 2 * L * d * d_ff + 2 * d * d + 2 * d * n_classes
+    elem = 5 * n_heads * L * L + 2 * L * d + 2 * 8 * L * d + 8 * L * d_ff + d + 4 * n_classes
+    return gemm, elem
+
+
 def instance_flops(model: str, task, inst) -> tuple[int, int]:
     """(GEMM, elementwise) forward FLOPs of one instance of suite model ``model``."""
     m = task.model
@@ -77,6 +90,16 @@ def instance_flops(model: str, task, inst) -> tuple[int, int]:
         g = chars * 2 * (C * 3 * H + H * 3 * H) + len(inst) * 2 * (H * 4 * H + H * 4 * H)
         e = chars * (6 * H + 9 * H) + len(inst) * (2 * 4 * H + 9 * H)
         return g, e
+    if model == "berxit":
+        # the layers an instance runs depend on its exit: read from the eager model's own output
+        with torch.no_grad():
+            exit_layer = task.fn(inst)[1]
+        L = -(-(len(inst.word_ids) + 1) // m.pad_to) * m.pad_to
+        layer = m.layers[0]
+        g, e = berxit_layer_flops(L, layer.qkv.in_features, layer.ff1.out_features, layer.n_heads,
+                                  m.exits[0].out.out_features)
+        emb = 2 * 8 * L * layer.qkv.in_features  # token + position sum, layer norm
+        return exit_layer * g, exit_layer * e + emb
     raise KeyError(f"_flops: no FLOP count for {model!r}")
 
 
@@ -91,11 +114,13 @@ def per_batch(model: str, task, batch_size: int) -> dict:
 
 
 def measure_gemm_rate(hiddens: list[int], threads: int = 2, seconds: float = 0.25) -> dict:
-    """Best measured fp32 ``torch.mm`` rate (FLOP/s) over shapes the models use.
+    """Best measured fp32 matrix-multiply rate (FLOP/s) over shapes the models use.
 
     Shapes (M, K, N): (512, 512, 2048), and per hidden size H a level of 64 cells (64, H, 3H)
     and all nodes' input projection (1024, H + 32, 4H). Fastest of 5 timed rounds per shape (the CPU is
-    shared, and the bound is what the machine allows, not what a busy moment gives).
+    shared, and the bound is what the machine allows, not what a busy moment gives), of the
+    default library's ``torch.mm`` (MKL) and oneDNN's inner product where torch ships it (issue 14:
+    the bound uses the best GEMM rate on the machine, not the default library's).
     """
     torch.set_num_threads(threads)
     shapes = [(512, 512, 2048)]  # a large GEMM: the machine's rate even for small models
@@ -104,18 +129,24 @@ def measure_gemm_rate(hiddens: list[int], threads: int = 2, seconds: float = 0.2
     rates = {}
     for (m, k, n) in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
-        torch.mm(a, b)
-        t0, reps = time.perf_counter(), 0
-        while time.perf_counter() - t0 < 0.05:
-            torch.mm(a, b)
-            reps += 1
-        reps = max(1, int(reps * seconds / 0.05 / 5))
-        rounds = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                torch.mm(a, b)
-            rounds.append((time.perf_counter() - t0) / reps)
-        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / min(rounds)  # fastest round: the rate the machine allows
+        bt = b.t().contiguous()
+        kernels = {"mkl": lambda: torch.mm(a, b)}
+        if onednn_available():
+            kernels["onednn"] = lambda: onednn_linear(a, bt)
+        for lib, fn in kernels.items():
+            fn()
+            t0, reps = time.perf_counter(), 0
+            while time.perf_counter() - t0 < 0.05:
+                fn()
+                reps += 1
+            reps = max(1, int(reps * seconds / 0.05 / 5))
+            rounds = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                rounds.append((time.perf_counter() - t0) / reps)
+            # fastest round: the rate the machine allows
+            rates[f"{m}x{k}x{n}" + ("" if lib == "mkl" else f" {lib}")] = 2 * m * k * n / min(rounds)
     best = max(rates, key=rates.get)
     return {"rate_flop_per_s": rates[best], "best_shape": best, "rates_flop_per_s": rates, "threads": threads}

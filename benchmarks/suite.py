@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+import _flops  # noqa: E402
 from _report import save_json, write_section  # noqa: E402
 from batchcraft.data import load_sentences  # noqa: E402
 from batchcraft.measure import format_table, machine_info  # noqa: E402
@@ -127,17 +128,26 @@ def run_suite(args) -> dict:
     t_start = time.perf_counter()
     load_before = _load()
     results = []
-    for name in names:
-        for size in args.sizes.split(","):
-            task = suite.build(name, sents, size=size)
-            for bs in [int(b) for b in args.batch_sizes.split(",")]:
-                r = run_one(task, bs, schedulers)
-                r["size"] = size
-                results.append(r)
-                print(f"{name} {size} batch {bs}: " + ", ".join(
-                    f"{s} {r[f'{s}_speedup']:.2f}x (mean batch {r[f'{s}_mean_batch']:.1f})" for s in schedulers),
-                    file=sys.stderr, flush=True)
-    return {"machine": machine_info(), "args": vars(args), "sentences": len(sents),
+    tasks = [(name, size, suite.build(name, sents, size=size)) for name in names for size in args.sizes.split(",")]
+    # the machine's best fp32 GEMM rate on these sizes: the FLOP-bound time of each row
+    gemm = _flops.measure_gemm_rate(sorted({t.hidden for _, _, t in tasks}), threads=args.threads)
+    print(f"fp32 GEMM rate: {gemm['rate_flop_per_s'] / 1e9:.1f} GFLOP/s ({gemm['best_shape']})", file=sys.stderr)
+    for name, size, task in tasks:
+        for bs in [int(b) for b in args.batch_sizes.split(",")]:
+            r = run_one(task, bs, schedulers)
+            r["size"] = size
+            try:
+                f = _flops.per_batch(name, task, bs)
+            except KeyError:  # no FLOP count for this model
+                f = None
+            if f is not None:
+                r["flop_bound_ms"] = f["forward_flops"] / gemm["rate_flop_per_s"] * 1e3
+            results.append(r)
+            print(f"{name} {size} batch {bs}: " + ", ".join(
+                f"{s} {r[f'{s}_speedup']:.2f}x (mean batch {r[f'{s}_mean_batch']:.1f})" for s in schedulers)
+                + (f"; FLOP bound {r['flop_bound_ms']:.1f} ms" if "flop_bound_ms" in r else ""),
+                file=sys.stderr, flush=True)
+    return {"machine": machine_info(), "args": vars(args), "sentences": len(sents), "gemm": gemm,
             "elapsed_s": time.perf_counter() - t_start, "load_before": load_before, "load_after": _load(),
             "results": results}
 
@@ -148,17 +158,20 @@ def table(payload: dict) -> tuple[list, list]:
     headers = ["model", "size", "hidden", "batch", "eager ms/batch"]
     for s in schedulers:
         headers += [f"{s} ms/batch", f"{s} speed-up", f"{s} mean batch", f"{s} max abs diff"]
-    headers += ["hand-batched ms/batch", "hand speed-up", "hand max abs diff"]
+    headers += ["hand-batched ms/batch", "hand speed-up", "hand max abs diff", "FLOP-bound ms/batch",
+                "best x FLOP bound"]
     rows = []
     for r in payload["results"]:
         row = [r["model"], r["size"], r["hidden"], r["batch_size"], r["eager_ms"]]
         for s in schedulers:
             row += [r[f"{s}_ms"], r[f"{s}_speedup"], r[f"{s}_mean_batch"], f"{r[f'{s}_max_abs_diff']:.1e}"]
+        fb = r.get("flop_bound_ms")
+        bound = [fb, min(r[f"{s}_ms"] for s in schedulers) / fb] if fb else ["-", "-"]
         if "hand_ms" in r:
             row += [r["hand_ms"], r["hand_speedup"], f"{r['hand_max_abs_diff']:.1e}"]
         else:
             row += ["-", "-", "-"]
-        rows.append(row)
+        rows.append(row + bound)
     return headers, rows
 
 
@@ -180,7 +193,13 @@ def docs_text(payload: dict, headers: list, rows: list) -> str:
             f"speed-up = eager ms / that column's ms, each against the eager loop of its own run; "
             f"mean batch = instances' operations per batched call (ops recorded / batched calls); "
             f"max abs diff = largest difference from eager. Hand-batched: TreeLSTM level by level, BiRNN "
-            f"as one packed nn.LSTM, same parameters. Whole run: {payload['elapsed_s']:.0f} s.\n\n"
+            f"as one packed nn.LSTM, same parameters. FLOP-bound ms/batch = the batch's forward FLOPs "
+            f"(counted per node or layer, benchmarks/_flops.py; '-' where the model has no count) over the best "
+            f"fp32 GEMM rate measured at the start of the run"
+            + (f" ({payload['gemm']['rate_flop_per_s'] / 1e9:.0f} GFLOP/s, {payload['gemm']['best_shape']}, "
+               f"MKL and oneDNN)" if "gemm" in payload else "")
+            + f"; best x FLOP bound = the faster scheduler's ms over it (issue 14 accepts a batch-64 row "
+            f"below 2.5x eager when this is at most 1.4). Whole run: {payload['elapsed_s']:.0f} s.\n\n"
             f"{format_table(headers, rows, markdown=True)}\n\n{NOTES}")
 
 

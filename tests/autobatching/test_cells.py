@@ -163,3 +163,55 @@ def test_checks_remembered_within_a_call_follow_weight_changes_and_new_shapes(co
 
     with pytest.raises(InstanceError, match="hidden|size"):
         autobatch(wrong, core=core)([torch.randn(H) for _ in range(3)])
+
+
+def _tree_of_cells(kind, shared_state):
+    """A binary tree over a list, a cell per node (no chain of one cell over time steps, so the
+    gates run as batched programs, not as one nn.GRU / nn.LSTM call)."""
+    from batchcraft import static_block
+
+    torch.manual_seed(1)
+    cell = static_block(nn.GRUCell(H, H) if kind == "gru" else nn.LSTMCell(H, H))
+
+    def node(xs):
+        if len(xs) == 1:
+            if shared_state:  # the state created per call: one (H,) row shared by the group
+                return cell(xs[0], torch.zeros(H)) if kind == "gru" else cell(xs[0], (torch.zeros(H), torch.ones(H)))[0]
+            return cell(xs[0], xs[0].tanh()) if kind == "gru" else cell(xs[0], (xs[0].tanh(), xs[0].sin()))[0]
+        mid = len(xs) // 2
+        left, right = node(xs[:mid]), node(xs[mid:])
+        return cell(left, right) if kind == "gru" else cell(left, (right, left * right))[0]
+
+    return cell, node
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("shared_state", [False, True])
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_gates_run_as_one_fused_kernel_and_match_eager(kind, shared_state, core):
+    from batchcraft.autobatching import cells, fuse
+
+    cell, node = _tree_of_cells(kind, shared_state)
+    g = torch.Generator().manual_seed(2)
+    insts = [[torch.randn(H, generator=g) for _ in range(k)] for k in (1, 2, 3, 5, 4, 7)]
+    with torch.no_grad():
+        f = assert_matches_eager(node, insts, [], core=core)
+        off = assert_matches_eager(node, insts, [], core=core, fuse_elementwise=False)
+    if fuse.available:
+        assert f.stats.fused_kernels > off.stats.fused_kernels
+    # with autograd the kernel declines: torch's calls, the same values and gradients
+    leaves = [x.requires_grad_() for inst in insts for x in inst]
+    assert_matches_eager(node, insts, list(cell.parameters()) + leaves, core=core)
+    # the kernel alone, against the torch calls it replaces, on rows of a wider buffer
+    k = 3 if kind == "gru" else 4
+    gi, gh = torch.randn(5, k * H + 3)[:, 3:], torch.randn(5, k * H)
+    state = torch.randn(H) if shared_state else torch.randn(5, H)
+    ref = (cells.gru_gates(gi, state, torch.eye(k * H, H), linear=lambda h, w, b: gh) if kind == "gru"
+           else cells.lstm_gates(gi, None, state, None, linear=lambda h, w, b: gh)[::-1])
+    got = cells.fused_gates(kind, gi, gh, state)
+    if fuse.available:
+        for a, b in zip(got, [ref] if kind == "gru" else ref):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    else:
+        assert got is None
+    assert cells.fused_gates(kind, torch.randn(5, 2 * k * H)[:, ::2], gh, state) is None  # columns apart: torch's calls

@@ -32,23 +32,76 @@ _tf_pop, _tf_push = torch._C._pop_torch_function_stack, torch._C._push_on_torch_
 CELL_FUNCS = (torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell)
 
 
-def lstm_gates(gi, h, c, w_hh, b_hh=None, linear=_LINEAR):
-    """LSTM cell from its input projection ``gi`` (..., 4H): ``(h', c')``, each (..., H)."""
-    gates = gi + linear(h, w_hh, b_hh)
+def lstm_gates(gi, h, c, w_hh, b_hh=None, linear=_LINEAR, fused=False):
+    """LSTM cell from its input projection ``gi`` (..., 4H): ``(h', c')``, each (..., H).
+
+    ``fused``: run the elementwise part as one C kernel where it applies (batched programs with
+    fusion on, :func:`fused_gates`); otherwise, and wherever the kernel declines, torch's calls."""
+    gh = linear(h, w_hh, b_hh)
+    if fused:
+        out = fused_gates("lstm", gi, gh, c)
+        if out is not None:
+            return out[1], out[0]
+    gates = gi + gh
     i, f, g, o = gates.chunk(4, -1)
     i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
     c2 = f * c + i * g
     return o * c2.tanh(), c2
 
 
-def gru_gates(gi, h, w_hh, b_hh=None, linear=_LINEAR):
-    """GRU cell from its input projection ``gi`` (..., 3H): ``h'`` (..., H)."""
+def gru_gates(gi, h, w_hh, b_hh=None, linear=_LINEAR, fused=False):
+    """GRU cell from its input projection ``gi`` (..., 3H): ``h'`` (..., H). ``fused``: as
+    :func:`lstm_gates`."""
+    gh = linear(h, w_hh, b_hh)
+    if fused:
+        out = fused_gates("gru", gi, gh, h)
+        if out is not None:
+            return out[0]
     ir, iz, inn = gi.chunk(3, -1)
-    hr, hz, hn = linear(h, w_hh, b_hh).chunk(3, -1)
+    hr, hz, hn = gh.chunk(3, -1)
     r = (hr + ir).sigmoid()
     z = (hz + iz).sigmoid()
     n = (inn + hn * r).tanh()
     return (h - n) * z + n
+
+
+def fused_gates(kind: str, gi, gh, state):
+    """The elementwise gates of a batch of GRU (``kind="gru"``) or LSTM cells in one C kernel
+    (:func:`batchcraft.autobatching.fuse.gates_call`): ``[h']`` or ``[c', h']``, each shaped as
+    ``gi`` with H columns; None where it does not apply (no extension, shapes other than rows of
+    ``gi``/``gh`` (..., kH) and a state of the same rows or one shared (H,) row, autograd, another
+    dtype or device: the kernel's own checks), and the caller computes with torch's calls.
+    Within a few float32 units in the last place of torch's sigmoid / tanh (``fuse``)."""
+    global _fuse
+    if _fuse is None:
+        from batchcraft.autobatching import fuse as _f
+        _fuse = _f
+    if not (type(gi) is _T and type(gh) is _T and isinstance(state, _T)):
+        return None
+    lead = gi.shape[:-1]
+    H = state.shape[-1] if state.dim() else 0
+    k = 3 if kind == "gru" else 4
+    if H == 0 or gh.shape != gi.shape or gi.shape[-1] != k * H or state.dim() > gi.dim():
+        return None
+    if state.shape[:-1] == lead:
+        shared = False
+    elif state.numel() == H:
+        shared = True
+    else:
+        return None  # a state broadcast another way: torch's calls
+    fc = _fuse.gates_call(kind, H, shared)
+    if fc is None:
+        return None
+    rows = gi.numel() // (k * H)
+    outs = fc(rows, None, gi.reshape(rows, k * H), gh.reshape(rows, k * H),
+              state.reshape(H) if shared else state.reshape(rows, H))
+    if outs is None:
+        return None
+    return [o.view(*lead, H) for o in outs]
+
+
+_fuse = None
+_T = torch.Tensor
 
 
 def rnn_tanh_gates(gi, h, w_hh, b_hh=None, linear=_LINEAR):
@@ -116,6 +169,8 @@ def lower_gates(func, args, kwargs, lw):
             lw.wrap(j, lambda e, s=s: f"{e}.reshape((n,) + {(1,) * (rank - len(s)) + tuple(s)!r})")
     if lw.kernels is not None:
         kwargs = dict(kwargs, linear=lw.kernels.linear_for(lw, lw.shapes))
+    if lw.fuse and func in (gru_gates, lstm_gates):
+        kwargs = dict(kwargs, fused=True)
     return lw.call(func, args, kwargs)
 
 

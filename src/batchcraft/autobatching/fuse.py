@@ -256,6 +256,56 @@ class FusedCall:
         return outs
 
 
+_GATES: dict = {}
+
+
+def gates_call(kind: str, width: int, shared_state: bool):
+    """The :class:`FusedCall` of a recurrent cell's elementwise gates after its two projections,
+    ``fc(rows, None, gi, gh, s) -> [out]`` (GRU: ``h'``; LSTM: ``c', h'``), or None without the
+    extension. ``gi``, ``gh``: the input and recurrent projections ``(rows, 3H)`` (GRU) or
+    ``(rows, 4H)`` (LSTM); ``s``: the state the gates read, ``h`` (GRU) or ``c`` (LSTM),
+    ``(rows, H)``, or ``(H,)`` shared by every row. The ops are :mod:`cells`' in their order
+    (ATen's ``gru_cell`` / ``lstm_cell``, ``aten/src/ATen/native/RNN.cpp``)."""
+    if _fused is None or kind not in ("gru", "lstm"):
+        return None
+    key = (kind, width, shared_state)
+    fc = _GATES.get(key)
+    if fc is not None:
+        return fc
+    H = width
+    k = 3 if kind == "gru" else 4
+    slots = [(IN, 0, k * H, 0), (IN, 1, k * H, 0), (IN, 2, H, 0)]  # gi, gh, state
+    ops = []
+
+    def new(kind_, width_=H, ref=0, offset=0):
+        slots.append((kind_, ref, width_, offset))
+        return len(slots) - 1
+
+    def op(code, a, b=-1, out=None):
+        dst = new(SCRATCH) if out is None else new(OUT, ref=out)
+        ops.append((code, dst, a, b, 0.0))
+        return dst
+
+    if kind == "gru":
+        ir, iz, inn = (new(VIEW, H, 0, j * H) for j in range(3))
+        hr, hz, hn = (new(VIEW, H, 1, j * H) for j in range(3))
+        r = op(SIGMOID, op(ADD, hr, ir))
+        z = op(SIGMOID, op(ADD, hz, iz))
+        n = op(TANH, op(ADD, inn, op(MUL, hn, r)))
+        op(ADD, op(MUL, op(SUB, 2, n), z), n, out=0)          # (h - n) * z + n
+        n_out = 1
+    else:
+        g = new(SCRATCH, 4 * H)
+        ops.append((ADD, g, 0, 1, 0.0))                         # gi + U h
+        i, f, u, o = (op(SIGMOID if j != 2 else TANH, new(VIEW, H, g, j * H)) for j in range(4))
+        c2 = op(ADD, op(MUL, f, 2), op(MUL, i, u), out=0)       # f * c + i * g
+        op(MUL, o, op(TANH, c2), out=1)                          # o * tanh(c')
+        n_out = 2
+    kernel = _fused.Kernel(slots, ops, 3, n_out)
+    fc = _GATES[key] = FusedCall(kernel, ("b", "b", "c" if shared_state else "b"), (k * H, k * H, H), (H,) * n_out, 1)
+    return fc
+
+
 def _plain_f32(x, grad) -> bool:
     """A float32 CPU strided tensor whose memory holds its values (no negative-view bit, a storage)
     and that needs no autograd: what the C loops may read by address. (A torch.func wrapper, such

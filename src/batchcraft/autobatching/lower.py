@@ -115,8 +115,9 @@ def leaf_shapes(step) -> list:
 class StepView:
     """What a rule's lowering sees of one step: masks, shapes, and how to write expressions."""
 
-    def __init__(self, em, step, exprs, batched, kernels):
+    def __init__(self, em, step, exprs, batched, kernels, fuse=False):
         self.em = em
+        self.fuse = fuse  # fused elementwise kernels are on for this program (cells' gates use one)
         self.step = step
         self.exprs = list(exprs)
         self.batched = batched
@@ -353,7 +354,7 @@ class Runner:
             self.fallbacks[st.index] = "no batching rule (custom operator without a vmap rule)"
             return self._lower_step(em, st, exprs, batched)
         if rule.lower is not None:
-            lw = StepView(em, st, exprs, batched, self.kernels)
+            lw = StepView(em, st, exprs, batched, self.kernels, self.fuse)
             args, kwargs = self._rebuilt_wrapped(st, lw)
             try:
                 e = rule.lower(st.func, args, kwargs, lw)
