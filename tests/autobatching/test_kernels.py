@@ -50,6 +50,34 @@ def test_choices_are_measured_once_per_shape_class_and_persist(tmp_path):
 
 
 @needs_onednn
+def test_inference_calls_reuse_the_choice_by_exact_shape_and_others_choose_each_time(monkeypatch):
+    sel = Selector("auto", None, timer=FakeTimer(100.0, 40.0))
+    chose = []
+    original = Selector.choose
+    monkeypatch.setattr(Selector, "choose", lambda self, *a: chose.append(1) or original(self, *a))
+    x, w, b = torch.randn(70, 256), torch.randn(512, 256), torch.randn(512)
+    calls = []
+    monkeypatch.setattr(kernels, "onednn_linear", lambda *a: calls.append("onednn") or F.linear(*a))
+    with torch.no_grad():
+        for _ in range(3):
+            sel.linear(x, w, b)
+        sel.linear(x[:60], w, b)  # another shape: chosen once more
+    assert len(chose) == 2 and calls == ["onednn"] * 4
+    # grad mode, a torch-function mode and autocast each take the full choice every call
+    xg = x.clone().requires_grad_()
+    sel.linear(xg, w, b)
+    class Passing(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passing(), torch.no_grad():
+        sel.linear(x, w, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert sel.linear(x, w, b).dtype == torch.bfloat16  # autocast: torch's own linear
+    assert len(chose) == 5 and calls == ["onednn"] * 6
+
+
+@needs_onednn
 def test_small_shape_classes_keep_the_default_without_measuring():
     t = FakeTimer(100.0, 1.0)
     sel = Selector("auto", None, timer=t)

@@ -40,6 +40,13 @@ MIN_MEASURED_FLOP = 4e6
 SCHEMA = "kernels_v2"  # v2: interleaved measurement (v1 choices could come from a busy machine)
 
 
+_T = torch.Tensor
+_grad_on = torch.is_grad_enabled
+_tf_on = torch._C._is_torch_function_mode_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+_threads = torch.get_num_threads
+
+
 def onednn_available() -> bool:
     if _lp is None or not torch.backends.mkldnn.is_available():
         return False
@@ -178,6 +185,7 @@ class Selector:
         self.store = store
         self.timer = timer
         self.choices: dict = {}
+        self._by_shape: dict = {}  # inference calls: exact shapes -> choice (linear())
         self.measured: dict = {}
         self.n_measured = 0  # shape classes timed by this selector (not read from the store)
         self.onednn = onednn_available()
@@ -241,7 +249,18 @@ class Selector:
 
     def linear(self, x, w, b=None):
         """``F.linear`` with the kernel chosen for this shape class."""
-        if self.choose(x, w, b) == "onednn":
+        if type(x) is _T and not (_grad_on() or _tf_on() or _any_autocast()):
+            # inference, no mode of the user's, no autocast: the choice by exact shapes, one dict
+            # read (what choose() would decide from the same shapes, dtype, device and threads)
+            key = (x.shape, w.shape, b is None, x.dtype, x.is_cpu, _threads())
+            c = self._by_shape.get(key)
+            if c is None:
+                if len(self._by_shape) >= 4096:
+                    self._by_shape.clear()
+                c = self._by_shape[key] = self.choose(x, w, b)
+        else:
+            c = self.choose(x, w, b)
+        if c == "onednn":
             return onednn_linear(x, w, b)
         return _LINEAR(x, w, b)
 
