@@ -747,3 +747,42 @@ def test_random_blocks_reading_rows_out_of_order_match_eager(program, n, k, seed
 def test_the_out_of_order_case_passes_rows():
     # the property test above is only worth its name if its case reaches the Rows path
     assert _out_of_order_case(([("sigmoid", 0, None), ("mul", 3, 1)], [4]), 4, 3, 1) > 0
+
+
+@pytest.mark.parametrize("arena_takes", [True, False])
+def test_kernels_write_program_outputs_into_the_arena_rows(arena_takes, monkeypatch):
+    # a tree cell's (h, c) come out of its last fused kernel: written straight into the rows of the
+    # flush's output arena (no copy afterwards). Where the arena does not take a group's outputs,
+    # they get rows of their own: the next group's writes into those arena rows must not reach them
+    from batchcraft.autobatching import execute
+    from batchcraft.data import load_sentences
+    from batchcraft.models import suite
+
+    written = []
+    original = fuse.FusedCall._checked_run
+
+    def spy(self, rows, seg, xs, dest=None, dmap=()):
+        out = original(self, rows, seg, xs, dest, dmap)
+        if dest is not None and out is not None:
+            written.extend(o.data_ptr() == dest[j].data_ptr() for o, j in zip(out, dmap) if j >= 0)
+        return out
+
+    monkeypatch.setattr(fuse.FusedCall, "_checked_run", spy)
+    if not arena_takes:
+        monkeypatch.setattr(execute.Executor, "_into_arena", lambda self, a, outs, n: None)
+    task = suite.build("treelstm", load_sentences(limit=24), hidden=16)
+    f = autobatch(task.fn)
+    with torch.no_grad():
+        out = f(task.instances)
+        ref = [task.fn(x) for x in task.instances]
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    assert written and all(written)
+    # each output its own rows: an edit of one instance's output changes no other's
+    before = [o.clone() for o in out]
+    out[0].add_(1.0)
+    assert all(torch.equal(o, b) for o, b in zip(out[1:], before[1:]))
+    # under autograd nothing is written in place (no arenas): the kernels decline
+    written.clear()
+    f(task.instances)
+    assert not written

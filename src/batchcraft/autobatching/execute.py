@@ -137,9 +137,28 @@ class Executor:
             if b.dtype != t.dtype or b.device != t.device or b.shape[1:] != t.shape[1:]:
                 return None
         for s, t in enumerate(outs):
-            bufs[first + s][off:off + n].copy_(t)
+            d = bufs[first + s][off:off + n]
+            if t.data_ptr() != d.data_ptr() or t.shape != d.shape or t.stride() != d.stride():
+                d.copy_(t)  # (else a fused kernel wrote it there: _arena_rows)
         a[1] = off + n
         return first, off
+
+    def _arena_rows(self, info, n):
+        """The rows the next ``n`` nodes of ``info`` will take in their arena, one ``(n, ...)``
+        tensor per output (the arena's buffers made here from the output descriptors if no group
+        has made them yet), or None where that signature has no arena. No group has read or
+        written these rows yet."""
+        a = self.arenas.get((info.func, info.out_dids))
+        if a is None or a[1] + n > a[2]:
+            return None
+        bufs = self.rec.buffers
+        if a[0] is None:
+            a[0] = len(bufs)
+            for did in info.out_dids:
+                shape, dtype, device = DESCS[did]
+                bufs.append(torch.empty((a[2], *shape), dtype=dtype, device=device))
+        first, off = a[0], a[1]
+        return [bufs[first + s][off:off + n] for s in range(info.n_out)]
 
     # -- one group -------------------------------------------------------------------------------
     @staticmethod
@@ -268,6 +287,7 @@ class Executor:
             fc = _fuse.COUNTS
             c0, s0, d0 = fc.calls, fc.steps, fc.declined
             rows = None  # a deduplicated group: each node's row among its distinct outputs
+            dest = None  # arena rows the program's kernels may write its outputs into
             try:
                 outs = None
                 if (hoisted is None and n >= _dedup.MIN_NODES and self.options.dedup and not info.grad
@@ -283,7 +303,9 @@ class Executor:
                         if probe:
                             prog.lowered["dedup"] = True
                 if outs is None:
-                    outs = runner(n, ins, rags, segs, cnts)
+                    if plain and runner.writes_outputs and self.arenas and not info.grad and not info.state[1]:
+                        dest = self._arena_rows(info, n)
+                    outs = runner(n, ins, rags, segs, cnts, dest)
                 m = n if rows is None else n - saved  # (a deduplicated group: its distinct rows)
                 if len(outs) != info.n_out or any(t.shape[0] != m for t in outs):
                     raise AutobatchError(f"{info.name}: batched outputs of the wrong shape")
@@ -311,6 +333,10 @@ class Executor:
             a = self.arenas.get((info.func, info.out_dids))
             if a is not None:
                 placed = self._into_arena(a, outs, n)
+        if placed is None and dest is not None:
+            # outputs a kernel wrote into arena rows that the arena did not take: rows of their own
+            ptrs = {d.data_ptr() for d in dest}
+            outs = [t.clone() if t.data_ptr() in ptrs else t for t in outs]
         if placed is not None:
             rec.place(nodes, placed[0], placed[1])
         else:

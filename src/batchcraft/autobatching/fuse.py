@@ -165,8 +165,8 @@ class FusedCall:
         self.out_widths = tuple(out_widths)
         self.n_steps = n_steps
 
-    def __call__(self, rows, seg, *xs):
-        out = self._run(rows, seg, xs)
+    def __call__(self, rows, seg, *xs, dest=None, dmap=()):
+        out = self._run(rows, seg, xs, dest, dmap)
         c = COUNTS
         if out is None:
             c.declined += 1
@@ -175,13 +175,13 @@ class FusedCall:
             c.steps += self.n_steps
         return out
 
-    def _run(self, rows, seg, xs):
+    def _run(self, rows, seg, xs, dest=None, dmap=()):
         try:
-            return self._checked_run(rows, seg, xs)
+            return self._checked_run(rows, seg, xs, dest, dmap)
         except RuntimeError:  # data_ptr() of a tensor without storage: a torch.func wrapper (vmap)
             return None
 
-    def _checked_run(self, rows, seg, xs):
+    def _checked_run(self, rows, seg, xs, dest=None, dmap=()):
         ptrs = []
         strides = []
         index = []
@@ -249,7 +249,10 @@ class FusedCall:
             limits.append(x.shape[0])
         if first is None:
             return None
-        outs = [first.new_empty((rows, w)) for w in self.out_widths]
+        if dest is None:
+            outs = [first.new_empty((rows, w)) for w in self.out_widths]
+        else:
+            outs = [_into(dest, j, rows, w, first) for j, w in zip(dmap, self.out_widths)]
         if rows > 0:
             self.kernel(rows, tuple(ptrs), tuple(strides), tuple(index), tuple(limits),
                         tuple(o.data_ptr() for o in outs))
@@ -304,6 +307,17 @@ def gates_call(kind: str, width: int, shared_state: bool):
     kernel = _fused.Kernel(slots, ops, 3, n_out)
     fc = _GATES[key] = FusedCall(kernel, ("b", "b", "c" if shared_state else "b"), (k * H, k * H, H), (H,) * n_out, 1)
     return fc
+
+
+def _into(dest, j, rows, w, like):
+    """Output ``j`` of the program's outputs ``dest`` (rows of the executor's output arena, not read
+    by anything yet) when the kernel can write it directly: ``(rows, w)`` float32 rows with unit
+    column stride on the CPU; else a new tensor (the executor copies it as before)."""
+    d = dest[j] if j >= 0 else None
+    if (type(d) is not _T or d.dtype is not _F32 or not d.is_cpu or d.shape != (rows, w)
+            or (w > 1 and d.stride(1) != 1) or d.requires_grad):
+        return like.new_empty((rows, w))
+    return d
 
 
 def _plain_f32(x, grad) -> bool:

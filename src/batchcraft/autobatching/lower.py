@@ -221,6 +221,7 @@ class Runner:
         self._checked = None
         self.deferred_ins: frozenset = frozenset()
         self.deferred_rags: frozenset = frozenset()
+        self.writes_outputs = False  # a fused kernel computes a program output (__call__'s dest)
         self.source = ""
         self.compiled = None
 
@@ -235,6 +236,7 @@ class Runner:
             params += [f"R{r}" for r in range(prog.n_ragged)]
             params += [f"S{c}" for c in sorted(set(prog.ragged_classes))]
             params += [f"C{c}" for c in sorted(set(prog.ragged_classes))]
+        params.append("D=None")  # rows for the program's outputs (see _assemble), or None
         vals = {}   # (step, slot) -> (expr, batched)
         if checked:
             em.ns["_chk"] = _check
@@ -321,6 +323,9 @@ class Runner:
             clusters, deferred = [], {}
             run, src = compiled([])
         self.clusters = clusters
+        outs = {(r[1], r[2]) for r in prog.out_refs if r[0] == "val"}
+        self.writes_outputs = any(cl.space == "node" and any((k[1], k[2]) in outs for k in cl.outputs)
+                                  for cl in clusters)
         return run, src, rules, (frozenset(j for k, j in deferred.values() if k == "in"),
                                  frozenset(r for k, r in deferred.values() if k == "ragged"))
 
@@ -377,10 +382,15 @@ class Runner:
     def dense(self, n, *ins):
         return self(n, ins, (), (), ())
 
-    def __call__(self, n, ins, rags=(), segs=(), cnts=()):
+    def __call__(self, n, ins, rags=(), segs=(), cnts=(), dest=None):
+        """The program's outputs for ``n`` nodes. ``dest``: a list of ``(n, ...)`` tensors, one per
+        output, that no input reads (rows of the executor's output arena): the fused kernels that
+        compute an output write it there (``writes_outputs``); any other output is a new tensor."""
         fast = self._fast
         if fast is not None:
-            return fast(n, *ins, *rags, *segs, *cnts)
+            if dest is None:
+                return fast(n, *ins, *rags, *segs, *cnts)
+            return fast(n, *ins, *rags, *segs, *cnts, D=dest)
         while True:
             if self._checked is None:
                 self._checked, _, self.rules, _ = self._build(checked=True)
@@ -462,11 +472,20 @@ def _assemble(em, prog, step_lines, clusters, deferred=None) -> list:
         fused.update(cl.members)
     lines: list = []
 
+    # program outputs a node-space kernel computes: written straight into the rows the executor
+    # passes as ``D`` (its output arena), instead of new tensors copied there afterwards
+    out_index: dict = {}
+    for j, ref in enumerate(prog.out_refs):
+        if ref[0] == "val":
+            out_index.setdefault((ref[1], ref[2]), j)
+
     def emit(cl):
         fz = em.name(cl.call, "fz")
         rows = "n" if cl.space == "node" else f"len(S{cl.space})"
         seg = "None" if cl.space == "node" else f"S{cl.space}"
-        lines.append(f"    _r = {fz}({rows}, {seg}, {', '.join(cl.operands)})")
+        dmap = tuple(out_index.get((k[1], k[2]), -1) for k in cl.outputs) if cl.space == "node" else ()
+        tail = f", dest=D, dmap={dmap!r}" if any(j >= 0 for j in dmap) else ""
+        lines.append(f"    _r = {fz}({rows}, {seg}, {', '.join(cl.operands)}{tail})")
         lines.append("    if _r is None:")
         for k, e in zip(cl.operand_keys, cl.operands):
             if deferred and k in deferred:
