@@ -333,3 +333,33 @@ def test_a_cell_block_stepped_between_value_requests_says_why_it_is_not_packed()
         for o, d in zip(g(data), data):
             torch.testing.assert_close(o, f(d))
     assert UNPACKED_WAITS in g.stats.recurrences_unpacked
+
+
+@pytest.mark.skipif(not _native.available, reason="fused recurrences need the C core")
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_bare_cell_says_to_wrap_it_in_a_static_block(waits):
+    # new-user pass, stop 39: a bare GRUCell over a sequence was told about (1, H) rows although its
+    # rows were (H,); with a value wait at every step nothing was said at all
+    import random
+
+    from batchcraft.autobatching.chains import UNPACKED_BARE
+
+    random.seed(1)
+    torch.manual_seed(1)
+    emb, cell, score = nn.Embedding(50, 8), nn.GRUCell(8, 8), nn.Linear(8, 1)
+
+    def f(toks):
+        h = torch.zeros(8)
+        for t in toks:
+            h = cell(emb(torch.tensor(t)), h)
+            if waits and torch.sigmoid(score(h)).item() > 0.99:
+                break
+        return h
+
+    data = [[random.randrange(50) for _ in range(random.randint(3, 12))] for _ in range(20)]
+    g = autobatch(f)
+    with torch.no_grad():
+        g(data)
+        for o, d in zip(g(data), data):
+            torch.testing.assert_close(o, f(d))
+    assert UNPACKED_BARE in g.stats.recurrences_unpacked, g.stats.recurrences_unpacked

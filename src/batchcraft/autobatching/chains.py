@@ -161,6 +161,9 @@ UNPACKED_FORM = ("a cell call in a form that is not packed (packing takes one ce
                  "a tree of cells does not pack in any form)")
 UNPACKED_WAITS = ("one step per flush: the instances request a value between the steps (a break on the "
                   "state), so each step runs as its own group")
+UNPACKED_BARE = ("a cell called outside a static block: its projection and gates record as two operations "
+                 "and batch step by step; static_block(nn.GRUCell(...)) (or LSTMCell / RNNCell) on per-instance "
+                 "(H,) rows packs its steps")
 UNPACKED_CHAINS = "its steps do not form chains (a step's state is also read elsewhere)"
 UNPACKED_INPUTS = "inputs or initial states are computed after the first step (from the recurrence itself)"
 
@@ -187,9 +190,11 @@ def plan(rec, groups, note=None, waits=False):
     for (_, sid), idxs in by_sig.items():
         info = SIGNATURES.by_sid[sid]
         if len(idxs) < 2:
-            if note is not None and waits and not info.ragged and info.program is not None \
-                    and spec_of(info.program) is not None:
-                note(UNPACKED_WAITS, len(groups[idxs[0]][1]))
+            if note is not None and waits and not info.ragged and info.program is not None:
+                if info.func in _KINDS:
+                    note(UNPACKED_BARE, len(groups[idxs[0]][1]))
+                elif spec_of(info.program) is not None:
+                    note(UNPACKED_WAITS, len(groups[idxs[0]][1]))
             continue
         if info.state[2] is not None or info.ragged:
             continue
@@ -200,7 +205,7 @@ def plan(rec, groups, note=None, waits=False):
             continue
         if spec is None:
             if note is not None and prog is not None and any(st.func in _KINDS for st in prog.steps):
-                note(UNPACKED_FORM, len(nodes))
+                note(UNPACKED_BARE if info.func in _KINDS else UNPACKED_FORM, len(nodes))
             continue
         pred = rec.chains(nodes, spec.x, spec.states[0], spec.states[1] if spec.n_states == 2 else -1)
         if pred is None:
@@ -270,4 +275,4 @@ def run(spec, x, states, sizes, last):
     return [h, c]
 
 
-__all__ = ["plan", "spec_of", "packed", "run", "Chains", "ChainSpec", "MIN_NODES"]
+__all__ = ["plan", "spec_of", "packed", "run", "Chains", "ChainSpec", "MIN_NODES", "UNPACKED_BARE"]

@@ -27,7 +27,10 @@ class RunStats:
         peak_pending (int): most nodes waiting at once (the recorded graph's size bound).
         groups_by_rule (dict[str, int]): batched calls per kind: ``block`` and ``ragged_block``
             (static blocks), the batching rule of a single operation (``rules.py``: ``weight`` for
-            linear / embedding / layer norm, ``elementwise``, ``matmul``, ``gates``, ``unbind``...),
+            linear / embedding / layer norm, ``elementwise``, ``matmul``, ``gates`` (a recurrent
+            cell's gates after its input projection), ``dim`` (softmax, argmax, index_select and
+            other ops with a dimension argument), ``sum`` / ``max`` (reductions), ``seq`` (cat,
+            stack), ``shape`` / ``squeeze`` / ``unsqueeze`` / ``getitem`` (views), ``unbind``...),
             ``hoisted`` (a signature's shared prefix run once for its groups, ``hoist.py``),
             ``fused_lstm`` etc. (a recurrent cell's chains as one layer call, ``chains.py``).
         groups_reordered (int): groups run in their largest input's source order (big rows:

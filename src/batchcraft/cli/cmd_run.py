@@ -101,8 +101,8 @@ def run(args) -> int:
     print("(ms/batch: median over every batch, after one untimed warm-up call of each system on the first; batched calls / ops: means per batch)")
     if load >= 0.5:
         print(f"note: other processes kept {load:.1f} of {os.cpu_count() or 1} CPUs busy as this run began: "
-              f"timings (the eager loop's with several threads most) are unreliable; rerun on a quiet machine "
-              f"or with --threads 1")
+              f"timings (the eager loop's with several threads most) are unreliable; rerun on a quiet machine"
+              + (" or with --threads 1" if torch.get_num_threads() > 1 else ""))
     if args.profile:
         print(f"auto-batched time split per batch: record {res['record_ms']:.1f} ms, schedule "
               f"{res['schedule_ms']:.1f} ms, gather {res['gather_ms']:.1f} ms, batched calls "
@@ -112,6 +112,7 @@ def run(args) -> int:
               f"steps in {res['fused_kernels']:.0f} fused kernels per batch")
         print(f"recording: {res['record_us_per_unit']:.1f} host µs per tree node / token "
               f"({res['work_units']:.0f} per batch); first call {res.get('first_call_ms', 0):.0f} ms = "
-              f"{res.get('first_call_ratio', 0):.1f}x the same batch's steady call (signatures inferred, "
+              f"{res.get('first_call_ratio', 0):.1f}x the same batch's first timed call "
+              f"({res.get('first_batch_ms', 0):.1f} ms; signatures inferred, "
               f"blocks traced; kernel choices are measured once per machine and cached)")
     return 0

@@ -55,7 +55,8 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
         time split of the auto-batched runs, ``record_us_per_op`` / ``record_us_per_unit`` (host µs
         of recording), and ``first_call_ms`` (the first auto-batched call of the process on the
         first batch: signatures inferred, blocks traced, kernels chosen) with
-        ``first_call_ratio`` (over that batch's steady time).
+        ``first_call_ratio`` (over that batch's steady time, ``first_batch_ms``: its first timed
+        call, not the median over batches).
     """
     bs = batches(instances, batch_size)
     f = autobatch(fn, scheduler=scheduler)
@@ -134,6 +135,7 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
     if first_ms is not None:
         res["first_call_ms"] = first_ms
         steady = bc_t[0] * 1e3 if bc_t else 0.0
+        res["first_batch_ms"] = steady  # that batch's first timed (steady) call, not the median
         res["first_call_ratio"] = first_ms / steady if steady else 0.0
     res["record_us_per_op"] = totals["record_s"] * 1e6 / totals["ops_recorded"] if totals["ops_recorded"] else 0.0
     return res
