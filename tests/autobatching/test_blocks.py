@@ -8,6 +8,8 @@ place runs unblocked, operation by operation, with eager's results (reliability 
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 
 import pytest
@@ -86,6 +88,45 @@ def test_in_place_updates_inside_a_block_run_unblocked_as_eager(core):
     f(xs)
     (reason,) = f.stats.fallback_reasons
     assert "blk" in reason and "runs unblocked" in reason
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("switch", ["no_grad", "enable_grad", "inference_mode"])
+def test_a_block_that_switches_grad_mode_inside_runs_unblocked_as_eager(core, switch):
+    # hostile pass, stop 39 (present before): the program ran every step under the call's grad
+    # mode, so a ``with torch.no_grad():`` inside the body was ignored (gradients where eager has
+    # none; requires_grad False where eager's is True)
+    torch.manual_seed(5)
+    lin, out = nn.Linear(4, 4), nn.Linear(4, 4)
+    ctx = {"no_grad": torch.no_grad, "enable_grad": torch.enable_grad,
+           "inference_mode": torch.inference_mode}[switch]
+
+    @static_block
+    def blk(x):
+        with ctx():
+            h = torch.tanh(lin(x))
+        if switch == "inference_mode":
+            h = h.clone()  # an inference tensor must leave the mode as a normal one
+        return out(h) + x, h.requires_grad
+
+    xs = [torch.randn(4, requires_grad=True) for _ in range(5)]
+    outer = torch.no_grad if switch == "enable_grad" else contextlib.nullcontext
+    with outer():
+        f = autobatch(lambda x: blk(x), core=core)
+        got = f(xs)
+        ref = [blk(x) for x in xs]
+    for (a, ra), (b, rb) in zip(got, ref):
+        torch.testing.assert_close(a, b)
+        assert a.requires_grad == b.requires_grad and ra == rb
+    assert any("grad mode" in r for r in f.stats.fallback_reasons), f.stats.fallback_reasons
+    if switch == "no_grad":
+        params = list(lin.parameters()) + list(out.parameters())
+        gb = torch.autograd.grad(sum(a.sum() for a, _ in got), params, allow_unused=True)
+        ge = torch.autograd.grad(sum(b.sum() for b, _ in ref), params, allow_unused=True)
+        for a, b in zip(gb, ge):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("core", CORES)
@@ -183,7 +224,8 @@ def test_a_block_that_reassigns_module_state_runs_unblocked(core):
     _close(f(xs), ref)
     assert type(blk.calls) is torch.Tensor and float(blk.calls) == float(eager.calls) == 4
     torch.testing.assert_close(blk.ema, eager.ema)
-    assert any("stores a value (Tracked." in k for k in f.stats.fallback_reasons)
+    # (its first reason found: the no_grad around the EMA since stop 39, the store before)
+    assert any("stores a value (Tracked." in k or "changes grad mode" in k for k in f.stats.fallback_reasons)
     blk.state_dict()  # usable afterwards
 
 

@@ -208,3 +208,17 @@ def test_argmax_over_all_elements_is_one_batched_call_without_vmap(core, monkeyp
                 a, b = torch.as_tensor(a), torch.as_tensor(b)
                 assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
         assert f.stats.fallbacks == 0, f.stats.fallback_reasons
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_expand_to_more_dims_puts_the_new_dims_after_the_batch_dim(core):
+    # hostile pass, stop 39: x.expand(k, H) of a per-instance (H,) ran one instance at a time
+    blk = static_block(lambda x: (x.expand(3, 5) + 1, x[0].expand(2, 2), x.expand(2, 1, -1)))
+
+    def fn(x):
+        return x.expand(3, x.shape[0]) * 2, x.sum().expand(4), x.expand(2, 1, -1).sum(0), x.expand(x.shape[0])
+
+    insts = [torch.randn(5, requires_grad=True) for _ in range(6)]
+    for prog in (fn, blk):
+        f = assert_matches_eager(prog, insts, insts, core=core)
+        assert f.stats.fallbacks == 0, f.stats.fallback_reasons

@@ -45,6 +45,7 @@ from batchcraft.autobatching.threadstate import op_state
 from batchcraft.errors import AutobatchError
 
 _current = stack.current
+_SET_GRAD_ENABLED = torch._C._set_grad_enabled
 _Lazy = LazyTensor
 
 
@@ -205,6 +206,7 @@ class BlockTracer:
         self.factory_device = getattr(parent, "factory_device", None)
         self.nested_blocks: set = set()  # blocks called by this body: part of its fingerprint
         self.const_ids: set = set()  # ids of tensors from outside the block its steps read
+        self.entry_state = op_state()  # grad mode, inference mode, autocast where the body starts
 
     # -- lazy protocol ---------------------------------------------------------------------------
     def note_shape(self, x=None) -> None:
@@ -290,6 +292,10 @@ class BlockTracer:
 
     # -- recording ---------------------------------------------------------------------------------
     def record(self, func, args, kwargs):
+        if func is _SET_GRAD_ENABLED:
+            # ``with torch.no_grad():`` reaches the mode as this call: recorded, it would not switch
+            # anything, and a program runs all its steps under the call's grad mode anyway
+            raise _SharedWrite("it changes grad mode, inference mode or autocast inside its body")
         why = _shared_write(func, args, kwargs)
         if why is not None:
             raise _SharedWrite(why)
@@ -323,6 +329,11 @@ class BlockTracer:
                 batched.append(False)
                 specs.append(("shared", x))
         state = op_state()
+        if state != self.entry_state:
+            # a program runs all its steps under the call's state: a body that switches grad mode,
+            # inference mode or autocast (``with torch.no_grad():`` around some of its steps) runs
+            # unblocked, each operation recorded with the state it ran in
+            raise _SharedWrite("it changes grad mode, inference mode or autocast inside its body")
         nested = None
         if isinstance(func, StaticBlock) and any(batched):
             nested = func.nested_info(struct, leaves, specs, state, self)

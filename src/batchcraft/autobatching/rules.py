@@ -232,9 +232,16 @@ def rule_shape_args(prepend_n: bool):
         if not all(isinstance(s, int) for s in rest):
             return rule_vmap(func, struct, leaves, mask, shapes, n)
         lead = n if prepend_n else 1
+        if prepend_n and len(rest) > len(shapes[0]) and _is_expand(func):
+            # expand adds leading dims: they go after the batch dim, not before it
+            x = x.reshape((n,) + (1,) * (len(rest) - len(shapes[0])) + tuple(shapes[0]))
         return func(x, (lead, *rest), **kwargs)
 
     return rule
+
+
+def _is_expand(func) -> bool:
+    return func is torch.Tensor.expand or getattr(func, "__name__", "") == "expand"
 
 
 def rule_permute(func, struct, leaves, mask, shapes, n):
@@ -467,6 +474,10 @@ def _lower_shape_args(prepend_n: bool):
             rest = list(rest[0])
         if not all(type(s) is int for s in rest):
             return None
+        shape = tuple(lw.shapes[0])
+        if prepend_n and len(rest) > len(shape) and _is_expand(func):  # new leading dims after n
+            pad = (1,) * (len(rest) - len(shape)) + shape
+            lw.wrap(0, lambda e: f"{e}.reshape((n,) + {pad!r})")
         return lw.call(func, [args[0], (lw.N if prepend_n else 1, *rest)], kwargs)
 
     return lower
