@@ -222,3 +222,50 @@ def test_expand_to_more_dims_puts_the_new_dims_after_the_batch_dim(core):
     for prog in (fn, blk):
         f = assert_matches_eager(prog, insts, insts, core=core)
         assert f.stats.fallbacks == 0, f.stats.fallback_reasons
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_sum_of_two_products_adds_the_second_into_the_first(core, monkeypatch):
+    # MV-RNN's P^T = A^T W1^T + B^T W2^T: the second product is added into the first's fresh result
+    # by one GEMM with beta 1 (lower.matmul_accumulate); with autograd, the sum as written
+    from batchcraft.autobatching import lower
+
+    calls = []
+    original = lower.matmul_accumulate
+
+    def counting(acc, y, w):
+        out = original(acc, y, w)
+        calls.append(out is acc)
+        return out
+
+    monkeypatch.setattr(lower, "matmul_accumulate", counting)
+    torch.manual_seed(7)
+    w1, w2 = torch.randn(4, 5, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+    blk = static_block(lambda a, b: (a @ w1 + b @ w2, (a @ w1) * 2 + b.sum()))
+    insts = [(torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)) for _ in range(5)]
+    leaves = [t for p in insts for t in p]
+    with torch.no_grad():
+        for _ in range(2):  # (the first call runs the checked program, the second the fast one)
+            assert_matches_eager(lambda p: blk(*p), insts, [], core=core)
+    assert calls and all(calls)  # in place
+    calls.clear()
+    for _ in range(2):
+        assert_matches_eager(lambda p: blk(*p), insts, [w1, w2] + leaves, core=core)
+    assert calls and not any(calls)  # autograd: the plain sum
+
+
+def test_a_failing_rewrite_costs_the_rewrite_not_the_batching(monkeypatch):
+    from batchcraft.autobatching import lower
+
+    def broken(*a):
+        raise TypeError("broken on purpose")
+
+    monkeypatch.setattr(lower, "_accumulate_products", broken)
+    w1, w2 = torch.randn(4, 5), torch.randn(4, 5)
+    blk = static_block(lambda a, b: a @ w1 + b @ w2 + 0.5)
+    insts = [(torch.randn(3, 4), torch.randn(3, 4)) for _ in range(4)]
+    with torch.no_grad():
+        for _ in range(2):
+            f = assert_matches_eager(lambda p: blk(*p), insts, [])
+    assert f.stats.fallbacks == 0 and f.stats.batched_calls == 1
+    assert any("products not accumulated (TypeError: broken on purpose)" in r for r in f.stats.fallback_reasons)

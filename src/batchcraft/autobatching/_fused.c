@@ -482,7 +482,36 @@ static PyObject *fused_seg_sum(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* copy_rows(dst, dst_rows, src, src_rows, row_bytes, src_stride, count, dst_limit, src_limit):
+   dst row dst_rows[j] (rows of row_bytes, contiguous) = src row src_rows[j] (rows src_stride bytes
+   apart), for j < count; both index arrays int64 and bounds-checked. A gather from several
+   buffers straight into its final row order (gather.py), one pass instead of gather + cat + gather. */
+static PyObject *fused_copy_rows(PyObject *self, PyObject *args) {
+    PyObject *pd, *pdi, *ps, *psi;
+    Py_ssize_t row_bytes, src_stride, count, dst_limit, src_limit;
+    if (!PyArg_ParseTuple(args, "OOOOnnnnn:copy_rows", &pd, &pdi, &ps, &psi, &row_bytes, &src_stride, &count,
+                          &dst_limit, &src_limit)) return NULL;
+    char *dst = PyLong_AsVoidPtr(pd);
+    const int64_t *di = PyLong_AsVoidPtr(pdi);
+    const char *src = PyLong_AsVoidPtr(ps);
+    const int64_t *si = PyLong_AsVoidPtr(psi);
+    if (PyErr_Occurred()) return NULL;
+    if (count < 0 || row_bytes < 0 || src_stride < 0
+        || (count > 0 && (!dst || !di || !src || !si))) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: bad sizes or a null address");
+        return NULL;
+    }
+    if (check_index(di, count, dst_limit, "copy_rows") < 0 || check_index(si, count, src_limit, "copy_rows") < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < count; j++) memcpy(dst + di[j] * row_bytes, src + si[j] * src_stride, (size_t)row_bytes);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"copy_rows", fused_copy_rows, METH_VARARGS,
+     "copy_rows(dst, dst_rows, src, src_rows, row_bytes, src_stride, count, dst_limit, src_limit): row copies (gather.py)."},
     {"seg_sum", fused_seg_sum, METH_VARARGS,
      "seg_sum(out, x, seg, rows, width, x_row_stride, n): out[seg[j]] += x[j] over float32 rows (fuse.py)."},
     {"map", fused_map, METH_VARARGS,

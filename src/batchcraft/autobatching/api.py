@@ -161,7 +161,9 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "a
         dedup (bool): in inference, a group whose per-instance inputs are integer scalars
             (``torch.tensor(word_id)``) and that does matrix products runs once per distinct
             input tuple, and each node reads its input's row (per call; nothing is cached
-            across calls). Default: True.
+            across calls); a group that only looks big rows up in embedding tables (MV-RNN's word
+            matrices) is not run at all: its nodes are the tables' rows, read by their readers'
+            gathers (``lookup.py``, ``stats.groups_looked_up``). Default: True.
         fuse_recurrences (bool): depth scheduler, C core: all per-step chains of a recurrent cell
             block (``static_block(nn.LSTMCell(...))``, ``GRUCell``, ``RNNCell``) in a flush run as
             one packed ``nn.LSTM``-kind layer call, where the recording proves it equivalent

@@ -27,6 +27,7 @@ from batchcraft.autobatching import chains as _chains
 from batchcraft.autobatching import dedup as _dedup
 from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching import hoist as _hoist
+from batchcraft.autobatching import lookup as _lookup
 from batchcraft.autobatching.descs import DESCS, row_bytes
 from batchcraft.autobatching.gather import Rows, index_tensor, keep_requires_grad, materialize, take, take_all
 from batchcraft.autobatching.lower import Runner
@@ -182,13 +183,22 @@ class Executor:
                 prog, [DESCS[x] for x in info.in_dids[:prog.n_in]]) else False
         return d
 
+    def _lookups(self, info, prog):
+        """The tables a group of ``info`` may be placed in (:mod:`lookup`), or None. Decided once."""
+        t = prog.lowered.get("lookup", 0)
+        if t == 0:
+            t = prog.lowered["lookup"] = _lookup.form(prog, [DESCS[x] for x in info.in_dids[:prog.n_in]])
+        return t
+
     def placed_by_rows(self, key, n: int) -> bool:
-        """Will the group ``key`` of ``n`` nodes run deduplicated (its nodes placed at their
-        distinct inputs' rows, in any order)? True only once its program has deduplicated."""
+        """Will the group ``key`` of ``n`` nodes be placed by rows, in any order: deduplicated (at
+        its distinct inputs' rows; only once its program has deduplicated) or looked up in place
+        (at its ids' rows of the tables)?"""
         info = SIGNATURES.by_sid[key[2]]
         prog = info.program
-        return (prog is not None and prog.lowered.get("dedup") is True and n >= _dedup.MIN_NODES
-                and self.options.dedup and not info.grad and not any(info.out_rg))
+        if prog is None or not self.options.dedup or info.grad or any(info.out_rg):
+            return False
+        return (prog.lowered.get("dedup") is True and n >= _dedup.MIN_NODES) or bool(prog.lowered.get("lookup"))
 
     def runner_of(self, info) -> Runner:
         prog = program_of(info)
@@ -248,6 +258,8 @@ class Executor:
         with under(PLAIN):  # leaves stacked here are shared by later groups: keep their history
             plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
         bufs = rec.buffers
+        tables = (self._lookups(info, prog) if hoisted is None and self.options.dedup and not info.grad
+                  and not any(info.out_rg) and not rec.hooks else None)
         # inputs only fused kernels read stay rows of their buffers (gather.Rows), read in place:
         # only without grad mode or autocast, where the kernels run (else they would be copied anyway)
         plain = hoisted is None and not info.state[0] and info.state[2] is None
@@ -267,6 +279,11 @@ class Executor:
                 ins = ins + [t[r0:r0 + n] for t in hoisted[2]]
                 hoisted[3] = r0 + n
                 runner = self.runner_for(sp.rest)
+            if tables and _lookup.place(rec, nodes, ins[0], tables):
+                st.groups_looked_up += 1  # the nodes are rows of the embedding tables: nothing to run
+                st.groups_by_rule["lookup"] = st.groups_by_rule.get("lookup", 0) + 1
+                st.gather_s += _perf() - t0
+                return
             if not info.state[0] and not info.state[1]:
                 ins = keep_requires_grad(bufs, plans, ins)
             rags, segs, cnts = [], [], []
@@ -323,6 +340,8 @@ class Executor:
                 st.fused_declined += fc.declined - d0
         if runner.fuse_error:
             st.note_fallback(f"{info.name}: elementwise fusion off ({runner.fuse_error})", n)
+        if runner.rewrite_error:
+            st.note_fallback(f"{info.name}: products not accumulated ({runner.rewrite_error})", n)
         if runner.fallback_steps:
             st.fallbacks += n * runner.fallback_steps
             for reason in runner.fallbacks.values():

@@ -1,9 +1,11 @@
 """Gathering: turn a gather plan (:mod:`plan`) into one batched tensor.
 
 A view when the rows are in order, one ``index_select`` per source buffer otherwise
-(REFERENCES §7: a gather feeding a GEMM is nearly free on this CPU), a ``cat`` and one
-reorder when rows come from several buffers. Index tensors are made from an ``array``/bytes
-buffer (``torch.tensor(list)`` costs ~30 µs for a few hundred rows).
+(REFERENCES §7: a gather feeding a GEMM is nearly free on this CPU). Rows from several buffers
+are copied once, straight into the result: each buffer's rows into their slice of it, or, where
+the group's order interleaves the buffers, each row to its final place (``_fused.copy_rows``);
+with autograd, or without the extension there, a ``cat`` and one reorder. Index tensors are made
+from an ``array``/bytes buffer (``torch.tensor(list)`` costs ~30 µs for a few hundred rows).
 """
 
 from __future__ import annotations
@@ -12,8 +14,14 @@ from array import array as _array
 
 import torch
 
+try:  # optional extension (fuse.py): without it interleaved gathers take the cat path
+    from batchcraft.autobatching import _fused
+except ImportError:  # pragma: no cover - exercised by the CC=/bin/false install
+    _fused = None
+
 _frombuffer = torch.frombuffer
 _int64 = torch.int64
+_T = torch.Tensor
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -102,20 +110,85 @@ def _take(buffers, plan) -> torch.Tensor:
     if kind == "index":
         t = buffers[plan[1]]
         return select_rows(t, index_tensor(plan[2], t.device))
+    out = _take_pieces(buffers, plan[1], plan[2])
+    if out is not None:
+        return out
     pieces = []
     for b, rows in plan[1]:
         t = buffers[b]
-        n = len(rows) if type(rows) is not bytearray else len(rows) // 8
-        r0 = rows[0] if type(rows) is not bytearray else int.from_bytes(rows[:8], "little", signed=True)
-        if type(rows) is not bytearray and rows[-1] - r0 == n - 1 and rows == list(range(r0, r0 + n)):
-            pieces.append(t[r0:r0 + n])
-        else:
-            pieces.append(select_rows(t, index_tensor(rows, t.device)))
+        r0, n = _run_of(rows)
+        pieces.append(t[r0:r0 + n] if r0 >= 0 else select_rows(t, index_tensor(rows, t.device)))
     cat = torch.cat(pieces)
     perm = plan[2]
     if perm is None:
         return cat
     return select_rows(cat, index_tensor(perm, cat.device))
+
+
+def _run_of(rows) -> tuple:
+    """``(first row, count)`` when ``rows`` (a list of ints, or int64 bytes: not checked) are
+    consecutive, else ``(-1, count)``."""
+    if type(rows) is bytearray:
+        return -1, len(rows) // 8
+    n = len(rows)
+    r0 = rows[0]
+    return (r0, n) if rows[-1] - r0 == n - 1 and rows == list(range(r0, r0 + n)) else (-1, n)
+
+
+def _rows_2d(t):
+    """``t`` as ``(rows, row elements)`` with contiguous rows, or None."""
+    if t.dim() == 2:
+        return t if t.shape[1] < 2 or t.stride(1) == 1 else None
+    return t.view(t.shape[0], -1) if t.is_contiguous() else None
+
+
+def _take_pieces(buffers, pieces, perm):
+    """Rows of several buffers (``pieces``: ``[(buffer, rows), ...]`` in concatenation order, then
+    ``perm`` over the concatenation, or None) copied once into a new tensor; None where the
+    cat path must run: autograd (the copies below record no history), another device, a
+    torch.func wrapper, buffers of different row shapes or dtypes, or a reorder without the
+    extension."""
+    first = buffers[pieces[0][0]]
+    grad = torch.is_grad_enabled()
+    srcs = []
+    for b, _ in pieces:
+        t = buffers[b]
+        if (type(t) is not _T or not t.is_cpu or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or (grad and t.requires_grad) or _wrapped(t)):
+            return None
+        t2 = _rows_2d(t)
+        if t2 is None:
+            return None
+        srcs.append(t2)
+    if perm is not None and _fused is None:
+        return None
+    counts = [_run_of(rows) for _, rows in pieces]
+    total = sum(n for _, n in counts)
+    out = torch.empty((total, *first.shape[1:]), dtype=first.dtype)
+    o2 = out.view(total, -1)
+    if perm is None:
+        r = 0
+        for (_, rows), t2, (r0, n) in zip(pieces, srcs, counts):
+            if r0 >= 0:
+                o2[r:r + n].copy_(t2[r0:r0 + n])
+            else:
+                torch.index_select(t2, 0, index_tensor(rows, t2.device), out=o2[r:r + n])
+            r += n
+        return out
+    # row i of the result is row perm[i] of the concatenation: each piece's rows go to inv[...]
+    p = index_tensor(perm, out.device)
+    if p.shape[0] != total:
+        return None
+    inv = torch.empty(total, dtype=_int64)
+    inv.index_copy_(0, p, torch.arange(total, dtype=_int64))
+    item = o2.element_size() * o2.shape[1]
+    r = 0
+    for (_, rows), t2, (r0, n) in zip(pieces, srcs, counts):
+        src = torch.arange(r0, r0 + n, dtype=_int64) if r0 >= 0 else index_tensor(rows, t2.device)
+        _fused.copy_rows(o2.data_ptr(), inv[r:r + n].data_ptr(), t2.data_ptr(), src.data_ptr(), item,
+                         t2.stride(0) * t2.element_size(), n, total, t2.shape[0])
+        r += n
+    return out
 
 
 def keep_requires_grad(buffers, plans, ins) -> list:

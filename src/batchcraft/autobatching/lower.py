@@ -215,6 +215,7 @@ class Runner:
         self.fuse = fuse
         self.clusters: list = []
         self.fuse_error = ""   # why planning the fused kernels failed (the program then runs unfused)
+        self.rewrite_error = ""  # why accumulating products failed (the program then runs as lowered)
         self.fallbacks: dict = {}
         self.rules: Counter = Counter()
         self._fast = None
@@ -253,6 +254,7 @@ class Runner:
             return em.name(ref[1], "C"), False
 
         step_lines: dict = {}
+        step_rule: dict = {}
         leaf_exprs: dict = {}
         leaf_batched: dict = {}
         for st in prog.steps:
@@ -272,6 +274,7 @@ class Runner:
             else:
                 expr, rname = self._lower_step(em, st, ex, batched)
                 rules[rname] += 1
+                step_rule[st.index] = rname
                 any_b = True
             n_out = len(st.out_dids)
             indent = ""
@@ -312,6 +315,11 @@ class Runner:
             return em.ns["run"], src
 
         none = frozenset()
+        if not checked:
+            try:
+                _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batched)
+            except Exception as exc:  # a rewriting bug must cost the rewrite, never the batching
+                self.rewrite_error = f"{type(exc).__name__}: {exc}"
         if checked or not self.fuse:
             return (*compiled([]), rules, (none, none))
         try:
@@ -505,6 +513,72 @@ def _assemble(em, prog, step_lines, clusters, deferred=None) -> list:
     for cl in at.get(None, ()):
         emit(cl)
     return lines
+
+
+_ADDS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__})
+
+
+def _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batched) -> int:
+    """``x @ W1 + y @ W2`` (both products with a shared 2-D right operand, read only by the sum):
+    the second product is added into the first one's fresh result by one GEMM with beta 1
+    (:func:`matmul_accumulate`) instead of a product, then a sum over both (MV-RNN's ``P^T``:
+    a pass over the rows and a temporary of their size saved). Returns how many were rewritten."""
+    reads: dict = {}
+    for st in prog.steps:
+        for r in st.refs:
+            if r[0] == "val":
+                reads[(r[1], r[2])] = reads.get((r[1], r[2]), 0) + 1
+    for r in prog.out_refs:
+        if r[0] == "val":
+            reads[(r[1], r[2])] = reads.get((r[1], r[2]), 0) + 2  # an output: never rewritten
+    mm = em.name(torch.matmul, "F")
+    steps = prog.steps
+    done = 0
+    for st in steps:
+        if (st.func not in _ADDS or st.struct[1] is not None or len(st.refs) != 2 or step_rule.get(st.index) != "elementwise"
+                or len(st.out_dids) != 1):
+            continue
+        a, b = st.refs
+        if a[0] != "val" or b[0] != "val" or a[2] != 0 or b[2] != 0 or a[1] == b[1]:
+            continue
+        ok = True
+        for r in (a, b):
+            src = steps[r[1]]
+            ok = ok and (reads.get((r[1], 0)) == 1 and step_rule.get(src.index) == "matmul" and len(src.out_dids) == 1
+                         and src.out_dids[0] == st.out_dids[0] and tuple(leaf_batched[src.index]) == (True, False)
+                         and _rank(src, 1) == 2 and src.struct[1] is None
+                         and step_lines[src.index] == [f"    v{src.index}_0 = {mm}({', '.join(leaf_exprs[src.index])})"])
+        if not ok or step_lines[st.index] != [step_lines[st.index][0]]:
+            continue
+        x, w = leaf_exprs[b[1]]
+        step_lines[b[1]] = []
+        step_lines[st.index] = [f"    v{st.index}_0 = {em.name(matmul_accumulate, 'K')}(v{a[1]}_0, {x}, {w})"]
+        done += 1
+    return done
+
+
+def _rank(st, j: int):
+    """Rank of leaf ``j`` of step ``st`` (a constant tensor's or a value's descriptor), or None."""
+    ref = st.refs[j]
+    if ref[0] == "const":
+        return ref[1].dim() if isinstance(ref[1], torch.Tensor) else None
+    did = st.dids[j]
+    return len(DESCS[did][0]) if did is not None else None
+
+
+def matmul_accumulate(acc, y, w):
+    """``acc + y @ w`` where ``acc`` is a fresh product nothing else reads: ``y @ w`` added into
+    ``acc`` in place by ``addmm_`` (``(..., K) @ (K, N)`` folded to 2-D as ``matmul`` folds it)
+    where no autograd, autocast or torch.func wrapper is involved and the shapes line up; else
+    the sum as written. Float32 rounding: the GEMM adds its product to ``acc`` once, as the sum does."""
+    if (type(acc) is torch.Tensor and type(y) is torch.Tensor and isinstance(w, torch.Tensor) and w.dim() == 2
+            and not (torch.is_grad_enabled() and (acc.requires_grad or y.requires_grad or w.requires_grad))
+            and not torch._C._is_any_autocast_enabled() and acc.is_contiguous() and acc.dim() >= 2
+            and y.shape[:-1] == acc.shape[:-1] and y.shape[-1] == w.shape[0] and acc.shape[-1] == w.shape[1]
+            and acc.dtype == y.dtype == w.dtype and acc.device == y.device == w.device):
+        acc.view(-1, acc.shape[-1]).addmm_(y.reshape(-1, y.shape[-1]), w)
+        return acc
+    return acc + torch.matmul(y, w)
 
 
 def per_node_draws(n, draw):

@@ -35,7 +35,8 @@ class Options:
         consumer_order (bool): depth scheduler: lay out the rows of a signature that runs as one
             group in the order later groups read them, so they read views (``order.py``).
         dedup (bool): a group whose per-instance inputs are integer scalars (token ids) runs once
-            per distinct input in inference (``dedup.py``).
+            per distinct input in inference (``dedup.py``); one that only looks big rows up in
+            embedding tables is placed in the tables instead (``lookup.py``).
         fuse_recurrences (bool): depth scheduler, C core: the per-step chains of a recurrent cell
             block (``static_block(nn.LSTMCell)``, GRU, RNN) run as one packed recurrent-layer call
             where the trace proves it equivalent (``chains.py``).

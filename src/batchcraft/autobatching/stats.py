@@ -39,6 +39,8 @@ class RunStats:
             (``order.consumer_order``), so that the readers took views instead of gathers.
         groups_deduplicated, rows_deduplicated (int): groups with integer inputs run once per
             distinct input (``dedup.py``), and the rows that were not computed.
+        groups_looked_up (int): groups that only look rows up in embedding tables, placed at their
+            ids' rows of the tables instead of run (``lookup.py``): no copy of the rows.
         fused_kernels, steps_fused (int): fused elementwise kernel calls (``fuse.py``) and the
             batched steps they ran instead of one torch call each; fused_declined: kernel calls
             that ran the steps' torch calls instead at run time (autograd needed, a forward-AD
@@ -77,6 +79,7 @@ class RunStats:
     groups_consumer_ordered: int = 0
     groups_deduplicated: int = 0
     rows_deduplicated: int = 0
+    groups_looked_up: int = 0
     recurrences_unpacked: dict = field(default_factory=dict)
     fused_kernels: int = 0
     steps_fused: int = 0
@@ -134,6 +137,11 @@ class RunStats:
             text += (f"; {self.steps_fused} elementwise steps in {self.fused_kernels} fused kernels"
                      + (f" ({self.fused_declined} declined)" if self.fused_declined else "")
                      + (f", {self.rows_in_place} gathered inputs passed as rows of their buffers" if self.rows_in_place else ""))
+        if self.groups_deduplicated:
+            text += (f"; {self.groups_deduplicated} groups run once per distinct input "
+                     f"({self.rows_deduplicated} rows not computed)")
+        if self.groups_looked_up:
+            text += f"; {self.groups_looked_up} embedding lookups read in place"
         if self.groups_by_rule:
             text += "; groups: " + ", ".join(f"{k} {v}" for k, v in sorted(self.groups_by_rule.items()))
         if self.fallback_reasons:

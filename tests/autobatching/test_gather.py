@@ -1,0 +1,77 @@
+"""Gathering (``gather.py``): rows of several buffers copied once into their final order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchcraft.autobatching import gather
+
+
+def _cat_path(buffers, plan):
+    """The reference: each buffer's rows, a cat, then the reorder."""
+    pieces = [gather.select_rows(buffers[b], torch.tensor(rows, dtype=torch.int64)) for b, rows in plan[1]]
+    cat = torch.cat(pieces)
+    return cat if plan[2] is None else cat[torch.tensor(plan[2], dtype=torch.int64)]
+
+
+@st.composite
+def plans(draw):
+    shape = draw(st.sampled_from([(3,), (2, 3), (1, 4, 2)]))
+    n_buf = draw(st.integers(1, 3))
+    sizes = [draw(st.integers(1, 6)) for _ in range(n_buf)]
+    pieces = []
+    for b, size in enumerate(sizes):
+        k = draw(st.integers(1, size))
+        if draw(st.booleans()):
+            r0 = draw(st.integers(0, size - k))
+            rows = list(range(r0, r0 + k))  # consecutive: copied as a slice
+        else:
+            rows = draw(st.lists(st.integers(0, size - 1), min_size=k, max_size=k))
+        pieces.append((b, rows if draw(st.booleans()) else bytearray(torch.tensor(rows).numpy().tobytes())))
+    total = sum(len(r) if type(r) is list else len(r) // 8 for _, r in pieces)
+    perm = draw(st.permutations(list(range(total)))) if draw(st.booleans()) else None
+    strided = draw(st.booleans())
+    return shape, sizes, pieces, perm, strided
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=plans(), seed=st.integers(0, 2 ** 16))
+def test_rows_of_several_buffers_equal_the_cat_path(p, seed):
+    shape, sizes, pieces, perm, strided = p
+    g = torch.Generator().manual_seed(seed)
+    buffers = []
+    for size in sizes:
+        t = torch.randn((size, *shape), generator=g)
+        if strided and len(shape) == 1:  # rows of a wider buffer: row stride > width
+            t = torch.randn(size, shape[0] + 2, generator=g)[:, 1:1 + shape[0]]
+        buffers.append(t)
+    plan = ("pieces", [(b, r) for b, r in pieces], perm)
+    ref = _cat_path(buffers, ([], [(b, list(torch.frombuffer(r, dtype=torch.int64).tolist()) if type(r) is bytearray
+                                    else r) for b, r in pieces], perm))
+    got = gather._take(buffers, plan)
+    assert got.shape == ref.shape and torch.equal(got, ref)
+
+
+def test_autograd_and_mixed_dtypes_take_the_cat_path():
+    a = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(2, 3)
+    plan = ("pieces", [(0, [3, 1]), (1, [0])], [2, 0, 1])
+    out = gather._take([a, b], plan)
+    assert out.requires_grad  # the history through the rows is kept
+    out.sum().backward()
+    assert a.grad[3].sum() == 3 and a.grad[1].sum() == 3 and a.grad[0].sum() == 0
+    assert gather._take_pieces([a.detach(), b.double()], plan[1], plan[2]) is None
+    with torch.no_grad():
+        assert gather._take_pieces([a, b], plan[1], plan[2]) is not None
+
+
+@pytest.mark.skipif(gather._fused is None, reason="the in-place reorder needs the _fused extension")
+def test_copy_rows_checks_its_indices():
+    out, src = torch.zeros(2, 3), torch.randn(4, 3)
+    dst_rows, src_rows = torch.tensor([0, 1]), torch.tensor([3, 4])
+    with pytest.raises(IndexError):
+        gather._fused.copy_rows(out.data_ptr(), dst_rows.data_ptr(), src.data_ptr(), src_rows.data_ptr(), 12, 12, 2, 2, 4)
+    assert not out.any()
