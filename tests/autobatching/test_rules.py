@@ -115,17 +115,22 @@ def test_unary_maths_of_a_batched_chunk_runs_on_a_contiguous_copy(monkeypatch):
     assert seen.count(False) >= 2  # tanh(u) and o.exp() got strided views; sqrt's input is dense
 
 
-@pytest.mark.parametrize("core", CORES)
-def test_attention_shaped_ops_are_written_out_without_vmap(core, monkeypatch):
-    # permute / unbind / transpose / batched and shared matmul / max() and min() over all
-    # elements are lowered to one batched call each (vmap costs ~200 µs a call: Berxit's layer)
+@pytest.fixture
+def no_vmap(monkeypatch):
+    """Fail the test if an operation goes through the general vmap rule."""
     from batchcraft.autobatching import rules
 
-    def no_vmap(*a, **k):
+    def refuse(*a, **k):
         raise AssertionError("vmap used")
 
-    monkeypatch.setattr(rules, "rule_vmap", no_vmap)
-    monkeypatch.setattr(rules.VMAP, "fn", no_vmap)
+    monkeypatch.setattr(rules, "rule_vmap", refuse)
+    monkeypatch.setattr(rules.VMAP, "fn", refuse)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_attention_shaped_ops_are_written_out_without_vmap(core, no_vmap):
+    # permute / unbind / transpose / batched and shared matmul / max() and min() over all
+    # elements are lowered to one batched call each (vmap costs ~200 µs a call: Berxit's layer)
     torch.manual_seed(0)
     qkv = torch.nn.Linear(8, 24)
     w = torch.nn.Parameter(torch.randn(4, 3))
@@ -177,17 +182,9 @@ def test_max_over_all_elements_sends_the_gradient_to_a_nan_as_eager(core):
 
 
 @pytest.mark.parametrize("core", CORES)
-def test_argmax_over_all_elements_is_one_batched_call_without_vmap(core, monkeypatch):
+def test_argmax_over_all_elements_is_one_batched_call_without_vmap(core, no_vmap):
     # int(torch.argmax(logits)) is how a decoder picks its label (DRNN): vmap cost ~100 us a group.
     # The batched call flattens each instance; ties keep the first index, as eager does
-    from batchcraft.autobatching import rules
-
-    def no_vmap(*a, **k):
-        raise AssertionError("vmap used")
-
-    monkeypatch.setattr(rules, "rule_vmap", no_vmap)
-    monkeypatch.setattr(rules.VMAP, "fn", no_vmap)
-
     def prog(x):
         return (torch.argmax(x), x.argmin(), torch.argmax(x * 2, keepdim=False), torch.argmax(x, dim=None, keepdim=True),
                 x.argmin(None, True), x[0].argmax())
