@@ -42,12 +42,13 @@ HAND_BATCHED = {"treelstm": handbatched.treelstm_levels, "birnn": handbatched.bi
 NOTES = """Reading the numbers (mechanisms; the figures are in the table):
 
 - Auto-batching on a CPU saves per-operation overhead (Python, dispatch, small kernels); it cannot
-  save arithmetic. Models whose per-instance operations are already large gain little:
+  save arithmetic. Models whose per-instance operations are already large gain least:
   MV-RNN composes two (hidden x hidden) matrices per node (P^T = A^T W_1^T + B^T W_2^T), so it is
-  compute-bound one node at a time, and batching adds the gather of every operand matrix
-  (hidden^2 floats per node) on top: a small gain at hidden 64, a loss at hidden 128. Berxit's layers are
-  (L x d) matrix products; its batches are also split by padded length (16, 32, 48, ...) and by
-  exit layer, hence the smaller mean batch.
+  compute-bound one node at a time, and batching adds a gather of the two operand matrices
+  (hidden^2 floats each) per node; the word matrices are read from their embedding table
+  (lookup.py) and the second product is accumulated into the first (one GEMM), which is why it
+  still gains at hidden 128. Berxit's layers are (L x d) matrix products; its batches are also
+  split by padded length (16, 32, 48, ...) and by exit layer, hence the smaller mean batch.
 - The tensor-dependent models (DRNN, Berxit, StackRNN) synchronise once per decision: every fiber
   waits, the pending work of all instances runs batched, the fibers resume. Their mean batch stays
   well above 4 at batch 64 because the instances reach their decisions in lock step.
