@@ -65,7 +65,9 @@ def test_autograd_and_mixed_dtypes_take_the_cat_path():
     assert a.grad[3].sum() == 3 and a.grad[1].sum() == 3 and a.grad[0].sum() == 0
     assert gather._take_pieces([a.detach(), b.double()], plan[1], plan[2]) is None
     with torch.no_grad():
-        assert gather._take_pieces([a, b], plan[1], plan[2]) is not None
+        assert gather._take_pieces([a, b], plan[1], None) is not None  # in order: torch's copies
+        # interleaved: the extension's row copies, or (without a compiler) the cat path
+        assert (gather._take_pieces([a, b], plan[1], plan[2]) is None) == (gather._fused is None)
 
 
 @pytest.mark.skipif(gather._fused is None, reason="the in-place reorder needs the _fused extension")
