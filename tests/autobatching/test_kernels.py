@@ -160,3 +160,33 @@ def test_measuring_does_not_move_the_random_state_or_reach_user_modes():
         sel.choose(x, w, None)
     assert torch.equal(torch.get_rng_state(), before)
     assert sel.n_measured == 1 and Spy.names == []
+
+
+def test_onednn_is_asked_for_only_when_a_choice_needs_it(tmp_path, monkeypatch):
+    # its first call costs a first auto-batched call 3-6 ms: a stored choice of the default kernel
+    # needs no oneDNN; a stored oneDNN choice on a build without it falls back to the default
+    asked = []
+
+    def available(flag):
+        def f():
+            asked.append(flag)
+            return flag
+        return f
+
+    path = str(tmp_path / "kernels.sqlite")
+    x, w = torch.randn(100, 128), torch.randn(256, 128)
+    first = Selector("auto", _Store(path), timer=FakeTimer(10.0, 100.0))
+    monkeypatch.setattr(kernels, "onednn_available", available(True))
+    assert first.choose(x, w, None) == "default" and asked == [True]  # measured: oneDNN needed
+    asked.clear()
+    again = Selector("auto", _Store(path), timer=FakeTimer(1.0, 1.0))
+    assert again.choose(x, w, None) == "default" and asked == []  # stored default: never asked
+    assert again.linear_for(None, None) == again.linear  # (not known to be missing: the selector's call)
+    onednn_store = Selector("auto", _Store(str(tmp_path / "o.sqlite")), timer=FakeTimer(100.0, 10.0))
+    assert onednn_store.choose(x, w, None) == "onednn"
+    monkeypatch.setattr(kernels, "onednn_available", available(False))
+    missing = Selector("auto", _Store(str(tmp_path / "o.sqlite")), timer=FakeTimer(1.0, 1.0))
+    assert missing.choose(x, w, None) == "default" and asked[-1] is False
+    assert missing.linear_for(None, None) is kernels._LINEAR  # known missing now: torch's linear directly
+    forced = Selector("onednn", None)
+    assert forced.choose(x, w, None) == "default"

@@ -188,8 +188,16 @@ class Selector:
         self._by_shape: dict = {}  # inference calls: exact shapes -> choice (linear())
         self.measured: dict = {}
         self.n_measured = 0  # shape classes timed by this selector (not read from the store)
-        self.onednn = onednn_available()
+        self._onednn = None  # onednn_available(), asked only when a choice needs it (the first
+        # oneDNN call costs a first auto-batched call 3-6 ms; a stored "default" choice does not)
         self.machine = cpu_model()
+
+    @property
+    def onednn(self) -> bool:
+        """Does this torch build run oneDNN's linear here (checked once, when first needed)?"""
+        if self._onednn is None:
+            self._onednn = onednn_available()
+        return self._onednn
 
     def key(self, x, w, b) -> tuple:
         m = x.numel() // x.shape[-1] if x.dim() else 1
@@ -201,11 +209,11 @@ class Selector:
             return self._choose(x, w, b)
 
     def _choose(self, x, w, b) -> str:
-        if (self.mode == "default" or not self.onednn or x.device.type != "cpu" or x.dtype != torch.float32
+        if (self.mode == "default" or x.device.type != "cpu" or x.dtype != torch.float32
                 or x.dim() == 0 or torch.is_autocast_enabled("cpu") or w.dim() != 2):
             return "default"
         if self.mode == "onednn":
-            return "onednn"
+            return "onednn" if self.onednn else "default"
         k = self.key(x, w, b)
         c = self.choices.get(k)
         if c is None:
@@ -219,7 +227,9 @@ class Selector:
         row = self.store.get(skey) if self.store is not None else None
         if row is not None:
             self.measured[k] = (row[1], row[2])
-            return row[0]
+            return row[0] if row[0] != "onednn" or self.onednn else "default"
+        if not self.onednn:
+            return "default"  # nothing to measure against (not stored: another build may have it)
         m = k[5]
         xs = torch.full((m, k[3]), 0.5)  # not randn: measuring must not move the caller's random state
         ws = w.detach()
@@ -266,7 +276,7 @@ class Selector:
 
     def linear_for(self, lw, shapes):
         """The function a lowered program calls for a batched ``F.linear``."""
-        if self.mode == "default" or not self.onednn:
+        if self.mode == "default" or self._onednn is False:
             return _LINEAR
         return self.linear
 
