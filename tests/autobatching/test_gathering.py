@@ -77,3 +77,18 @@ def test_copy_rows_checks_its_indices():
     with pytest.raises(IndexError):
         gather._fused.copy_rows(out.data_ptr(), dst_rows.data_ptr(), src.data_ptr(), src_rows.data_ptr(), 12, 12, 2, 2, 4)
     assert not out.any()
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_conjugate_and_negative_views_are_gathered_by_value(view):
+    # hostile pass, stop 39 (#192): the row copies of an interleaved gather read the memory of a
+    # conj / neg view, not its values (silently wrong: up to 3.07 off in a complex tree model)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 3, dtype=torch.complex64, generator=g)
+    a = a.conj() if view == "conj" else torch._neg_view(a)
+    b = torch.randn(3, 3, dtype=torch.complex64, generator=g)
+    for perm in (None, [2, 0, 3, 1]):
+        plan = ("pieces", [(0, [3, 1]), (1, [0, 2])], perm)
+        with torch.no_grad():
+            got = gather._take([a, b], plan)
+        assert torch.equal(got, _cat_path([a, b], plan))

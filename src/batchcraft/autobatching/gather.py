@@ -146,7 +146,8 @@ def _take_pieces(buffers, pieces, perm):
     """Rows of several buffers (``pieces``: ``[(buffer, rows), ...]`` in concatenation order, then
     ``perm`` over the concatenation, or None) copied once into a new tensor; None where the
     cat path must run: autograd (the copies below record no history), another device, a
-    torch.func wrapper, buffers of different row shapes or dtypes, or a reorder without the
+    torch.func wrapper, a conjugate or negative view (the row copies read memory, not values:
+    reliability #192), buffers of different row shapes or dtypes, or a reorder without the
     extension."""
     first = buffers[pieces[0][0]]
     grad = torch.is_grad_enabled()
@@ -154,8 +155,8 @@ def _take_pieces(buffers, pieces, perm):
     for b, _ in pieces:
         t = buffers[b]
         if (type(t) is not _T or not t.is_cpu or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
-                or (grad and t.requires_grad) or _wrapped(t)):
-            return None
+                or (grad and t.requires_grad) or _wrapped(t) or t.is_conj() or t.is_neg() or t._is_zerotensor()):
+            return None  # (a conj / neg bit or a zero tensor: its memory is not its values)
         t2 = _rows_2d(t)
         if t2 is None:
             return None
