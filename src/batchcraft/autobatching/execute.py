@@ -128,10 +128,7 @@ class Executor:
             if len(set(ptrs)) != len(ptrs):
                 return None
         bufs = self.rec.buffers
-        if a[0] is None:
-            a[0] = len(bufs)
-            for t in outs:
-                bufs.append(torch.empty((a[2], *t.shape[1:]), dtype=t.dtype, device=t.device))
+        self._arena_buffers(a, [(t.shape[1:], t.dtype, t.device) for t in outs])
         first = a[0]
         for s, t in enumerate(outs):
             b = bufs[first + s]
@@ -152,14 +149,18 @@ class Executor:
         a = self.arenas.get((info.func, info.out_dids))
         if a is None or a[1] + n > a[2]:
             return None
-        bufs = self.rec.buffers
-        if a[0] is None:
-            a[0] = len(bufs)
-            for did in info.out_dids:
-                shape, dtype, device = DESCS[did]
-                bufs.append(torch.empty((a[2], *shape), dtype=dtype, device=device))
-        first, off = a[0], a[1]
+        self._arena_buffers(a, [DESCS[did] for did in info.out_dids])
+        bufs, first, off = self.rec.buffers, a[0], a[1]
         return [bufs[first + s][off:off + n] for s in range(info.n_out)]
+
+    def _arena_buffers(self, a, specs) -> None:
+        """Make arena ``a``'s buffers, one per output, if no group has: ``specs`` gives each
+        output's per-node ``(shape, dtype, device)``."""
+        if a[0] is None:
+            bufs = self.rec.buffers
+            a[0] = len(bufs)
+            for shape, dtype, device in specs:
+                bufs.append(torch.empty((a[2], *shape), dtype=dtype, device=device))
 
     # -- one group -------------------------------------------------------------------------------
     @staticmethod

@@ -68,14 +68,12 @@ def form(prog, in_descs):
             return None
         args, kwargs = _args(st)
         if st.func in _EMBEDDINGS:
-            if st.func is torch.embedding:
-                w, ids = (args + [None, None])[:2]
-                extra = args[2:]
-                max_norm = None
-            else:
-                ids, w = (args + [None, None])[:2]
-                extra = args[2:]
-                max_norm = kwargs.get("max_norm", extra[1] if len(extra) > 1 else None)
+            first, second = (args + [None, None])[:2]
+            if st.func is torch.embedding:  # (weight, indices, ...): no max_norm
+                w, ids, max_norm = first, second, None
+            else:  # F.embedding(input, weight, padding_idx, max_norm, ...)
+                ids, w = first, second
+                max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
             if (type(ids) is not _Leaf or ids.ref != ("in", 0) or type(w) is not _Leaf or w.ref[0] != "const"
                     or max_norm is not None):
                 return None

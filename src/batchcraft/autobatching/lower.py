@@ -331,7 +331,7 @@ class Runner:
             clusters, deferred = [], {}
             run, src = compiled([])
         self.clusters = clusters
-        outs = {(r[1], r[2]) for r in prog.out_refs if r[0] == "val"}
+        outs = _output_index(prog)
         self.writes_outputs = any(cl.space == "node" and any((k[1], k[2]) in outs for k in cl.outputs)
                                   for cl in clusters)
         return run, src, rules, (frozenset(j for k, j in deferred.values() if k == "in"),
@@ -482,10 +482,7 @@ def _assemble(em, prog, step_lines, clusters, deferred=None) -> list:
 
     # program outputs a node-space kernel computes: written straight into the rows the executor
     # passes as ``D`` (its output arena), instead of new tensors copied there afterwards
-    out_index: dict = {}
-    for j, ref in enumerate(prog.out_refs):
-        if ref[0] == "val":
-            out_index.setdefault((ref[1], ref[2]), j)
+    out_index = _output_index(prog)
 
     def emit(cl):
         fz = em.name(cl.call, "fz")
@@ -513,6 +510,15 @@ def _assemble(em, prog, step_lines, clusters, deferred=None) -> list:
     for cl in at.get(None, ()):
         emit(cl)
     return lines
+
+
+def _output_index(prog) -> dict:
+    """``{(step, slot): first output index}`` of the program's outputs that are step values."""
+    index: dict = {}
+    for j, ref in enumerate(prog.out_refs):
+        if ref[0] == "val":
+            index.setdefault((ref[1], ref[2]), j)
+    return index
 
 
 _ADDS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__})
