@@ -666,3 +666,53 @@ def test_a_users_dispatch_mode_inside_instance_code_is_refused(core):
     xs = [torch.randn(4) for _ in range(3)]
     for o, x in zip(autobatch(counted, core=core)(xs), xs):
         torch.testing.assert_close(o, torch.tanh(x) * 2)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("order", ["jvp_then_dual", "dual_then_jvp"])
+def test_signatures_recorded_under_a_transform_do_not_leak_out_of_it(core, order):
+    # reliability #190 (hostile helper, stop 39; present before): inside torch.func.jvp eager's
+    # lin(x) does not require grad although the weight does; the signature recorded there said
+    # so, and a later call under a dual level reused it: every tangent came back None
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(1)
+
+    @static_block
+    class Cell(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+
+    cell = Cell()
+
+    def fn(x):
+        return cell(cell(x))
+
+    f = autobatch(fn, core=core)
+    xs = [torch.randn(4) for _ in range(3)]
+    ts = [torch.randn(4) for _ in range(3)]
+
+    def jvp():
+        _, got = torch.func.jvp(lambda *a: tuple(f(list(a))), tuple(xs), tuple(ts))
+        _, ref = torch.func.jvp(lambda *a: tuple(fn(x) for x in a), tuple(xs), tuple(ts))
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r)
+
+    def dual():
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(x, t) for x, t in zip(xs, ts)]
+            got, ref = f(duals), [fn(d) for d in duals]
+            for g, r in zip(got, ref):
+                (pg, tg), (pr, tr) = fwAD.unpack_dual(g), fwAD.unpack_dual(r)
+                assert tg is not None
+                torch.testing.assert_close(tg, tr)
+                torch.testing.assert_close(pg, pr)
+                assert g.requires_grad == r.requires_grad
+
+    steps = [jvp, dual, jvp] if order == "jvp_then_dual" else [dual, jvp, dual]
+    for step in steps:
+        step()

@@ -705,7 +705,9 @@ def test_vmap_over_a_call_declines_the_kernels_instead_of_failing_the_groups():
         got = torch.func.vmap(lambda X: torch.stack(f(list(zip(toks, X.unbind(0))))))(xb)
         ref = torch.func.vmap(lambda X: torch.stack([fn(i) for i in zip(toks, X.unbind(0))]))(xb)
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
-    assert f.stats.fallbacks == 0 and f.stats.fused_declined > 0
+    # (the programs of a call under a transform are its own since #190: made there, they may
+    # hold no fused kernel to decline; none may run on the batched wrappers)
+    assert f.stats.fallbacks == 0 and (f.stats.fused_declined > 0 or f.stats.fused_kernels == 0)
 
 
 def _out_of_order_case(program, n, k, seed) -> int:
@@ -786,3 +788,42 @@ def test_kernels_write_program_outputs_into_the_arena_rows(arena_takes, monkeypa
     written.clear()
     f(task.instances)
     assert not written
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jvp"])
+def test_a_chain_of_blocks_under_a_transform_matches_eager(transform):
+    # reliability #193 (stop 40; new at stop 39): a group's outputs copied into the flush's
+    # output arena read data_ptr() of torch.func's batched values, which have no storage: the
+    # call raised under vmap. Wrapped outputs now stay out of the arenas.
+    torch.manual_seed(3)
+    emb, lin = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 16)
+
+    @static_block
+    def gate(w, x):
+        p, q = lin(emb(w)).chunk(2)
+        return torch.sigmoid(p) * torch.tanh(q) + x
+
+    def fn(inst):
+        toks, x = inst
+        for t in toks:
+            x = gate(torch.tensor(t), x)
+        return x
+
+    toks = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    xb = torch.randn(3, 3, 8)
+    f = autobatch(fn)
+
+    def run(g):
+        return lambda X: torch.stack(g([(t, x) for t, x in zip(toks, X.unbind(0))]))
+
+    with torch.no_grad():
+        f(list(zip(toks, xb[0])))
+        if transform == "vmap":
+            got = torch.func.vmap(run(f))(xb)
+            ref = torch.func.vmap(run(lambda insts: [fn(i) for i in insts]))(xb)
+        else:
+            tangent = torch.randn(3, 8)
+            got = torch.func.jvp(run(f), (xb[0],), (tangent,))
+            ref = torch.func.jvp(run(lambda insts: [fn(i) for i in insts]), (xb[0],), (tangent,))
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+    assert f.stats.fallbacks == 0

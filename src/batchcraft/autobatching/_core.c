@@ -33,6 +33,9 @@
 /* globals set by setup()                                                                       */
 /* ------------------------------------------------------------------------------------------ */
 static PyObject *g_TensorType = NULL;      /* torch._C.TensorBase */
+/* torch.Tensor, nn.Parameter (no __torch_function__ of their own in eager) and the type of a
+   property getter handed to a mode (Tensor.device.__get__) */
+static PyObject *g_plain_tensor = NULL, *g_parameter = NULL, *g_method_wrapper = NULL;
 static PyObject *g_DtypeType = NULL;       /* torch.dtype */
 static PyObject *g_torch_tensor = NULL;    /* torch.tensor */
 static PyObject *g_fill_factories = NULL;  /* (torch.zeros, torch.ones): int sizes -> rec.factory_leaf */
@@ -76,6 +79,7 @@ static PyObject *g_tf_at = NULL;           /* torch._C._get_function_stack_at */
 static PyObject *g_torch_dir = NULL;       /* torch's package directory, ending in the separator */
 static int g_ready = 0;                    /* setup() ran */
 
+static PyObject *s_leaf = NULL;
 static PyObject *s_record, *s_general, *s_requires_grad, *s_sig_entry, *s_materialize_leaves,
     *s_pending_limit, *s_step_limit, *s_inplace, *s_mode_call, *s_mode, *s_under_user_mode, *s_block_slow, *s_check_fp,
     *s_batchcraft_block, *s_fn, *s_register_view, *s_dunder_tf, *s_for_handler;
@@ -2255,6 +2259,58 @@ static PyObject *py_mode_call(PyObject *rec, PyObject *func, PyObject *targs, Py
     return r;
 }
 
+/* A property of a tensor from outside the instance (`weight.device` in a model's forward, once
+   per instance) read through the mode: nothing to record, nothing written. Torch stashes the mode
+   while its handler runs, so with no other mode on the stack and a plain Tensor or Parameter
+   (no handler of its own) the getter runs as under DisableTorchFunction, as the Python path
+   (RecorderBase.general -> run_concrete) runs it. NULL without error: a tensor result (.data,
+   .grad, .T alias shared state: run_concrete keeps them shared) or another case; the Python path
+   reads the getter again (getters have no side effects). */
+static PyObject *plain_property(PyObject *func, PyObject *a) {
+    PyObject *t = (PyObject *)Py_TYPE(a);
+    if (t != g_plain_tensor && t != g_parameter) return NULL;
+    PyObject *len = tf_stack_len();
+    if (!len) return NULL;
+    long depth = PyLong_AsLong(len);
+    Py_DECREF(len);
+    if (depth != 0) return NULL;  /* (-1 with an error: PyErr_Occurred tells the caller) */
+    PyObject *r = PyObject_CallOneArg(func, a);
+    if (!r || !PyObject_TypeCheck(r, (PyTypeObject *)g_TensorType)) return r;
+    Py_DECREF(r);
+    return NULL;
+}
+
+/* torch.tensor(a list or tuple of Python ints, floats and bools, dtype=, device=) with the mode
+   stashed and no other on the stack: made at once and kept as a per-instance leaf, as the Python
+   path (RecorderBase.general -> run_concrete -> leaf) makes it, without that path's two walks
+   over the list (Berxit's token ids and key mask: 30 values a sentence, 6 µs a call). NULL
+   without error: another case. */
+static PyObject *list_tensor_leaf(PyObject *rec, PyObject *func, PyObject *targs, PyObject *fkw) {
+    PyObject *v = PyTuple_GET_ITEM(targs, 0);
+    if (!PyList_CheckExact(v) && !PyTuple_CheckExact(v)) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(v);
+    PyObject **items = PySequence_Fast_ITEMS(v);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyTypeObject *t = Py_TYPE(items[i]);
+        if (t != &PyLong_Type && t != &PyFloat_Type && t != &PyBool_Type) return NULL;
+    }
+    if (fkw) {
+        Py_ssize_t pos = 0; PyObject *k, *val, *dt = NULL, *dev = NULL;
+        while (PyDict_Next(fkw, &pos, &k, &val))
+            if (!scalar_kws(k, val, &dt, &dev)) return NULL;
+    }
+    PyObject *len = tf_stack_len();
+    if (!len) return NULL;
+    long depth = PyLong_AsLong(len);
+    Py_DECREF(len);
+    if (depth != 0) return NULL;
+    PyObject *out = PyObject_Call(func, targs, fkw);
+    if (!out) return NULL;
+    PyObject *r = PyObject_CallMethodOneArg(rec, s_leaf, out);
+    Py_DECREF(out);
+    return r;
+}
+
 static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *func = nargs > 0 ? args[0] : NULL;
     PyObject *fargs = nargs > 2 ? args[2] : NULL;
@@ -2280,7 +2336,13 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
         if (!fkw) Py_XDECREF(kw);
     } else if (PyObject_TypeCheck(rec, &RecorderType)) {
         Py_ssize_t n = PyTuple_GET_SIZE(targs);
+        if (n == 1 && !fkw && (PyObject *)Py_TYPE(func) == g_method_wrapper) {
+            r = plain_property(func, PyTuple_GET_ITEM(targs, 0));
+            if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
+        }
         if (func == g_torch_tensor && n == 1) {
+            r = list_tensor_leaf(rec, func, targs, fkw);
+            if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
             PyObject *v = PyTuple_GET_ITEM(targs, 0);
             PyTypeObject *t = Py_TYPE(v);
             int ok = t == &PyLong_Type || t == &PyFloat_Type || t == &PyBool_Type;
@@ -3291,6 +3353,7 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     GET(g_int64_dtype, "int64_dtype"); GET(g_bool_dtype, "bool_dtype");
     GET(g_tf_mode_enabled_q, "tf_mode_enabled"); GET(g_tf_len_q, "tf_len"); GET(g_tf_at, "tf_at");
     GET(g_tf_enabled_q, "tf_enabled");
+    GET(g_plain_tensor, "plain_tensor"); GET(g_parameter, "parameter"); GET(g_method_wrapper, "method_wrapper");
     g_is_grad_q_fn = noarg_fn(g_is_grad_q); g_any_autocast_q_fn = noarg_fn(g_any_autocast_q);
     g_is_inference_q_fn = noarg_fn(g_is_inference_q); g_tf_mode_enabled_q_fn = noarg_fn(g_tf_mode_enabled_q);
     g_tf_len_q_fn = noarg_fn(g_tf_len_q); g_tf_enabled_q_fn = noarg_fn(g_tf_enabled_q);
@@ -3369,7 +3432,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
     INTERN(s_pending_limit, "pending_limit"); INTERN(s_step_limit, "step_limit"); INTERN(s_inplace, "inplace");
-    INTERN(s_mode_call, "mode_call"); INTERN(s_factory_leaf, "factory_leaf"); INTERN(s_mode, "mode"); INTERN(s_under_user_mode, "under_user_mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
+    INTERN(s_mode_call, "mode_call"); INTERN(s_leaf, "leaf"); INTERN(s_factory_leaf, "factory_leaf"); INTERN(s_mode, "mode"); INTERN(s_under_user_mode, "under_user_mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
     INTERN(s_batchcraft_block, "_batchcraft_block"); INTERN(s_fn, "fn"); INTERN(s_register_view, "register_view"); INTERN(s_dunder_tf, "__torch_function__"); INTERN(s_for_handler, "for_handler");
     INTERN(s_forward, "forward"); INTERN(s_parameters, "_parameters"); INTERN(s_weight, "weight"); INTERN(s_bias, "bias");
     INTERN(s_max_norm, "max_norm"); INTERN(s_padding_idx, "padding_idx"); INTERN(s_norm_type, "norm_type");

@@ -55,7 +55,8 @@ def _setup() -> None:
         bool_did=desc_id(((), torch.bool, torch.device("cpu"))),
         tf_mode_enabled=torch._C._is_torch_function_mode_enabled, tf_len=torch._C._len_torch_function_stack,
         tf_at=torch._C._get_function_stack_at, tf_enabled=torch._C._is_torch_function_enabled,
-        fill_factories=tuple(FILL_FACTORIES), torch_dir=TORCH_DIR))
+        fill_factories=tuple(FILL_FACTORIES), torch_dir=TORCH_DIR, plain_tensor=torch.Tensor,
+        parameter=torch.nn.Parameter, method_wrapper=type(torch.Tensor.data.__get__)))
     SIGNATURES.on_clear(_c.clear_signatures)
 
 

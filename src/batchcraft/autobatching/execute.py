@@ -34,6 +34,7 @@ from batchcraft.autobatching.lower import Runner
 from batchcraft.autobatching.program import Program
 from batchcraft.autobatching.signature import LEAF, RAGGED, SIGNATURES, call_with, flatten, rebuild
 from batchcraft.autobatching.threadstate import PLAIN, under
+from batchcraft.autobatching.threadstate import is_transform_wrapped as _wrapped
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
@@ -121,6 +122,8 @@ class Executor:
             return None
         if not all(t.is_contiguous() for t in outs):
             return None  # a copy would change eager's layout (.view() on it may rely on it)
+        if any(_wrapped(t) for t in outs):
+            return None  # torch.func's batched values have no storage to copy into a plain arena (#193)
         if len(outs) > 1 and any(t._base is not None for t in outs):
             # outputs aliasing each other ((a, a[0])) stay one storage; a view of a temporary
             # (an LSTM cell's squeezed h and c) is copied like any result

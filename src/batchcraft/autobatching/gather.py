@@ -14,6 +14,8 @@ from array import array as _array
 
 import torch
 
+from batchcraft.autobatching.threadstate import is_transform_wrapped as _wrapped
+
 try:  # optional extension (fuse.py): without it interleaved gathers take the cat path
     from batchcraft.autobatching import _fused
 except ImportError:  # pragma: no cover - exercised by the CC=/bin/false install
@@ -83,7 +85,6 @@ def materialize(x):
     return x.materialize() if type(x) is Rows else x
 
 
-_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda x: False)
 
 
 def _deferrable(t) -> bool:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.signature import LEAF, flatten, rebuild
+from batchcraft.autobatching.threadstate import outside_transforms
 
 
 class NeedsValues(Exception):
@@ -34,7 +35,8 @@ def _placeholder(did: int, rg: bool, device_kind: str):
     dev = "meta" if device_kind == "meta" else device
     t = torch.zeros(shape, dtype=dtype, device=dev) if device_kind == "real" else torch.empty(shape, dtype=dtype, device=dev)
     if rg and (dtype.is_floating_point or dtype.is_complex):
-        t.requires_grad_(True)
+        with outside_transforms():  # (functorch refuses requires_grad_() inside jvp and grad)
+            t.requires_grad_(True)
     return t
 
 

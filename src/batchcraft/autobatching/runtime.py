@@ -48,10 +48,10 @@ from batchcraft.autobatching import views as _views  # noqa: F401
 from batchcraft.autobatching.execute import Executor
 from batchcraft.autobatching.lazy import ATOMIC_PRINT, LazyTensor
 from batchcraft.autobatching.schedule import make_scheduler
-from batchcraft.autobatching.signature import flatten, rebuild
+from batchcraft.autobatching.signature import SIGNATURES, flatten, rebuild
 from batchcraft.autobatching.stats import RunStats
 from batchcraft.autobatching.threadstate import (DISPATCH_MODES, SAVED_TENSORS_HOOKS, FiberState, autocast_dtypes,
-                                                 set_autocast_dtypes)
+                                                 set_autocast_dtypes, under_transform)
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
@@ -218,6 +218,9 @@ class Runtime:
         measured = getattr(self.executor.kernels, "n_measured", 0)
         retention = _memory.retain(self.options.retain_memory)
         faults = _minor_faults()
+        transformed = under_transform()
+        if transformed:  # signatures recorded under torch.func transforms stay inside them (#190)
+            SIGNATURES.clear()
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
@@ -235,6 +238,8 @@ class Runtime:
                 st.memory_retained = retention.retained
                 st.page_faults = _minor_faults() - faults
             finally:
+                if transformed:
+                    SIGNATURES.clear()
                 if gc_was_enabled:
                     gc.enable()
 

@@ -41,6 +41,41 @@ _hooks_disable = torch._C._autograd._saved_tensors_hooks_disable
 _hooks_enable = torch._C._autograd._saved_tensors_hooks_enable
 
 
+_NOTHING = contextlib.nullcontext()
+_peek_transform = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
+
+
+#: ``is_transform_wrapped(t)``: ``t`` is a ``torch.func`` wrapper (a transform's batched or
+#: dual value): it has no storage of its own (no ``data_ptr()``, no raw copies into it or out of it)
+is_transform_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                               lambda x: False)
+
+
+def under_transform() -> bool:
+    """A ``torch.func`` transform (``jvp``, ``vmap``, ``grad``) is active in this thread.
+
+    Inside one, eager's results differ in ways a signature records (under ``jvp`` ``lin(x)``
+    does not require grad although the weight does), so signatures recorded inside and outside
+    a transform must not be shared (reliability #190).
+    """
+    return _peek_transform() is not None
+
+
+try:
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_transforms
+except ImportError:  # an older torch: the helper below steps aside
+    _clear_transforms = None
+
+
+def outside_transforms():
+    """Context manager: the ``torch.func`` transforms of this thread set aside (a no-op without
+    one). batchcraft's own placeholders and measurements call ``requires_grad_()``, which functorch
+    refuses inside a transform; they are not the user's values, so they run outside it."""
+    if _clear_transforms is None or _peek_transform() is None:
+        return _NOTHING
+    return _clear_transforms()
+
+
 def _autocast_devices() -> tuple:
     try:
         devs = list(torch._C._autocast_supported_devices())
@@ -117,9 +152,6 @@ def op_state() -> tuple:
 
 
 PLAIN = (True, False, None)  # an op_state: grad on, no inference mode, no autocast
-
-
-_NOTHING = contextlib.nullcontext()
 
 
 def under(state: tuple):
