@@ -681,10 +681,8 @@ def test_deferred_inputs_are_published_only_with_the_program_that_takes_them():
     assert f.stats.rows_in_place > 0  # published once _fast was set
 
 
-def test_vmap_over_a_call_declines_the_kernels_instead_of_failing_the_groups():
-    # reliability #186 (hostile helper, stop 38; present before): under torch.func.vmap the
-    # operands are batched wrappers without storage; data_ptr() raised and every fused group ran
-    # one instance at a time. The kernels now decline and the programs' torch calls run.
+def _token_gate():
+    """A static block over a token and a state, (8,): an embedding, a linear, a gated update."""
     torch.manual_seed(3)
     emb, lin = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 16)
 
@@ -692,6 +690,15 @@ def test_vmap_over_a_call_declines_the_kernels_instead_of_failing_the_groups():
     def gate(w, x):
         p, q = lin(emb(w)).chunk(2)
         return torch.sigmoid(p) * torch.tanh(q) + x
+
+    return gate
+
+
+def test_vmap_over_a_call_declines_the_kernels_instead_of_failing_the_groups():
+    # reliability #186 (hostile helper, stop 38; present before): under torch.func.vmap the
+    # operands are batched wrappers without storage; data_ptr() raised and every fused group ran
+    # one instance at a time. The kernels now decline and the programs' torch calls run.
+    gate = _token_gate()
 
     def fn(inst):
         toks, x = inst
@@ -795,13 +802,7 @@ def test_a_chain_of_blocks_under_a_transform_matches_eager(transform):
     # reliability #193 (stop 40; new at stop 39): a group's outputs copied into the flush's
     # output arena read data_ptr() of torch.func's batched values, which have no storage: the
     # call raised under vmap. Wrapped outputs now stay out of the arenas.
-    torch.manual_seed(3)
-    emb, lin = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 16)
-
-    @static_block
-    def gate(w, x):
-        p, q = lin(emb(w)).chunk(2)
-        return torch.sigmoid(p) * torch.tanh(q) + x
+    gate = _token_gate()
 
     def fn(inst):
         toks, x = inst

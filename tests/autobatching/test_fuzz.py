@@ -112,12 +112,13 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
     elementwise steps then run as fused kernels (``fuse.py``), which autograd turns off."""
     from contextlib import nullcontext
 
-    from batchcraft.autobatching import chains, dedup, execute, order
+    from batchcraft.autobatching import chains, dedup, execute, gather, order
 
     min_nodes, min_chain, min_order = order.MIN_NODES, chains.MIN_NODES, execute.ORDER_MIN_ROW_BYTES
-    min_dedup = dedup.MIN_NODES
+    min_dedup, min_refs = dedup.MIN_NODES, gather.ROW_REFS_MIN_BYTES
     order.MIN_NODES = chains.MIN_NODES = dedup.MIN_NODES = 2  # the fuzzer's few instances reach them
     execute.ORDER_MIN_ROW_BYTES = 1  # every group runs in its largest input's source order
+    gather.ROW_REFS_MIN_BYTES = 0  # every per-node matrix only products read is read in place (rowmm.py)
     try:
         for core in cores or [CORES[0]]:
             with torch.device(device) if device is not None else nullcontext():
@@ -133,7 +134,7 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
                 COUNTS[k] = COUNTS.get(k, 0) + getattr(f.stats, k)
     finally:
         order.MIN_NODES, chains.MIN_NODES, execute.ORDER_MIN_ROW_BYTES = min_nodes, min_chain, min_order
-        dedup.MIN_NODES = min_dedup
+        dedup.MIN_NODES, gather.ROW_REFS_MIN_BYTES = min_dedup, min_refs
     return f
 
 

@@ -509,7 +509,60 @@ static PyObject *fused_copy_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* gemm_batch(fn, count, trans_a, trans_b, m, n, k, alpha, a_addrs, a_base, a_stride, lda,
+              b_addrs, b_base, b_stride, ldb, beta, c_base, c_stride, ldc)
+   C_i = alpha op(A_i) op(B_i) + beta C_i for i < count (row-major float32; op: transposed when
+   trans_x is 1), through `fn`, the address of a CBLAS `cblas_sgemm_batch` (MKL's, which torch's
+   library exports; rowmm.py finds it and checks it). Operand i is X_addrs[i] when X_addrs is
+   not 0 (the address of `count` int64 addresses: rows of several buffers, read in place), else
+   X_base + i * X_stride bytes (0: one matrix for all). The caller (rowmm.py) owns the shapes,
+   strides and the lifetime of every buffer; this only builds the pointer arrays. */
+typedef void (*sgemm_batch_fn)(int, const int *, const int *, const int *, const int *, const int *,
+                               const float *, const float **, const int *, const float **, const int *,
+                               const float *, float **, const int *, int, const int *);
+
+static PyObject *fused_gemm_batch(PyObject *self, PyObject *args) {
+    PyObject *pfn, *pa_addrs, *pa, *pb_addrs, *pb, *pc;
+    Py_ssize_t count, a_stride, b_stride, c_stride;
+    int trans_a, trans_b, m, n, k, lda, ldb, ldc;
+    float alpha, beta;
+    if (!PyArg_ParseTuple(args, "OnppiiifOOniOOnifOni:gemm_batch", &pfn, &count, &trans_a, &trans_b,
+                          &m, &n, &k, &alpha, &pa_addrs, &pa, &a_stride, &lda, &pb_addrs, &pb, &b_stride, &ldb,
+                          &beta, &pc, &c_stride, &ldc)) return NULL;
+    sgemm_batch_fn fn = (sgemm_batch_fn)PyLong_AsVoidPtr(pfn);
+    const int64_t *a_addrs = PyLong_AsVoidPtr(pa_addrs);
+    const char *a = PyLong_AsVoidPtr(pa);
+    const int64_t *b_addrs = PyLong_AsVoidPtr(pb_addrs);
+    const char *b = PyLong_AsVoidPtr(pb);
+    char *c = PyLong_AsVoidPtr(pc);
+    if (PyErr_Occurred()) return NULL;
+    if (!fn || !c || count < 0 || count > INT32_MAX || m <= 0 || n <= 0 || k <= 0 || (!a_addrs && !a) || (!b_addrs && !b)) {
+        PyErr_SetString(PyExc_ValueError, "gemm_batch: bad sizes or a null address");
+        return NULL;
+    }
+    if (count == 0) Py_RETURN_NONE;
+    const float **ap = malloc(sizeof(float *) * (size_t)count * 2);
+    float **cp = malloc(sizeof(float *) * (size_t)count);
+    if (!ap || !cp) { free(ap); free(cp); return PyErr_NoMemory(); }
+    const float **bp = ap + count;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        ap[i] = (const float *)(a_addrs ? (const char *)(intptr_t)a_addrs[i] : a + i * a_stride);
+        bp[i] = (const float *)(b_addrs ? (const char *)(intptr_t)b_addrs[i] : b + i * b_stride);
+        cp[i] = (float *)(c + i * c_stride);
+    }
+    const int ta = trans_a ? 112 : 111, tb = trans_b ? 112 : 111, group = (int)count;  /* CblasTrans / NoTrans */
+    Py_BEGIN_ALLOW_THREADS
+    fn(101 /* CblasRowMajor */, &ta, &tb, &m, &n, &k, &alpha, ap, &lda, bp, &ldb, &beta, cp, &ldc, 1, &group);
+    Py_END_ALLOW_THREADS
+    free(ap);
+    free(cp);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"gemm_batch", fused_gemm_batch, METH_VARARGS,
+     "gemm_batch(fn, count, trans_a, trans_b, m, n, k, alpha, a_addrs, a_base, a_stride, lda, b_addrs, b_base, "
+     "b_stride, ldb, beta, c_base, c_stride, ldc): a pointer-array batched GEMM (rowmm.py)."},
     {"copy_rows", fused_copy_rows, METH_VARARGS,
      "copy_rows(dst, dst_rows, src, src_rows, row_bytes, src_stride, count, dst_limit, src_limit): row copies (gather.py)."},
     {"seg_sum", fused_seg_sum, METH_VARARGS,

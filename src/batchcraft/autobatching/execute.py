@@ -29,7 +29,7 @@ from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching import lookup as _lookup
 from batchcraft.autobatching.descs import DESCS, row_bytes
-from batchcraft.autobatching.gather import Rows, index_tensor, keep_requires_grad, materialize, take, take_all
+from batchcraft.autobatching.gather import RowRefs, Rows, index_tensor, keep_requires_grad, materialize, take, take_all
 from batchcraft.autobatching.lower import Runner
 from batchcraft.autobatching.program import Program
 from batchcraft.autobatching.signature import LEAF, RAGGED, SIGNATURES, call_with, flatten, rebuild
@@ -269,7 +269,8 @@ class Executor:
         plain = hoisted is None and not info.state[0] and info.state[2] is None
         with under(info.state):
             if hoisted is None:
-                ins = take_all(bufs, plans[:prog.n_in], runner.deferred_ins if plain else ())
+                ins = take_all(bufs, plans[:prog.n_in], runner.deferred_ins if plain else (),
+                               runner.rows_ins if plain else ())  # (RowRefs: rowmm.py)
             else:
                 sp = hoisted[0]
                 reads = sp.rest_reads
@@ -291,8 +292,8 @@ class Executor:
             if not info.state[0] and not info.state[1]:
                 ins = keep_requires_grad(bufs, plans, ins)
             rags, segs, cnts = [], [], []
-            if plain and runner.deferred_ins:
-                st.rows_in_place += sum(type(x) is Rows for x in ins)
+            if plain and (runner.deferred_ins or runner.rows_ins):
+                st.rows_in_place += sum(type(x) is Rows or type(x) is RowRefs for x in ins)
             if prog.n_ragged:
                 seen = set()
                 for r, (p, seg, cnt) in enumerate(plans[prog.n_in:]):
@@ -307,6 +308,7 @@ class Executor:
             t1 = _perf()
             fc = _fuse.COUNTS
             c0, s0, d0 = fc.calls, fc.steps, fc.declined
+            k0 = RowRefs.copied
             rows = None  # a deduplicated group: each node's row among its distinct outputs
             dest = None  # arena rows the program's kernels may write its outputs into
             try:
@@ -338,6 +340,7 @@ class Executor:
             except Exception as exc:
                 rows = None
                 outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), rags, plans, exc)
+            st.rows_in_place -= RowRefs.copied - k0  # (rows a product could not read in place: copied)
             if fc.calls != c0 or fc.declined != d0:
                 st.fused_kernels += fc.calls - c0
                 st.steps_fused += fc.steps - s0

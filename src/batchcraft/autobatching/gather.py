@@ -80,9 +80,76 @@ class Rows:
         return self.buffer.index_select(0, self.index)
 
 
+class RowRefs:
+    """Rows of one or more buffers, not copied: the address of each node's row (``addrs``,
+    ``(n,)`` int64), read in place by the batched products of :mod:`rowmm` (a pointer-array
+    GEMM), so the gather's copy of large per-node matrices (MV-RNN's 64 KiB ``A^T``) is never
+    made. ``shape``: one row's shape. Any other reader calls :meth:`materialize` (the copy it
+    saved). Only made by :func:`row_refs`, which checks every buffer."""
+
+    __slots__ = ("addrs", "shape", "buffers", "plan", "_copy")
+    copied = 0  # RowRefs materialized so far (the executor's rows_in_place counts only the others)
+
+    def __init__(self, addrs, shape, buffers, plan):
+        self.addrs = addrs
+        self.shape = shape
+        self.buffers = buffers  # (the flush's buffer list: keeps every row alive while this is read)
+        self.plan = plan
+        self._copy = None
+
+    @property
+    def device(self):
+        return self.addrs.device
+
+    def materialize(self) -> torch.Tensor:
+        if self._copy is None:  # (gathered once for all its readers)
+            RowRefs.copied += 1
+            self._copy = _take(self.buffers, self.plan)
+        return self._copy
+
+
+#: rows smaller than this are gathered (a copy of small rows costs less than per-node products)
+ROW_REFS_MIN_BYTES = 4096
+
+
+def row_refs(buffers, plan):
+    """The rows of an index or multi-buffer ``plan`` as a :class:`RowRefs`, or None where the
+    gather must run: a view plan (no copy to save), small rows, autograd, another device or
+    dtype than float32 CPU, a torch.func wrapper, a conjugate, negative or zero tensor (their
+    memory is not their values: reliability #192), rows that are not contiguous, an index out
+    of its buffer."""
+    kind = plan[0]
+    if kind == "view":
+        return None
+    pieces, perm = ([(plan[1], plan[2])], None) if kind == "index" else (plan[1], plan[2])
+    first = buffers[pieces[0][0]]
+    if first.dim() < 2 or first[0].numel() * 4 < ROW_REFS_MIN_BYTES:
+        return None
+    parts = []
+    for b, rows in pieces:
+        t = buffers[b]
+        if (type(t) is not _T or not t.is_cpu or t.dtype is not torch.float32 or t.shape[1:] != first.shape[1:]
+                or t.requires_grad or _wrapped(t) or t.is_conj() or t.is_neg() or t._is_zerotensor()
+                or _rows_2d(t) is None):
+            return None
+        r0, n = _run_of(rows)
+        idx = torch.arange(r0, r0 + n, dtype=_int64) if r0 >= 0 else index_tensor(rows, t.device)
+        if n and (int(idx.min()) < 0 or int(idx.max()) >= t.shape[0]):
+            return None
+        parts.append(idx * (t.stride(0) * 4) + t.data_ptr())
+    addrs = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if perm is not None:
+        p = index_tensor(perm, addrs.device)
+        if p.shape[0] != addrs.shape[0]:
+            return None
+        addrs = addrs.index_select(0, p)
+    return RowRefs(addrs.contiguous(), tuple(first.shape[1:]), buffers, plan)
+
+
 def materialize(x):
-    """``x``, or the tensor of a :class:`Rows` (what a program's unfused branch reads)."""
-    return x.materialize() if type(x) is Rows else x
+    """``x``, or the tensor of a :class:`Rows` / :class:`RowRefs` (what a program's unfused
+    branch reads)."""
+    return x.materialize() if type(x) is Rows or type(x) is RowRefs else x
 
 
 
@@ -203,7 +270,7 @@ def keep_requires_grad(buffers, plans, ins) -> list:
     """
     out = ins
     for j, t in enumerate(ins[:len(plans)]):  # (a hoisted rest's prefix outputs come after)
-        if t is None or type(t) is Rows or t.requires_grad:  # (Rows: of buffers without history)
+        if t is None or type(t) is Rows or type(t) is RowRefs or t.requires_grad:  # (of buffers without history)
             continue
         p = plans[j]
         kind = p[0]
@@ -221,17 +288,23 @@ def keep_requires_grad(buffers, plans, ins) -> list:
 JOIN_MIN = 2
 
 
-def take_all(buffers, plans, defer=()) -> list:
+def take_all(buffers, plans, defer=(), refs=()) -> list:
     """:func:`take` of every plan of a group; index plans reading one buffer share one gather.
 
     A group with many slots (``torch.stack`` of a sentence's words: one slot per word) would make
     one small ``index_select`` per slot; joined, the slots are one ``index_select`` of all their
     rows (slot after slot) and each slot is a contiguous view of it. Values are the same rows.
-    ``defer``: slots taken with ``take(..., defer=True)`` (possibly :class:`Rows`).
+    ``defer``: slots taken with ``take(..., defer=True)`` (possibly :class:`Rows`); ``refs``:
+    slots taken as :class:`RowRefs` where :func:`row_refs` allows (else gathered).
     """
     by_buf: dict = {}
+    got: dict = {}
+    for j in refs:
+        r = row_refs(buffers, plans[j])
+        if r is not None:
+            got[j] = r
     for j, p in enumerate(plans):
-        if p[0] == "index" and j not in defer:
+        if p[0] == "index" and j not in defer and j not in got:
             by_buf.setdefault(p[1], []).append(j)
     out = [None] * len(plans)
     for b, js in by_buf.items():
@@ -252,6 +325,8 @@ def take_all(buffers, plans, defer=()) -> list:
         for j, n in zip(js, sizes):
             out[j] = g[r0:r0 + n]
             r0 += n
+    for j, r in got.items():
+        out[j] = r
     return [take(buffers, p, j in defer) if o is None else o for j, (p, o) in enumerate(zip(plans, out))]
 
 

@@ -22,11 +22,13 @@ program is compiled again without the checks.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 import torch
 
 from batchcraft.autobatching import fuse as _fuse
+from batchcraft.autobatching import rowmm as _rowmm
 from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.gather import materialize as _materialize
 from batchcraft.autobatching.program import draws
@@ -222,6 +224,8 @@ class Runner:
         self._checked = None
         self.deferred_ins: frozenset = frozenset()
         self.deferred_rags: frozenset = frozenset()
+        self.rows_ins: frozenset = frozenset()  # inputs only batched products read (rowmm.py)
+        self._rows_built: frozenset = frozenset()
         self.writes_outputs = False  # a fused kernel computes a program output (__call__'s dest)
         self.source = ""
         self.compiled = None
@@ -320,6 +324,10 @@ class Runner:
                 _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batched)
             except Exception as exc:  # a rewriting bug must cost the rewrite, never the batching
                 self.rewrite_error = f"{type(exc).__name__}: {exc}"
+            try:
+                self._rows_built = _products_from_rows(em, prog, step_lines, step_rule)
+            except Exception as exc:  # (as above: the program keeps its gathers)
+                self.rewrite_error = f"{type(exc).__name__}: {exc}"
         if checked or not self.fuse:
             return (*compiled([]), rules, (none, none))
         try:
@@ -415,6 +423,7 @@ class Runner:
             self._fast, self.source, self.rules, deferred = self._build(checked=False)
             # published after _fast: another thread that reads them runs the program that takes Rows
             self.deferred_ins, self.deferred_rags = deferred
+            self.rows_ins = self._rows_built
             return out
 
     @property
@@ -561,6 +570,59 @@ def _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batch
         step_lines[st.index] = [f"    v{st.index}_0 = {em.name(matmul_accumulate, 'K')}(v{a[1]}_0, {x}, {w})"]
         done += 1
     return done
+
+
+def _products_from_rows(em, prog, step_lines, step_rule) -> frozenset:
+    """The inputs that only batched products read, each as a bare argument (a ``matmul`` step,
+    or the second product of an accumulated sum): those products call :mod:`rowmm`, which reads
+    the input's rows in place when the executor passes them as
+    :class:`~batchcraft.autobatching.gather.RowRefs` (``Runner.rows_ins``) and is
+    ``torch.matmul`` / :func:`matmul_accumulate` otherwise. Returns those inputs' indices
+    (none where this build has no pointer-array GEMM: the gathers stay)."""
+    if not _rowmm.sgemm_batch():
+        return frozenset()
+    mm = em.name(torch.matmul, "F")
+    acc = em.name(matmul_accumulate, "K")
+    calls = {}  # step -> (kind, bare arguments) of its one line, a call of mm or acc
+    folded = set()  # products added in by an accumulated sum's line (their own lines are gone)
+    for st in prog.steps:
+        lines = step_lines[st.index]
+        if not lines:
+            if step_rule.get(st.index) == "matmul":
+                folded.add(st.index)
+            continue
+        for kind, callee in (("mm", mm), ("acc", acc)):
+            head = f"    v{st.index}_0 = {callee}("
+            if len(lines) == 1 and lines[0].startswith(head) and lines[0].endswith(")") \
+                    and (kind == "acc" or step_rule.get(st.index) == "matmul"):
+                args = lines[0][len(head):-1].split(", ")
+                calls[st.index] = (kind, args)
+    readers: dict = {}
+    for st in prog.steps:
+        for r in st.refs:
+            if r[0] == "in":
+                readers.setdefault(r[1], set()).add(st.index)
+    outs = {r[1] for r in prog.out_refs if r[0] == "in"}
+    text = [ln for st in prog.steps for ln in step_lines[st.index]]
+    eligible = []
+    for j, steps in readers.items():
+        name = f"I{j}"
+        if j in outs or not all(i in calls or i in folded for i in steps):
+            continue
+        # every use of the input in the program is a bare argument of one of those calls
+        uses = sum(len(re.findall(rf"\b{name}\b", ln)) for ln in text)
+        bare = sum(args.count(name) for _, args in calls.values())
+        if uses and uses == bare:
+            eligible.append(j)
+    if not eligible:
+        return frozenset()
+    rmm = em.name(_rowmm.matmul, "RM")
+    racc = em.name(_rowmm.matmul_accumulate, "RA")
+    for i, (kind, args) in calls.items():
+        if any(f"I{j}" in args for j in eligible):
+            old = f" = {mm}(" if kind == "mm" else f" = {acc}("
+            step_lines[i] = [step_lines[i][0].replace(old, f" = {rmm}(" if kind == "mm" else f" = {racc}(", 1)]
+    return frozenset(eligible)
 
 
 def _rank(st, j: int):

@@ -47,8 +47,9 @@ class RunStats:
             level, an operand on another device or layout). Steps of other dtypes, and programs
             traced under autocast, are never planned as kernels: not counted.
         rows_in_place (int): gathered inputs handed to fused kernels as rows of their buffers
-            (``gather.Rows``), read through their row index instead of a gather's copy; where a
-            kernel declined at run time (``fused_declined``), its unfused branch copied them.
+            (``gather.Rows``), read through their row index instead of a gather's copy, or to
+            batched matrix products as their rows' addresses (``gather.RowRefs``, ``rowmm.py``);
+            where a kernel declined at run time (``fused_declined``), its unfused branch copied them.
         ragged_declined (dict[str, int]): static blocks whose list arguments could not run as
             ragged groups (their nodes then group by list length), with the operation or use that
             prevented it; noted when a block is traced for a new list pattern.

@@ -1,0 +1,163 @@
+"""Batched products that read per-node matrices where they lie (a pointer-array GEMM).
+
+A group's per-node operand is usually gathered first: its rows, spread over the buffers of
+earlier groups, are copied into one ``(n, ...)`` tensor that ``torch.matmul`` then reads. For
+large rows this copy costs as much as a third of the product (MV-RNN at hidden 128 composes
+64 KiB matrices ``A^T``, ``B^T``: 12-14 ms of gathers a batch of 64 sentences). DyNet keeps
+every node's value in one memory pool and batches by pointers; cuBLAS and MKL offer the same
+for GEMMs: ``cblas_sgemm_batch`` takes an array of operand addresses (Intel MKL Developer
+Reference, "cblas_?gemm_batch"). torch's CPU library carries MKL and exports that function, so
+the lowered programs call it through ``_fused.gemm_batch`` on the rows' addresses
+(:class:`~batchcraft.autobatching.gather.RowRefs`), and the gather is never made.
+
+Where it applies (:func:`matmul`, :func:`matmul_accumulate`): inference (no autograd),
+float32 on the CPU, no autocast, a per-node operand given as ``RowRefs`` of ``(M, K)`` or
+``(K, N)`` rows, the other operand a shared 2-D matrix with one unit stride or a per-node
+``(n, M, K)`` tensor with unit last stride. Anything else materializes the rows (the gather
+it saved) and runs ``torch.matmul`` as written. Values: each node's product is one GEMM of the
+same shapes torch folds it to; float32 rounding can differ from torch's single GEMM in the
+order of the K-sums (within float32 tolerance; on the shapes measured here it is bit-identical).
+
+The function is found once per process (:func:`sgemm_batch`) and checked against
+``torch.matmul`` on a small case before first use; a torch without it (no MKL: ARM, OpenBLAS
+builds) keeps the gathers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+
+from batchcraft.autobatching.gather import RowRefs, materialize
+
+try:  # optional extension (the pointer arrays are built in C)
+    from batchcraft.autobatching import _fused
+except ImportError:  # pragma: no cover - exercised by the CC=/bin/false install
+    _fused = None
+
+_T = torch.Tensor
+_F32 = torch.float32
+_lock = threading.Lock()
+_ADDRESS: list = []  # [address or 0], filled once
+
+
+def _find() -> int:
+    """The address of ``cblas_sgemm_batch`` in the process's torch libraries, or 0."""
+    names = [None]  # the process's global symbols first
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    names += [os.path.join(lib_dir, n) for n in ("libtorch_cpu.so", "libtorch_cpu.dylib")]
+    for name in names:
+        if name is not None and not os.path.exists(name):
+            continue
+        try:
+            fn = getattr(ctypes.CDLL(name), "cblas_sgemm_batch")
+        except (OSError, AttributeError):
+            continue
+        return ctypes.cast(fn, ctypes.c_void_p).value or 0
+    return 0
+
+
+def _works(address: int) -> bool:
+    """Does ``address`` compute ``torch.matmul``'s products (two nodes, a transposed operand)?"""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 3, 5, generator=g)
+    w = torch.randn(4, 5, generator=g)  # used as w.t(): (5, 4)
+    out = torch.empty(2, 3, 4)
+    addrs = torch.tensor([a[0].data_ptr(), a[1].data_ptr()], dtype=torch.int64)
+    _fused.gemm_batch(address, 2, False, True, 3, 4, 5, 1.0, addrs.data_ptr(), 0, 0, 5,
+                      0, w.data_ptr(), 0, 5, 0.0, out.data_ptr(), 12 * 4, 4)
+    return bool(torch.allclose(out, torch.matmul(a, w.t()), rtol=1e-5, atol=1e-5))
+
+
+def sgemm_batch() -> int:
+    """The checked address of ``cblas_sgemm_batch``, or 0 (no extension, no MKL, a failed check)."""
+    if not _ADDRESS:
+        with _lock:
+            if not _ADDRESS:
+                address = 0
+                if _fused is not None and hasattr(_fused, "gemm_batch"):
+                    try:
+                        with torch._C.DisableTorchFunction():
+                            found = _find()
+                            address = found if found and _works(found) else 0
+                    except Exception:  # a library that is not what its name says: keep the gathers
+                        address = 0
+                _ADDRESS.append(address)
+    return _ADDRESS[0]
+
+
+def _shared_2d(w):
+    """``(transposed, ld)`` for a 2-D float32 CPU matrix with one unit stride, or None."""
+    if (type(w) is not _T and type(w) is not torch.nn.Parameter) or w.dim() != 2 or w.dtype is not _F32 \
+            or not w.is_cpu or w.is_conj() or w.is_neg() or w._is_zerotensor():
+        return None
+    k, n = w.shape
+    s0, s1 = w.stride()
+    if s1 == 1 and s0 >= max(n, 1):
+        return False, s0
+    if s0 == 1 and s1 >= max(k, 1):
+        return True, s1  # w is the transpose of a row-major (n, k) matrix
+    return None
+
+
+def _plain_on() -> bool:
+    """Autograd or autocast would need what a raw GEMM does not record."""
+    return torch.is_grad_enabled() or torch._C._is_any_autocast_enabled()
+
+
+def _refs_product(r, w, out, beta: float) -> bool:
+    """``out[i] (+)= rows[i] @ w`` for RowRefs ``r`` of ``(M, K)`` rows and a shared ``(K, N)``."""
+    if len(r.shape) != 2 or out.shape[1:] != (r.shape[0], w.shape[1]) or r.shape[1] != w.shape[0]:
+        return False
+    lay = _shared_2d(w)
+    if lay is None:
+        return False
+    m, k = r.shape
+    n = w.shape[1]
+    _fused.gemm_batch(sgemm_batch(), r.addrs.shape[0], False, lay[0], m, n, k, 1.0, r.addrs.data_ptr(), 0, 0, k,
+                      0, w.data_ptr(), 0, lay[1], beta, out.data_ptr(), m * n * 4, n)
+    return True
+
+
+def matmul(a, b):
+    """``torch.matmul(a, b)`` where ``a`` or ``b`` may be a :class:`RowRefs` (see module docstring).
+
+    Shapes: ``RowRefs (n; M, K) @ (K, N)`` and ``(n, M, K) @ RowRefs (n; K, N)`` -> ``(n, M, N)``
+    float32, computed from the rows in place; other cases as ``torch.matmul`` of the gathered rows.
+    """
+    ta, tb = type(a), type(b)
+    if (ta is RowRefs or tb is RowRefs) and not _plain_on() and sgemm_batch():
+        if ta is RowRefs and tb is not RowRefs and isinstance(b, _T) and b.dim() == 2 and len(a.shape) == 2:
+            out = torch.empty((a.addrs.shape[0], a.shape[0], b.shape[1]), dtype=_F32)
+            if _refs_product(a, b, out, 0.0):
+                return out
+        elif tb is RowRefs and ta is _T and a.dim() == 3 and len(b.shape) == 2 and a.dtype is _F32 and a.is_cpu \
+                and a.shape[0] == b.addrs.shape[0] and a.shape[2] == b.shape[0] and a.stride(2) == 1 \
+                and not (a.is_conj() or a.is_neg() or a._is_zerotensor()) and (a.shape[1] == 1 or a.stride(1) >= a.shape[2]):
+            count, m, k = a.shape
+            n = b.shape[1]
+            out = torch.empty((count, m, n), dtype=_F32)
+            lda = a.stride(1) if m > 1 else k
+            _fused.gemm_batch(sgemm_batch(), count, False, False, m, n, k, 1.0, 0, a.data_ptr(), a.stride(0) * 4, lda,
+                              b.addrs.data_ptr(), 0, 0, n, 0.0, out.data_ptr(), m * n * 4, n)
+            return out
+    return torch.matmul(materialize(a), materialize(b))
+
+
+def matmul_accumulate(acc, y, w):
+    """``acc + y @ w`` with ``acc`` a fresh product nothing else reads (as
+    :func:`~batchcraft.autobatching.lower.matmul_accumulate`), where ``y`` may be a
+    :class:`RowRefs` of ``(M, K)`` rows: ``y @ w`` is added into ``acc`` by one batched GEMM
+    with beta 1, from the rows in place."""
+    if (type(y) is RowRefs and type(acc) is _T and acc.dtype is _F32 and acc.is_cpu and acc.is_contiguous()
+            and acc.dim() == 3 and acc.shape[0] == y.addrs.shape[0] and isinstance(w, _T) and w.dim() == 2
+            and not _plain_on() and not acc.requires_grad and sgemm_batch()):
+        if _refs_product(y, w, acc, 1.0):
+            return acc
+    return acc + torch.matmul(materialize(y), w)
+
+
+__all__ = ["matmul", "matmul_accumulate", "sgemm_batch"]

@@ -1,0 +1,174 @@
+"""Batched products read per-node matrices in place (rowmm.py, gather.RowRefs).
+
+Each product computed from rows' addresses (a pointer-array GEMM) must equal ``torch.matmul``
+of the gathered rows; every case the pointer path does not handle (autograd, strides, dtypes,
+small rows, no extension) must take the gather and still be right. End to end, MV-RNN-style
+compositions (per-node matrices from several buffers, read by a vector product and by an
+accumulated matrix product) match eager with the rows read in place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from batchcraft import autobatch, static_block
+from batchcraft.autobatching import gather, rowmm
+
+from equivalence import assert_matches_eager
+
+needs_gemm = pytest.mark.skipif(not rowmm.sgemm_batch(), reason="no pointer-array GEMM in this build (or no extension)")
+
+
+def _refs(buffers, plan):
+    r = gather.row_refs(buffers, plan)
+    assert r is not None
+    return r
+
+
+def _pieces(rng, n, shape, n_buffers):
+    """``n`` rows of ``shape`` spread over ``n_buffers`` buffers: (buffers, multi plan, gathered)."""
+    bufs = [torch.randn(n + 3, *shape, generator=rng) for _ in range(n_buffers)]
+    owner = torch.randint(0, n_buffers, (n,), generator=rng).tolist()
+    pieces, order = [], []
+    for b in range(n_buffers):
+        rows = [i + 1 for i in range(n) if owner[i] == b]
+        if rows:
+            pieces.append((b, rows))
+            order += [(b, r) for r in rows]
+    perm = torch.randperm(n, generator=rng).tolist()  # row i of the group = concatenation row perm[i]
+    gathered = torch.stack([bufs[order[p][0]][order[p][1]] for p in perm])
+    return bufs, ("multi", pieces, perm), gathered
+
+
+@needs_gemm
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # (one patch for all)
+@given(n=st.integers(1, 9), m=st.integers(1, 6), k=st.integers(1, 7), n_out=st.integers(1, 6),
+       buffers=st.integers(1, 3), transposed=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_products_from_row_addresses_equal_matmul_of_the_gathered_rows(n, m, k, n_out, buffers, transposed, seed,
+                                                                       monkeypatch):
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 0)
+    rng = torch.Generator().manual_seed(seed)
+    bufs, plan, g = _pieces(rng, n, (m, k), buffers)
+    big = torch.randn(n_out + 2, 2 * k + 1, generator=rng)
+    w = big[:n_out, 1:k + 1].t() if transposed else torch.randn(k, n_out, generator=rng)  # strided weights too
+    with torch.no_grad():
+        torch.testing.assert_close(rowmm.matmul(_refs(bufs, plan), w), torch.matmul(g, w), rtol=1e-5, atol=1e-5)
+        vec = torch.randn(n, 1, m, generator=rng)
+        bufs2, plan2, g2 = _pieces(rng, n, (m, k), buffers)
+        torch.testing.assert_close(rowmm.matmul(vec, _refs(bufs2, plan2)), torch.matmul(vec, g2), rtol=1e-5, atol=1e-5)
+        acc = torch.randn(n, m, n_out, generator=rng)
+        want = acc + torch.matmul(g, w)
+        got = rowmm.matmul_accumulate(acc.clone(), _refs(bufs, plan), w)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cases_the_pointer_path_does_not_take_gather_and_match(monkeypatch):
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 0)
+    rng = torch.Generator().manual_seed(0)
+    bufs, plan, g = _pieces(rng, 5, (3, 4), 2)
+    r = gather.row_refs(bufs, plan)
+    w = torch.randn(4, 2, generator=rng)
+    cases = [
+        (r, torch.randn(8, 2, generator=rng)[::2]),   # neither stride of the weight is 1
+        (r, w.double()),                              # dtype
+        (torch.randn(5, 1, 3, generator=rng).double(), _refs(bufs, ("index", 0, [1, 2, 3]))),
+        (r, torch.randn(5, 4, 2, generator=rng)),     # per-node right operand
+    ]
+    for a, b in cases:
+        try:
+            want = torch.matmul(gather.materialize(a), gather.materialize(b))
+        except RuntimeError as exc:
+            with pytest.raises(RuntimeError, match=str(exc).split(":")[0][:20]):
+                rowmm.matmul(a, b)
+            continue
+        torch.testing.assert_close(rowmm.matmul(a, b), want)
+    wg = w.clone().requires_grad_()
+    out = rowmm.matmul(r, wg)  # grad mode on: torch's matmul of the gathered rows, with history
+    assert out.requires_grad
+    out.sum().backward()
+    torch.testing.assert_close(wg.grad, g.sum((0, 1))[:, None].expand(4, 2))
+
+
+def test_row_refs_declines_what_its_rows_cannot_stand_for(monkeypatch):
+    bufs = [torch.randn(6, 40, 40)]
+    assert gather.row_refs(bufs, ("view", 0, 0, 6)) is None  # no copy to save
+    assert gather.row_refs([torch.randn(6, 4, 4)], ("index", 0, [1, 2])) is None  # small rows: gathered
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 0)
+    assert gather.row_refs(bufs, ("index", 0, [1, 6])) is None  # out of its buffer
+    assert gather.row_refs([torch.randn(6, 3, 3).requires_grad_()], ("index", 0, [1])) is None
+    assert gather.row_refs([torch.randn(6, 3, 3, dtype=torch.float64)], ("index", 0, [1])) is None
+    assert gather.row_refs([torch.randn(3, 6, 3).transpose(0, 1)], ("index", 0, [1])) is None  # rows not contiguous
+    assert gather.row_refs([torch.randn(6, 3, 3, dtype=torch.cfloat).conj()], ("index", 0, [1])) is None
+    assert gather.row_refs([torch.randn(6, 3, 3)._neg_view()], ("index", 0, [1])) is None  # memory is not the values
+    r = gather.row_refs(bufs, ("index", 0, [4, 0, 4]))
+    torch.testing.assert_close(gather.materialize(r), bufs[0][[4, 0, 4]])
+
+
+def _mv_model(h: int):
+    torch.manual_seed(0)
+    table = nn.Embedding(30, h * h)
+
+    @static_block
+    class Leaf(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vec = nn.Embedding(30, h)
+
+        def forward(self, w):
+            return self.vec(w), table(w).view(h, h)
+
+    @static_block
+    class Compose(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = nn.Linear(2 * h, h)
+            self.W_M = nn.Parameter(torch.randn(h, 2 * h) / h)
+
+        def forward(self, a, At, b, Bt):
+            Ba = (a.unsqueeze(-2) @ Bt).squeeze(-2)
+            Ab = (b.unsqueeze(-2) @ At).squeeze(-2)
+            p = torch.tanh(self.W(torch.cat([Ba, Ab], -1)))
+            return p, At @ self.W_M[:, :h].t() + Bt @ self.W_M[:, h:].t()
+
+    leaf, compose = Leaf(), Compose()
+
+    def fn(words):
+        v, M = leaf(torch.tensor(words[0]))
+        for w in words[1:]:
+            cv, cM = leaf(torch.tensor(w))
+            v, M = compose(v, M, cv, cM) if w % 2 else compose(cv, cM, v, M)
+        return v, M
+
+    return fn, [table.weight, *leaf.parameters(), *compose.parameters()]
+
+
+@pytest.mark.parametrize("h", [32, 8])
+def test_compositions_read_their_matrices_in_place_and_match_eager(h, monkeypatch):
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 1024)  # h 32: 4 KiB rows, in place; h 8: gathered
+    fn, params = _mv_model(h)
+    g = torch.Generator().manual_seed(1)
+    sents = [torch.randint(0, 30, (int(k),), generator=g).tolist() for k in torch.randint(2, 9, (12,), generator=g)]
+    with torch.no_grad():
+        f = assert_matches_eager(fn, sents, [])
+        f(sents)
+    if rowmm.sgemm_batch() and h == 32:
+        assert f.stats.rows_in_place > 0
+    elif h == 8:
+        assert f.stats.rows_in_place == 0
+    assert_matches_eager(fn, sents, params)  # training: the gathers and torch's products, with gradients
+
+
+def test_without_the_extension_the_products_gather(monkeypatch):
+    monkeypatch.setattr(rowmm, "_ADDRESS", [0])  # as a build without the extension or without MKL
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 1024)
+    fn, _ = _mv_model(32)
+    sents = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    with torch.no_grad():
+        f = assert_matches_eager(fn, sents, [])
+        f(sents)
+    assert f.stats.rows_in_place == 0
