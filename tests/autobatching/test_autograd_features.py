@@ -716,3 +716,24 @@ def test_signatures_recorded_under_a_transform_do_not_leak_out_of_it(core, order
     steps = [jvp, dual, jvp] if order == "jvp_then_dual" else [dual, jvp, dual]
     for step in steps:
         step()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_setting_a_shared_tensors_grad_to_a_per_instance_value_sets_it(core):
+    # hostile helper, stop 40 (present before): ``W.grad = torch.zeros(3, 3)`` inside instance
+    # code was recorded as an operation that nothing read, so it never ran: W.grad stayed None
+    W = nn.Parameter(torch.randn(3, 3))
+
+    def fn(x):
+        W.grad = torch.ones(3, 3) * x[0]  # a per-instance value: eager keeps the last instance's
+        return x @ W.T
+
+    xs = [torch.randn(3) for _ in range(2)]
+    out = autobatch(fn, core=core)(xs)
+    got = W.grad
+    W.grad = None
+    ref = [fn(x) for x in xs]
+    torch.testing.assert_close(got, W.grad)
+    assert got._base is None  # a tensor of its own, not a row of a batched buffer
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)

@@ -522,3 +522,22 @@ def test_a_hook_added_or_removed_between_calls_is_seen(where):
     for got, ref in ((hooked, ref_hooked), (plain, ref_plain)):
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_block_returning_facts_of_a_captured_tensor_returns_the_tensors_facts(core):
+    # hostile helper, stop 40 (present before): the block's trace inferred ``W.device`` on a
+    # meta copy of W and returned device("meta"); the facts now come from W itself (a torch.Size
+    # comes back as an equal tuple, like every tuple a block returns)
+    W = torch.nn.Parameter(torch.randn(3))
+
+    @static_block
+    def blk(x):
+        return x * W, W.shape, W.device, W.dtype, W.requires_grad
+
+    xs = [torch.randn(3) for _ in range(3)]
+    out = autobatch(lambda x: blk(x), core=core)(xs)
+    for (y, shape, device, dtype, rg), x in zip(out, xs):
+        ey, eshape, edevice, edtype, erg = blk.fn(x) if hasattr(blk, "fn") else blk(x)
+        assert (shape, device, dtype, rg) == (eshape, edevice, edtype, erg)
+        torch.testing.assert_close(y, ey)

@@ -172,3 +172,75 @@ def test_without_the_extension_the_products_gather(monkeypatch):
         f = assert_matches_eager(fn, sents, [])
         f(sents)
     assert f.stats.rows_in_place == 0
+
+
+def test_empty_products_are_torchs(monkeypatch):
+    # hostile helper, stop 40: an (0, K) or (M, 0) product sent a zero size to the GEMM, which
+    # refused it, and the whole group ran one instance at a time
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 0)
+    rng = torch.Generator().manual_seed(2)
+    bufs, plan, g = _pieces(rng, 4, (3, 5), 2)
+    with torch.no_grad():
+        for a, b in ((_refs(bufs, plan), torch.randn(5, 0)), (torch.randn(4, 0, 3), _refs(bufs, plan))):
+            want = torch.matmul(gather.materialize(a), gather.materialize(b))
+            got = rowmm.matmul(a, b)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("state", ["float64_default", "autocast"])
+def test_the_gemm_check_does_not_depend_on_the_callers_state(state, monkeypatch):
+    # hostile helper, stop 40: the one-time check of the pointer GEMM ran on the default dtype
+    # (float64 made it fail) or under autocast (bf16 results): the feature was off for good
+    if not rowmm._fused or not hasattr(rowmm._fused, "gemm_batch") or not rowmm._find():
+        pytest.skip("no pointer-array GEMM in this build")
+    monkeypatch.setattr(rowmm, "_ADDRESS", [])
+    if state == "float64_default":
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert rowmm.sgemm_batch()
+        finally:
+            torch.set_default_dtype(torch.float32)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert rowmm.sgemm_batch()
+
+
+@needs_gemm
+def test_rows_in_place_counts_each_calls_own_rows_under_threads(monkeypatch):
+    # hostile helper, stop 40: one process-wide count of copied rows was subtracted from the
+    # stats of whichever call's group ran meanwhile (another thread's: counts went negative)
+    import threading
+
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 1024)
+    fn, _ = _mv_model(32)
+    sents = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    f = autobatch(fn)
+    with torch.no_grad():
+        f(sents)
+        f(sents)
+        alone = f.stats.rows_in_place
+    assert alone > 0
+    big = torch.randn(64, 64)
+    strided = big[::2, ::2]  # neither stride 1: its products copy the rows
+    other = static_block(lambda A: A @ strided)
+    g = autobatch(lambda k: other(torch.full((32, 32), float(k))))
+    stop = threading.Event()
+
+    def churn():
+        with torch.no_grad():
+            while not stop.is_set():
+                g(list(range(6)))
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        with torch.no_grad():
+            counts = []
+            for _ in range(10):
+                f(sents)
+                counts.append(f.stats.rows_in_place)
+    finally:
+        stop.set()
+        t.join()
+    assert counts == [alone] * 10

@@ -46,6 +46,7 @@ from batchcraft.errors import AutobatchError
 
 _current = stack.current
 _SET_GRAD_ENABLED = torch._C._set_grad_enabled
+_PROPERTY = type(torch.Tensor.data.__get__)  # what torch hands a mode for ``t.device``, ``t.shape``
 _Lazy = LazyTensor
 
 
@@ -299,6 +300,16 @@ class BlockTracer:
         why = _shared_write(func, args, kwargs)
         if why is not None:
             raise _SharedWrite(why)
+        if type(func) is _PROPERTY and len(args) == 1 and not kwargs and type(args[0]) is not _Lazy:
+            # a fact of a captured tensor (``W.device``): read from the tensor itself, not inferred
+            # on a meta copy (it said "meta"; hostile helper, stop 40). The block's fingerprint
+            # holds the captured tensors' metadata, so a change retraces it.
+            with torch._C.DisableTorchFunction():
+                out = func(*args)
+            if not isinstance(out, torch.Tensor):
+                if isinstance(args[0], torch.Tensor):
+                    self.const_ids.add(id(args[0]))  # (its metadata joins the fingerprint)
+                return out
         if func in _cells.CELL_FUNCS:
             out = _cells.record_cell(self, func, args, kwargs)
             if out is not NotImplemented:

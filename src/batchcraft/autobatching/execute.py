@@ -35,6 +35,7 @@ from batchcraft.autobatching.program import Program
 from batchcraft.autobatching.signature import LEAF, RAGGED, SIGNATURES, call_with, flatten, rebuild
 from batchcraft.autobatching.threadstate import PLAIN, under
 from batchcraft.autobatching.threadstate import is_transform_wrapped as _wrapped
+from batchcraft.autobatching.threadstate import under_transform
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
@@ -308,7 +309,6 @@ class Executor:
             t1 = _perf()
             fc = _fuse.COUNTS
             c0, s0, d0 = fc.calls, fc.steps, fc.declined
-            k0 = RowRefs.copied
             rows = None  # a deduplicated group: each node's row among its distinct outputs
             dest = None  # arena rows the program's kernels may write its outputs into
             try:
@@ -326,7 +326,8 @@ class Executor:
                         if probe:
                             prog.lowered["dedup"] = True
                 if outs is None:
-                    if plain and runner.writes_outputs and self.arenas and not info.grad and not info.state[1]:
+                    if (plain and runner.writes_outputs and self.arenas and not info.grad and not info.state[1]
+                            and not under_transform()):  # (a transform's values have no rows to write into)
                         dest = self._arena_rows(info, n)
                     outs = runner(n, ins, rags, segs, cnts, dest)
                 m = n if rows is None else n - saved  # (a deduplicated group: its distinct rows)
@@ -340,7 +341,8 @@ class Executor:
             except Exception as exc:
                 rows = None
                 outs = self.per_instance_group(info, nodes, self._all_inputs(ins, plans), rags, plans, exc)
-            st.rows_in_place -= RowRefs.copied - k0  # (rows a product could not read in place: copied)
+            # (rows a product could not read in place were copied after all)
+            st.rows_in_place -= sum(type(x) is RowRefs and x.copied for x in ins)
             if fc.calls != c0 or fc.declined != d0:
                 st.fused_kernels += fc.calls - c0
                 st.steps_fused += fc.steps - s0

@@ -88,7 +88,6 @@ class RowRefs:
     saved). Only made by :func:`row_refs`, which checks every buffer."""
 
     __slots__ = ("addrs", "shape", "buffers", "plan", "_copy")
-    copied = 0  # RowRefs materialized so far (the executor's rows_in_place counts only the others)
 
     def __init__(self, addrs, shape, buffers, plan):
         self.addrs = addrs
@@ -101,9 +100,13 @@ class RowRefs:
     def device(self):
         return self.addrs.device
 
+    @property
+    def copied(self) -> bool:
+        """Was it gathered after all (a reader that could not read it in place)?"""
+        return self._copy is not None
+
     def materialize(self) -> torch.Tensor:
         if self._copy is None:  # (gathered once for all its readers)
-            RowRefs.copied += 1
             self._copy = _take(self.buffers, self.plan)
         return self._copy
 

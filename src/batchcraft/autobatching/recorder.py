@@ -487,6 +487,16 @@ class RecorderBase:
             # a property of a tensor from outside the instance (``weight.device`` in a model's
             # forward, once per instance): nothing to record, nothing written
             return self.run_concrete(func, args, kwargs), None
+        if type(func) is _MethodWrapper and len(args) == 2 and not kwargs and type(args[0]) is not self.lazy_type \
+                and type(args[1]) is self.lazy_type and getattr(func, "__name__", "") == "__set__" \
+                and not getattr(self, "is_tracer", False) and not isinstance(args[0], _Uninitialized):
+            # an attribute of a shared tensor set to a per-instance value (``W.grad = g``): eager
+            # stores this instance's value now, so it is computed now (its fiber waits) and set;
+            # recorded, the write was never run (hostile helper, stop 40)
+            value = self.materialize(args[1], "set an attribute of a shared tensor to a per-instance value")
+            if value._base is not None:  # a row of a batched buffer: the attribute gets a tensor of its own
+                value = value.clone()
+            return self.run_concrete(func, (args[0], value), kwargs), None
         _refuse(func)
         if func in _IDENTITY and len(args) == 1 and not kwargs and type(args[0]) is self.lazy_type \
                 and args[0].rec is self and DESCS[args[0].did][1] is not torch.bool:

@@ -62,14 +62,16 @@ def _find() -> int:
 
 def _works(address: int) -> bool:
     """Does ``address`` compute ``torch.matmul``'s products (two nodes, a transposed operand)?"""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(2, 3, 5, generator=g)
-    w = torch.randn(4, 5, generator=g)  # used as w.t(): (5, 4)
-    out = torch.empty(2, 3, 4)
-    addrs = torch.tensor([a[0].data_ptr(), a[1].data_ptr()], dtype=torch.int64)
-    _fused.gemm_batch(address, 2, False, True, 3, 4, 5, 1.0, addrs.data_ptr(), 0, 0, 5,
-                      0, w.data_ptr(), 0, 5, 0.0, out.data_ptr(), 12 * 4, 4)
-    return bool(torch.allclose(out, torch.matmul(a, w.t()), rtol=1e-5, atol=1e-5))
+    # (explicit dtypes, no autocast: the caller's default dtype or autocast must not decide it)
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(2, 3, 5, generator=g, dtype=_F32)
+        w = torch.randn(4, 5, generator=g, dtype=_F32)  # used as w.t(): (5, 4)
+        out = torch.empty(2, 3, 4, dtype=_F32)
+        addrs = torch.tensor([a[0].data_ptr(), a[1].data_ptr()], dtype=torch.int64)
+        _fused.gemm_batch(address, 2, False, True, 3, 4, 5, 1.0, addrs.data_ptr(), 0, 0, 5,
+                          0, w.data_ptr(), 0, 5, 0.0, out.data_ptr(), 12 * 4, 4)
+        return bool(torch.allclose(out, torch.matmul(a, w.t()), rtol=1e-5, atol=1e-5))
 
 
 def sgemm_batch() -> int:
@@ -110,8 +112,9 @@ def _plain_on() -> bool:
 
 def _refs_product(r, w, out, beta: float) -> bool:
     """``out[i] (+)= rows[i] @ w`` for RowRefs ``r`` of ``(M, K)`` rows and a shared ``(K, N)``."""
-    if len(r.shape) != 2 or out.shape[1:] != (r.shape[0], w.shape[1]) or r.shape[1] != w.shape[0]:
-        return False
+    if len(r.shape) != 2 or out.shape[1:] != (r.shape[0], w.shape[1]) or r.shape[1] != w.shape[0] or 0 in out.shape \
+            or r.shape[1] == 0:
+        return False  # (empty products: torch's)
     lay = _shared_2d(w)
     if lay is None:
         return False
@@ -136,7 +139,8 @@ def matmul(a, b):
                 return out
         elif tb is RowRefs and ta is _T and a.dim() == 3 and len(b.shape) == 2 and a.dtype is _F32 and a.is_cpu \
                 and a.shape[0] == b.addrs.shape[0] and a.shape[2] == b.shape[0] and a.stride(2) == 1 \
-                and not (a.is_conj() or a.is_neg() or a._is_zerotensor()) and (a.shape[1] == 1 or a.stride(1) >= a.shape[2]):
+                and not (a.is_conj() or a.is_neg() or a._is_zerotensor()) and (a.shape[1] == 1 or a.stride(1) >= a.shape[2]) \
+                and 0 not in a.shape and b.shape[1] > 0:
             count, m, k = a.shape
             n = b.shape[1]
             out = torch.empty((count, m, n), dtype=_F32)

@@ -16,6 +16,7 @@ from collections import defaultdict
 
 from batchcraft.autobatching import chains as _chains
 from batchcraft.autobatching.order import consumer_order, packed_order
+from batchcraft.autobatching.threadstate import under_transform
 
 _perf = time.perf_counter
 
@@ -29,7 +30,9 @@ class DepthScheduler:
         t0 = _perf()
         groups = rec.take_buckets()
         groups.sort(key=lambda kv: (kv[0][0], kv[0][1]))
-        if executor.options.fuse_recurrences and hasattr(rec, "chains") and not rec.hooks:
+        # (not under a torch.func transform: nn.GRU / nn.LSTM layers take no batched or dual
+        # wrappers, so the chains run step by step as groups there)
+        if executor.options.fuse_recurrences and hasattr(rec, "chains") and not rec.hooks and not under_transform():
             schedule, groups = _chains.plan(rec, groups, stats.note_unpacked, stats.syncs > 0)  # chains.py: one layer call
         else:
             schedule = [("group", key, nodes) for key, nodes in groups]
