@@ -82,7 +82,7 @@ CELL = ("gru", "lstm", "rnn_tanh", "lstm_block", "lstm_block_keep", "gru_block")
 BRANCH_COND = ("k_gt", "sum_gt", "any_gt", "item_int", "argmax_table", "inst_c")
 MISC = ("einsum", "outer", "dot", "layer_norm", "normalize", "conv1d", "T_prop", "zeros_created", "int_ops",
         "where_inst", "nested_block", "same_output_twice", "dropout_eval", "cross_entropy", "shared_buffer",
-        "copysign_inst", "memo", "param_row_n", "param_view_mix")
+        "copysign_inst", "memo", "param_row_n", "param_view_mix", "row_products")
 NEWFACT = ("new_ones", "zeros_like", "full_like", "new_full", "where_const")
 # issue 15: thread state, in-place writes, hooks, buffers; issue 14: ragged blocks
 GRADCTX = ("no_grad", "enable_grad", "set_grad_false")
@@ -564,6 +564,20 @@ def _misc(name, h, inst, P):
         return h * P.M[inst["n"] % d]
     if name == "param_view_mix":  # views made per call: transposed, reshaped, sliced
         return (h @ P.M.t()) * P.v.view(-1) + P.M.T[0] + P.M[:, :1].reshape(-1)
+    if name == "row_products":  # per-node matrices only products read: rows read in place (rowmm.py)
+        blk = P.blocks.get("row_products")
+        if blk is None:
+            def body(v, A, B):
+                return (v.unsqueeze(-2) @ B).squeeze(-2) + (A @ P.M.t() + B @ P.M).sum(-2) * 0.1
+            blk = P.blocks["row_products"] = static_block(body)
+        # (A made at a depth per instance, read at one depth: its rows come from several buffers)
+        A = torch.outer(h, torch.tanh(h)) * 0.5
+        for _ in range(inst["k"]):
+            A = torch.tanh(A) * 1.5 if inst["k"] % 2 else torch.sigmoid(A) - 0.25
+        g = h
+        for _ in range(4):
+            g = g * 0.5 + 0.1
+        return h + blk(g, A, torch.sigmoid(A)) * 0.1
     if name == "nested_block":
         outer = P.blocks.get("nested")
         if outer is None:

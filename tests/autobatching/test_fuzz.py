@@ -341,3 +341,19 @@ def test_bf16_rounding_excuse_needs_the_float32_result_on_its_side():
         _assert_close(torch.tensor([1.078, 1.0]), eager, dict(atol=2e-4, rtol=1e-3), "g", lambda: f32)
     with pytest.raises(AssertionError):  # the float32 run took other branches
         _assert_close(torch.tensor([1.078, 1.0]), eager, _GTOL_BF16, "g", lambda: None)
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_the_row_products_statement_reaches_products_from_rows(inference):
+    """The statement that feeds rowmm.py: with the harness's 0-byte floor its per-node matrices
+    are read in place in inference (and gathered with autograd on), equal to eager either way."""
+    from batchcraft.autobatching import rowmm
+
+    program = (4, (("misc", "row_products"), ("unary", "tanh"), ("misc", "row_products")), "h")
+    specs = [dict(L=2, n=1, k=k, ids=[1, 2], c=0.25, tree=(1, ((2, ()),)), x_grad=not inference, seed=k)
+             for k in range(5)]
+    f = check_program(program, specs, cores=CORES, inference=inference)
+    if inference and rowmm.sgemm_batch():
+        assert f.stats.rows_in_place > 0
+    if not inference:
+        assert f.stats.rows_in_place == 0
