@@ -128,25 +128,30 @@ def row_refs(buffers, plan):
     first = buffers[pieces[0][0]]
     if first.dim() < 2 or first[0].numel() * 4 < ROW_REFS_MIN_BYTES:
         return None
-    parts = []
+    addrs: list = []  # (Python ints: a group's few hundred rows cost less than torch calls per piece)
     for b, rows in pieces:
         t = buffers[b]
-        if (type(t) is not _T or not t.is_cpu or t.dtype is not torch.float32 or t.shape[1:] != first.shape[1:]
-                or t.requires_grad or _wrapped(t) or t.is_conj() or t.is_neg() or t._is_zerotensor()
-                or _rows_2d(t) is None):
+        if t is not first and (type(t) is not _T or t.shape[1:] != first.shape[1:]):
             return None
-        r0, n = _run_of(rows)
-        idx = torch.arange(r0, r0 + n, dtype=_int64) if r0 >= 0 else index_tensor(rows, t.device)
-        if n and (int(idx.min()) < 0 or int(idx.max()) >= t.shape[0]):
+        if (type(t) is not _T or t.dtype is not torch.float32 or not t.is_cpu or t.requires_grad
+                or not t.is_contiguous() or _wrapped(t) or t.is_neg() or t._is_zerotensor()):
+            return None  # (float32 is never conjugate; contiguous buffers have contiguous rows)
+        rows = _ints(rows)
+        if rows and (min(rows) < 0 or max(rows) >= t.shape[0]):
             return None
-        parts.append(idx * (t.stride(0) * 4) + t.data_ptr())
-    addrs = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if perm is not None:
-        p = index_tensor(perm, addrs.device)
-        if p.shape[0] != addrs.shape[0]:
+        base, stride = t.data_ptr(), t.stride(0) * 4
+        addrs += [base + r * stride for r in rows]
+    if perm is not None:  # row i of the group is row perm[i] of the concatenation
+        perm = _ints(perm)
+        if len(perm) != len(addrs) or (perm and (min(perm) < 0 or max(perm) >= len(addrs))):
             return None
-        addrs = addrs.index_select(0, p)
-    return RowRefs(addrs.contiguous(), tuple(first.shape[1:]), buffers, plan)
+        addrs = [addrs[i] for i in perm]
+    return RowRefs(torch.tensor(addrs, dtype=_int64), tuple(first.shape[1:]), buffers, plan)
+
+
+def _ints(rows) -> list:
+    """A plan's rows (a list of ints, or int64 bytes) as a list of ints."""
+    return _array("q", rows).tolist() if type(rows) is bytearray else rows
 
 
 def materialize(x):
