@@ -77,14 +77,18 @@ def test_new_inputs_are_planned_once_and_equal_the_unplanned_model(planned, shap
     # measured workspace of every planned layer-pass within the budget. The profiler's events from
     # different cores can be stamped out of order, which the measurement resolves on the safe side
     # (a block stays live: bytes are only ever added; seen once in a fresh-clone run beside other
-    # work, stop 36): the least of three audited runs of the same plan is the call's workspace
+    # work, stop 36; with three such runs beside each other, stop 40, even the least of three was
+    # over): the least over up to eight audited runs of the same plan is the call's workspace. A
+    # plan that really exceeds the budget exceeds it in every run.
     limit = parse_budget(LIMIT)
     audits = [audit]
-    for _ in range(2):
+    while True:
+        peak = {k: min(a.peak_bytes.get(k, 0) for a in audits) for k in audit.peak_bytes}
+        if len(audits) >= 8 or (len(audits) >= 3 and all(v <= limit for v in peak.values())):
+            break
         with WorkspaceAudit() as again:
             _step(model, x)
         audits.append(again)
-    peak = {k: min(a.peak_bytes.get(k, 0) for a in audits) for k in audit.peak_bytes}
     assert peak and all(v <= limit for v in peak.values()), [a.peak_bytes for a in audits]
     assert entry.max_workspace_bytes <= limit
     # values, dX, dW and buffers equal the unplanned model's (same dropout draws)
