@@ -2259,6 +2259,17 @@ static PyObject *py_mode_call(PyObject *rec, PyObject *func, PyObject *targs, Py
     return r;
 }
 
+/* 1 when no torch-function mode is on the stack (in a mode's handler: torch stashed that mode, so
+   a call made now dispatches to nothing), 0 if one is, -1 on error (PyErr_Occurred tells the
+   caller; the callers below then answer NULL) */
+static int stack_empty(void) {
+    PyObject *len = tf_stack_len();
+    if (!len) return -1;
+    long depth = PyLong_AsLong(len);
+    Py_DECREF(len);
+    return depth == 0 ? 1 : (depth < 0 && PyErr_Occurred() ? -1 : 0);
+}
+
 /* A property of a tensor from outside the instance (`weight.device` in a model's forward, once
    per instance) read through the mode: nothing to record, nothing written. Torch stashes the mode
    while its handler runs, so with no other mode on the stack and a plain Tensor or Parameter
@@ -2268,12 +2279,7 @@ static PyObject *py_mode_call(PyObject *rec, PyObject *func, PyObject *targs, Py
    reads the getter again (getters have no side effects). */
 static PyObject *plain_property(PyObject *func, PyObject *a) {
     PyObject *t = (PyObject *)Py_TYPE(a);
-    if (t != g_plain_tensor && t != g_parameter) return NULL;
-    PyObject *len = tf_stack_len();
-    if (!len) return NULL;
-    long depth = PyLong_AsLong(len);
-    Py_DECREF(len);
-    if (depth != 0) return NULL;  /* (-1 with an error: PyErr_Occurred tells the caller) */
+    if ((t != g_plain_tensor && t != g_parameter) || stack_empty() != 1) return NULL;
     PyObject *r = PyObject_CallOneArg(func, a);
     if (!r || !PyObject_TypeCheck(r, (PyTypeObject *)g_TensorType)) return r;
     Py_DECREF(r);
@@ -2299,11 +2305,7 @@ static PyObject *list_tensor_leaf(PyObject *rec, PyObject *func, PyObject *targs
         while (PyDict_Next(fkw, &pos, &k, &val))
             if (!scalar_kws(k, val, &dt, &dev)) return NULL;
     }
-    PyObject *len = tf_stack_len();
-    if (!len) return NULL;
-    long depth = PyLong_AsLong(len);
-    Py_DECREF(len);
-    if (depth != 0) return NULL;
+    if (stack_empty() != 1) return NULL;
     PyObject *out = PyObject_Call(func, targs, fkw);
     if (!out) return NULL;
     PyObject *r = PyObject_CallMethodOneArg(rec, s_leaf, out);

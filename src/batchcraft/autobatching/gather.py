@@ -131,11 +131,9 @@ def row_refs(buffers, plan):
     addrs: list = []  # (Python ints: a group's few hundred rows cost less than torch calls per piece)
     for b, rows in pieces:
         t = buffers[b]
-        if t is not first and (type(t) is not _T or t.shape[1:] != first.shape[1:]):
-            return None
-        if (type(t) is not _T or t.dtype is not torch.float32 or not t.is_cpu or t.requires_grad
-                or not t.is_contiguous() or _wrapped(t) or t.is_neg() or t._is_zerotensor()):
-            return None  # (float32 is never conjugate; contiguous buffers have contiguous rows)
+        if (type(t) is not _T or (t is not first and t.shape[1:] != first.shape[1:]) or t.dtype is not torch.float32
+                or not t.is_cpu or t.requires_grad or not t.is_contiguous() or not _memory_is_values(t)):
+            return None  # (contiguous buffers have contiguous rows)
         rows = _ints(rows)
         if rows and (min(rows) < 0 or max(rows) >= t.shape[0]):
             return None
@@ -147,6 +145,12 @@ def row_refs(buffers, plan):
             return None
         addrs = [addrs[i] for i in perm]
     return RowRefs(torch.tensor(addrs, dtype=_int64), tuple(first.shape[1:]), buffers, plan)
+
+
+def _memory_is_values(t) -> bool:
+    """Are ``t``'s bytes its values, for raw reads (row copies, row addresses)? Not for a
+    torch.func wrapper (no storage), a conjugate or negative view or a zero tensor (reliability #192)."""
+    return not (_wrapped(t) or t.is_conj() or t.is_neg() or t._is_zerotensor())
 
 
 def _ints(rows) -> list:
@@ -231,8 +235,8 @@ def _take_pieces(buffers, pieces, perm):
     for b, _ in pieces:
         t = buffers[b]
         if (type(t) is not _T or not t.is_cpu or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
-                or (grad and t.requires_grad) or _wrapped(t) or t.is_conj() or t.is_neg() or t._is_zerotensor()):
-            return None  # (a conj / neg bit or a zero tensor: its memory is not its values)
+                or (grad and t.requires_grad) or not _memory_is_values(t)):
+            return None
         t2 = _rows_2d(t)
         if t2 is None:
             return None

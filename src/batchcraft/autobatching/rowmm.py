@@ -105,8 +105,8 @@ def _shared_2d(w):
     return None
 
 
-def _plain_on() -> bool:
-    """Autograd or autocast would need what a raw GEMM does not record."""
+def _recorded_on() -> bool:
+    """Autograd or autocast would need what a raw GEMM does not record or cast."""
     return torch.is_grad_enabled() or torch._C._is_any_autocast_enabled()
 
 
@@ -132,7 +132,7 @@ def matmul(a, b):
     float32, computed from the rows in place; other cases as ``torch.matmul`` of the gathered rows.
     """
     ta, tb = type(a), type(b)
-    if (ta is RowRefs or tb is RowRefs) and not _plain_on() and sgemm_batch():
+    if (ta is RowRefs or tb is RowRefs) and not _recorded_on() and sgemm_batch():
         if ta is RowRefs and tb is not RowRefs and isinstance(b, _T) and b.dim() == 2 and len(a.shape) == 2:
             out = torch.empty((a.addrs.shape[0], a.shape[0], b.shape[1]), dtype=_F32)
             if _refs_product(a, b, out, 0.0):
@@ -158,7 +158,7 @@ def matmul_accumulate(acc, y, w):
     with beta 1, from the rows in place."""
     if (type(y) is RowRefs and type(acc) is _T and acc.dtype is _F32 and acc.is_cpu and acc.is_contiguous()
             and acc.dim() == 3 and acc.shape[0] == y.addrs.shape[0] and isinstance(w, _T) and w.dim() == 2
-            and not _plain_on() and not acc.requires_grad and sgemm_batch()):
+            and not _recorded_on() and not acc.requires_grad and sgemm_batch()):
         if _refs_product(y, w, acc, 1.0):
             return acc
     return acc + torch.matmul(materialize(y), w)
