@@ -737,3 +737,56 @@ def test_setting_a_shared_tensors_grad_to_a_per_instance_value_sets_it(core):
     assert got._base is None  # a tensor of its own, not a row of a batched buffer
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_concurrent_plain_call_does_not_reuse_a_transformed_calls_signatures(core):
+    # reliability #195 (hostile helper, stop 40): while one thread's autobatched call ran under
+    # torch.func.jvp (its signatures: lin(x) does not require grad), another thread's plain call of
+    # the same function reused them: outputs without grad_fn, no gradient for the weight
+    import threading
+
+    torch.manual_seed(2)
+    lin = nn.Linear(4, 4)
+    inside, resume = threading.Event(), threading.Event()
+    worker: list = []
+
+    def fn(x):
+        y = torch.tanh(lin(x))
+        if worker and threading.current_thread() is worker[0] and not inside.is_set():
+            inside.set()  # the transformed call has recorded lin(x) and tanh: the other thread runs now
+            assert resume.wait(30)
+        return lin(y) * 2
+
+    xs = [torch.randn(4) for _ in range(3)]
+    ts = [torch.randn(4) for _ in range(3)]
+    errors: list = []
+
+    def transformed():
+        try:
+            _, got = torch.func.jvp(lambda *a: tuple(autobatch(fn, core=core)(list(a))), tuple(xs), tuple(ts))
+            _, ref = torch.func.jvp(lambda *a: tuple(fn(x) for x in a), tuple(xs), tuple(ts))
+            for g, r in zip(got, ref):
+                torch.testing.assert_close(g, r)
+        except BaseException as exc:  # reported in the main thread
+            errors.append(exc)
+        finally:
+            inside.set()
+
+    t = threading.Thread(target=transformed)
+    worker.append(t)
+    t.start()
+    try:
+        assert inside.wait(30)
+        out = autobatch(fn, core=core)(xs)  # plain, while the transformed call waits
+        ref = [fn(x) for x in xs]
+    finally:
+        resume.set()
+        t.join(60)
+    assert not errors, errors
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+        assert o.requires_grad and o.grad_fn is not None
+    g = torch.autograd.grad(sum(o.sum() for o in out), lin.weight)[0]
+    g_ref = torch.autograd.grad(sum(r.sum() for r in ref), lin.weight)[0]
+    torch.testing.assert_close(g, g_ref)

@@ -75,6 +75,65 @@ static PyCFunction noarg_fn(PyObject *obj) {
 #define Q_TF_MODE_ENABLED() call_noarg(g_tf_mode_enabled_q, g_tf_mode_enabled_q_fn)
 #define Q_TF_ENABLED() call_noarg(g_tf_enabled_q, g_tf_enabled_q_fn)
 static inline PyObject *tf_stack_len(void) { return call_noarg(g_tf_len_q, g_tf_len_q_fn); }
+
+/* The same state read through torch's own C++ accessors, where statereaders.py found them by
+   symbol and checked them against the builtins above in every state it could set (else NULL and
+   the builtins are asked). The builtins wrap each answer in torch's error and warning handlers,
+   about 35 ns a question here; a block call asks four, a scalar leaf four. No torch header: plain
+   function pointers (no arguments; bool, int or int64 results), so nothing ties the build to a
+   torch version. Autocast stays a builtin (its C++ accessor takes a device type and can throw). */
+static _Bool (*sr_grad)(void) = NULL, (*sr_inference)(void) = NULL, (*sr_tf_mode)(void) = NULL;
+static int (*sr_tf_state)(void) = NULL;    /* 0: torch functions enabled */
+static int64_t (*sr_tf_len)(void) = NULL;
+
+static inline int q_bool(PyObject *o) {    /* a builtin's answer: 0/1, -1 on error */
+    if (!o) return -1;
+    int r = o == Py_True;
+    Py_DECREF(o);
+    return r;
+}
+
+/* Autocast: torch keeps each device's switch as one bit of the thread's local dispatch-key set
+   (c10::impl::raw_local_dispatch_key_set, a thread-local {included, excluded} pair that torch's
+   library exports). statereaders.py learns which bits of the excluded word the devices' switches
+   are (ac_mask) and their values with autocast off (ac_off) by switching each device on and off,
+   and checks the answers against torch._C._is_any_autocast_enabled. The pair's address differs per
+   thread: dlsym gives this thread's, kept in a thread-local of ours. */
+#if defined(__unix__) || defined(__APPLE__)
+#include <dlfcn.h>
+#define HAVE_DLSYM 1
+static void *g_dks_lib = NULL;             /* the library's dlopen handle (ctypes'; not closed) */
+static char g_dks_symbol[128];
+static uint64_t g_ac_mask = 0, g_ac_off = 0;
+static int g_ac_fast = 0;
+static __thread const uint64_t *tl_dks = NULL;
+static inline const uint64_t *dks_words(void) {
+    const uint64_t *p = tl_dks;
+    if (!p) p = tl_dks = (const uint64_t *)dlsym(g_dks_lib, g_dks_symbol);
+    return p;
+}
+#endif
+static inline int q_any_autocast(void) {
+#ifdef HAVE_DLSYM
+    if (g_ac_fast) {
+        const uint64_t *p = dks_words();
+        if (p) return ((p[1] ^ g_ac_off) & g_ac_mask) != 0;
+    }
+#endif
+    return q_bool(Q_ANY_AUTOCAST());
+}
+static inline int q_grad(void) { return sr_grad ? (int)sr_grad() : q_bool(Q_IS_GRAD()); }
+static inline int q_inference(void) { return sr_inference ? (int)sr_inference() : q_bool(Q_IS_INFERENCE()); }
+static inline int q_tf_mode_enabled(void) { return sr_tf_mode ? (int)sr_tf_mode() : q_bool(Q_TF_MODE_ENABLED()); }
+static inline int q_tf_enabled(void) { return sr_tf_state ? sr_tf_state() == 0 : q_bool(Q_TF_ENABLED()); }
+static inline Py_ssize_t q_tf_len(void) {  /* -1 with an error set */
+    if (sr_tf_len) return (Py_ssize_t)sr_tf_len();
+    PyObject *n = tf_stack_len();
+    if (!n) return -1;
+    Py_ssize_t len = PyLong_AsSsize_t(n);
+    Py_DECREF(n);
+    return len;
+}
 static PyObject *g_tf_at = NULL;           /* torch._C._get_function_stack_at */
 static PyObject *g_torch_dir = NULL;       /* torch's package directory, ending in the separator */
 static int g_ready = 0;                    /* setup() ran */
@@ -271,10 +330,7 @@ static PyObject *rec_mode_ref(PyObject *rec);  /* the recorder's mode: a new ref
 
 static int user_mode_on_top(PyObject *rec) {
     if (!g_ready) return 0;
-    PyObject *n = tf_stack_len();
-    if (!n) return -1;
-    Py_ssize_t len = PyLong_AsSsize_t(n);
-    Py_DECREF(n);
+    Py_ssize_t len = q_tf_len();
     if (len < 0 && PyErr_Occurred()) return -1;
     if (len <= 1) return 0;
     PyObject *mode = rec_mode_ref(rec);
@@ -286,11 +342,7 @@ static int user_mode_on_top(PyObject *rec) {
     Py_DECREF(top);
     Py_DECREF(mode);
     if (!user) return 0;
-    PyObject *en = Q_TF_MODE_ENABLED();
-    if (!en) return -1;
-    user = en == Py_True;
-    Py_DECREF(en);
-    return user;
+    return q_tf_mode_enabled();
 }
 
 /* A Tensor method or operator called on a lazy value (not through torch's dispatch): recorded,
@@ -701,6 +753,7 @@ typedef struct {
     Py_ssize_t max_steps, max_pending;  /* -1: none */
     Py_ssize_t ops_recorded, n_pending;
     int ragged_on;
+    int sig_table;         /* 0: this call records without the signature table (under a torch.func transform) */
     int fast_factories;    /* RecordingAttr hands this thread fast_tensor while this recorder's mode is on top */
     PyObject *runtime;
     PyObject *views;       /* dict id(base) -> list of weakrefs */
@@ -769,6 +822,7 @@ static PyObject *rec_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->max_steps = -1; self->max_pending = -1;
     self->instance = -1;
     self->ragged_on = 1;
+    self->sig_table = 1;
     Py_INCREF(Py_None); self->runtime = Py_None;
     Py_INCREF(Py_None); self->factory_funcs = Py_None;
     Py_INCREF(Py_None); self->factory_device = Py_None;
@@ -938,20 +992,12 @@ static int after_append(RecObject *self) {
 
 /* state word: grad mode; returns -1 when the slow path must be taken (autocast, inference mode) */
 static inline int state_word(uint64_t *out) {
-    PyObject *g = Q_IS_GRAD();
-    if (!g) return -1;
-    int grad = (g == Py_True);
-    Py_DECREF(g);
-    PyObject *a = Q_ANY_AUTOCAST();
-    if (!a) return -1;
-    int ac = (a == Py_True);
-    Py_DECREF(a);
-    if (ac) return 1;
-    PyObject *inf = Q_IS_INFERENCE();
-    if (!inf) return -1;
-    int im = (inf == Py_True);
-    Py_DECREF(inf);
-    if (im) return 1;
+    int grad = q_grad();
+    if (grad < 0) return -1;
+    int ac = q_any_autocast();
+    if (ac) return ac;  /* (-1: an error) */
+    int im = q_inference();
+    if (im) return im;
     *out = TAG(K_STATE, grad);
     return 0;
 }
@@ -1045,6 +1091,7 @@ static PyObject *slow_record(RecObject *self, PyObject *func, PyObject *const *a
 static PyObject *rec_record_impl(PyObject *recobj, PyObject *func, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwargs) {
     RecObject *self = (RecObject *)recobj;
+    if (!self->sig_table) return slow_record(self, func, args, nargs, kwargs, NULL);
     KeyBuf k;
     k.n = 0; k.ok = 1; k.nleaves = 0;
     kpush(&k, (uint64_t)(uintptr_t)func);
@@ -1302,8 +1349,8 @@ static PyObject *record_block(RecObject *self, PyObject *block, PyObject *const 
     }
     /* two spellings: ragged (lists keyed empty/non-empty) and per-length */
     KeyBuf kr, kp;   /* on this frame: a fiber may switch inside the slow path */
-    kr.n = 0; kr.ok = self->ragged_on && kwargs == NULL; kr.nleaves = 0;
-    kp.n = 0; kp.ok = kwargs == NULL; kp.nleaves = 0;
+    kr.n = 0; kr.ok = self->ragged_on && kwargs == NULL && self->sig_table; kr.nleaves = 0;
+    kp.n = 0; kp.ok = kwargs == NULL && self->sig_table; kp.nleaves = 0;
     kpush(&kr, (uint64_t)(uintptr_t)block); kpush(&kp, (uint64_t)(uintptr_t)block);
     kpush(&kr, TAG(K_BLOCK, nargs)); kpush(&kp, TAG(K_BLOCK, nargs));
     int has_list = 0;
@@ -2133,6 +2180,8 @@ static PyMemberDef rec_members[] = {
     {"n_pending", T_PYSSIZET, offsetof(RecObject, n_pending), READONLY, "nodes waiting"},
     {"n_nodes", T_PYSSIZET, offsetof(RecObject, n), READONLY, "nodes recorded (leaves included)"},
     {"ragged_on", T_INT, offsetof(RecObject, ragged_on), 0, "ragged block keys enabled"},
+    {"sig_table", T_INT, offsetof(RecObject, sig_table), 0,
+     "0: every call takes the Python path (signatures of a call under a transform stay in its own namespace)"},
     {"fast_factories", T_INT, offsetof(RecObject, fast_factories), 0, "torch.tensor reads give fast_tensor in this recorder's thread"},
     {"runtime", T_OBJECT, offsetof(RecObject, runtime), 0, "owning runtime"},
     {"views", T_OBJECT, offsetof(RecObject, views), READONLY, "id(base) -> weakrefs of its views"},
@@ -2263,10 +2312,7 @@ static PyObject *py_mode_call(PyObject *rec, PyObject *func, PyObject *targs, Py
    a call made now dispatches to nothing), 0 if one is, -1 on error (PyErr_Occurred tells the
    caller; the callers below then answer NULL) */
 static int stack_empty(void) {
-    PyObject *len = tf_stack_len();
-    if (!len) return -1;
-    long depth = PyLong_AsLong(len);
-    Py_DECREF(len);
+    Py_ssize_t depth = q_tf_len();
     return depth == 0 ? 1 : (depth < 0 && PyErr_Occurred() ? -1 : 0);
 }
 
@@ -2552,21 +2598,15 @@ static PyTypeObject ModuleAttrType = {
    modes as right after that mode was pushed means it is on top: fibers restore the same stack, and
    a mode pushed by instance code makes it longer. */
 static int rec_mode_on_top(PyObject *rec) {
-    PyObject *en = Q_TF_MODE_ENABLED();
-    if (!en) return -1;
-    int enabled = en == Py_True;
-    Py_DECREF(en);
-    if (!enabled) return 0;
+    int enabled = q_tf_mode_enabled();
+    if (enabled <= 0) return enabled;
     PyObject *mode = rec_mode_ref(rec);
     if (!mode) { PyErr_Clear(); return 0; }
     int is_mode = Py_TYPE(mode) == &ModeType && ((ModeObject *)mode)->recorder == rec;
     Py_ssize_t depth = is_mode ? ((ModeObject *)mode)->depth : -1;
     Py_DECREF(mode);
     if (!is_mode || depth <= 0) return 0;
-    PyObject *n = tf_stack_len();
-    if (!n) return -1;
-    Py_ssize_t len = PyLong_AsSsize_t(n);
-    Py_DECREF(n);
+    Py_ssize_t len = q_tf_len();
     if (len < 0 && PyErr_Occurred()) return -1;
     return len == depth;
 }
@@ -2730,10 +2770,7 @@ static PyObject *mode_enter(ModeObject *self, PyObject *noargs) {
     PyObject *r = PyObject_CallOneArg(g_tf_push, (PyObject *)self);
     if (!r) return NULL;
     Py_DECREF(r);
-    PyObject *n = tf_stack_len();
-    if (!n) return NULL;
-    self->depth = PyLong_AsSsize_t(n);
-    Py_DECREF(n);
+    self->depth = q_tf_len();
     if (self->depth < 0 && PyErr_Occurred()) return NULL;
     Py_INCREF(self);
     return (PyObject *)self;
@@ -2898,10 +2935,8 @@ static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size
         }
         if (lazy) {
             /* DisableTorchFunctionSubclass: torch's dispatch would not reach the mode either */
-            PyObject *en = Q_TF_ENABLED();
-            if (!en) return NULL;
-            int enabled = en == Py_True;
-            Py_DECREF(en);
+            int enabled = q_tf_enabled();
+            if (enabled < 0) return NULL;
             int top = enabled ? rec_mode_on_top(rec) : 0;
             if (top < 0) return NULL;
             if (top && !called_from_handler()) {
@@ -3371,6 +3406,91 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
 #undef GET
 }
 
+/* set_state_readers((grad, inference, tf_mode_enabled, tf_disabled_state, tf_len) addresses) or
+   None: use torch's C++ accessors at those addresses, or the builtins again */
+static PyObject *py_set_state_readers(PyObject *m, PyObject *arg) {
+    if (arg == Py_None) {
+        sr_grad = sr_inference = sr_tf_mode = NULL; sr_tf_state = NULL; sr_tf_len = NULL;
+        Py_RETURN_NONE;
+    }
+    void *a[5];
+    if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 5) {
+        PyErr_SetString(PyExc_TypeError, "set_state_readers: a tuple of 5 addresses or None");
+        return NULL;
+    }
+    for (int i = 0; i < 5; i++) {
+        a[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(arg, i));
+        if (!a[i]) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "set_state_readers: a null address");
+            return NULL;
+        }
+    }
+    sr_grad = (_Bool (*)(void))a[0]; sr_inference = (_Bool (*)(void))a[1]; sr_tf_mode = (_Bool (*)(void))a[2];
+    sr_tf_state = (int (*)(void))a[3]; sr_tf_len = (int64_t (*)(void))a[4];
+    Py_RETURN_NONE;
+}
+
+/* (grad, inference, any autocast, torch functions enabled, function modes enabled, function stack length) as
+   the core reads them now (statereaders.py compares them with torch's builtins) */
+static PyObject *py_read_state(PyObject *m, PyObject *noargs) {
+    int g = q_grad(), i = g < 0 ? -1 : q_inference(), a = i < 0 ? -1 : q_any_autocast();
+    int e = a < 0 ? -1 : q_tf_enabled(), md = e < 0 ? -1 : q_tf_mode_enabled();
+    if (md < 0) return NULL;
+    Py_ssize_t n = q_tf_len();
+    if (n < 0 && PyErr_Occurred()) return NULL;
+    return Py_BuildValue("(NNNNNn)", PyBool_FromLong(g), PyBool_FromLong(i), PyBool_FromLong(a), PyBool_FromLong(e),
+                         PyBool_FromLong(md), n);
+}
+
+static PyObject *py_state_readers_on(PyObject *m, PyObject *noargs) {
+#ifdef HAVE_DLSYM
+    return Py_BuildValue("(NN)", PyBool_FromLong(sr_grad != NULL), PyBool_FromLong(g_ac_fast));
+#else
+    return Py_BuildValue("(NN)", PyBool_FromLong(sr_grad != NULL), PyBool_FromLong(0));
+#endif
+}
+
+/* set_autocast_reader((handle, symbol, mask, off)) or None; see q_any_autocast */
+static PyObject *py_set_autocast_reader(PyObject *m, PyObject *arg) {
+#ifdef HAVE_DLSYM
+    g_ac_fast = 0;
+    if (arg == Py_None) Py_RETURN_NONE;
+    PyObject *handle; const char *symbol; unsigned long long mask, off;
+    if (!PyArg_ParseTuple(arg, "OsKK:set_autocast_reader", &handle, &symbol, &mask, &off)) return NULL;
+    void *h = PyLong_AsVoidPtr(handle);
+    if (!h && PyErr_Occurred()) return NULL;
+    if (strlen(symbol) >= sizeof(g_dks_symbol)) { PyErr_SetString(PyExc_ValueError, "symbol too long"); return NULL; }
+    if (h != g_dks_lib || strcmp(symbol, g_dks_symbol) != 0) {
+        /* other threads' cached addresses would be stale: refused (statereaders sets it once) */
+        if (g_dks_lib) { PyErr_SetString(PyExc_RuntimeError, "set_autocast_reader: another library was set before"); return NULL; }
+        g_dks_lib = h;
+        strcpy(g_dks_symbol, symbol);
+    }
+    if (!dks_words()) { PyErr_Format(PyExc_OSError, "dlsym: %s not found", symbol); return NULL; }
+    g_ac_mask = mask; g_ac_off = off; g_ac_fast = mask != 0;
+    Py_RETURN_NONE;
+#else
+    if (arg == Py_None) Py_RETURN_NONE;
+    PyErr_SetString(PyExc_OSError, "no dlsym on this platform");
+    return NULL;
+#endif
+}
+
+/* (included, excluded) words of this thread's local dispatch-key set (after set_autocast_reader) */
+static PyObject *py_dispatch_key_words(PyObject *m, PyObject *noargs) {
+#ifdef HAVE_DLSYM
+    const uint64_t *p = g_dks_lib ? dks_words() : NULL;
+    if (p) return Py_BuildValue("(KK)", (unsigned long long)p[0], (unsigned long long)p[1]);
+#endif
+    PyErr_SetString(PyExc_RuntimeError, "no autocast reader set");
+    return NULL;
+}
+
+static PyObject *py_any_autocast(PyObject *m, PyObject *noargs) {
+    int r = q_any_autocast();
+    return r < 0 ? NULL : PyBool_FromLong(r);
+}
+
 static PyObject *py_setup_lazy(PyObject *m, PyObject *args) {
     PyObject *cls, *methods, *inplace;
     if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &cls, &PyDict_Type, &methods, &PyDict_Type, &inplace)) return NULL;
@@ -3415,6 +3535,16 @@ static PyMethodDef module_methods[] = {
     {"push", py_push, METH_O, "Make a recorder (or None) the active one of this thread."},
     {"pop", py_pop, METH_NOARGS, "Undo the last push of this thread."},
     {"setup", py_setup, METH_VARARGS, "Give the core the torch objects it needs."},
+    {"set_state_readers", py_set_state_readers, METH_O,
+     "set_state_readers(addresses | None): torch's C++ state accessors (statereaders.py), or the builtins."},
+    {"read_state", py_read_state, METH_NOARGS,
+     "read_state() -> (grad, inference, any autocast, torch functions on, function modes on, function stack length)."},
+    {"state_readers_on", py_state_readers_on, METH_NOARGS,
+     "(C++ accessors in use, autocast read from the dispatch-key set) as booleans."},
+    {"set_autocast_reader", py_set_autocast_reader, METH_O,
+     "set_autocast_reader((dlopen handle, symbol, mask, off) | None): read autocast from torch's dispatch-key set."},
+    {"dispatch_key_words", py_dispatch_key_words, METH_NOARGS, "(included, excluded) of this thread's local dispatch-key set."},
+    {"any_autocast", py_any_autocast, METH_NOARGS, "Whether any device's autocast is on, as the core reads it."},
     {"setup_lazy", py_setup_lazy, METH_VARARGS, "setup_lazy(LazyTensor, methods, inplace)"},
     {"clear_signatures", py_clear_signatures, METH_NOARGS, "Forget every fast signature entry."},
     {"table_size", py_table_size, METH_NOARGS, "Entries in the fast signature table."},

@@ -74,16 +74,26 @@ def _subclasses(cls) -> list | None:
     return out
 
 
-def _verified(cls, name: str, subs: list | None) -> set | None:
+def _after(cls, subs: list) -> list:
+    """The classes that come after ``cls`` in the MRO of any of ``subs`` (each once)."""
+    later: dict = {}
+    for sub in subs:
+        mro = sub.__mro__
+        for k in mro[mro.index(cls) + 1:]:
+            later[k] = None
+    return list(later)
+
+
+def _verified(cls, name: str, subs: list | None, later: list | None = None) -> set | None:
     """The types that reach a descriptor on ``cls`` and define ``name`` nowhere after ``cls`` in
     their MRO (a mixin listed after it would win in eager), or None when one does (then no
     descriptor: the types are checked again at lookup, see ``ModuleAttr``, but a data descriptor
-    further along would lose to the instance ``__dict__``). ``subs``: :func:`_subclasses` of ``cls``."""
+    further along would lose to the instance ``__dict__``). ``subs``: :func:`_subclasses` of ``cls``;
+    ``later``: :func:`_after` of them (computed when not given)."""
     if subs is None:
         return None
-    for sub in subs:
-        mro = sub.__mro__
-        if any(name in vars(k) for k in mro[mro.index(cls) + 1:]):
+    for k in _after(cls, subs) if later is None else later:
+        if name in k.__dict__:
             return None
     return set(subs)
 
@@ -91,7 +101,8 @@ def _verified(cls, name: str, subs: list | None) -> set | None:
 def plan(fn) -> list:
     """``[(class, name), ...]``: the module classes ``fn`` reaches (:func:`modstate.roots`) with
     ``nn.Module.__getattr__`` as their ``__getattr__``, and the names of their instances'
-    parameters, buffers and submodules that the class does not define."""
+    parameters, buffers and submodules (:class:`ClassAttrs` leaves out, when it installs, the names
+    a class or its bases define)."""
     pairs, seen_mods, seen_pairs, ok_cls = [], set(), set(), {}
     budget = MAX_MODULES
     for root in roots(fn):
@@ -115,7 +126,7 @@ def plan(fn) -> list:
                 for name in table:
                     key = (cls, name)
                     if (key not in seen_pairs and type(name) is str and name.isidentifier()
-                            and not name.startswith("__") and not _defined_on(cls, name)):
+                            and not name.startswith("__")):
                         seen_pairs.add(key)
                         pairs.append(key)
     return pairs
@@ -132,17 +143,19 @@ class ClassAttrs:
 
     def __enter__(self) -> "ClassAttrs":
         make = _native.core.ModuleAttr
-        subclasses: dict = {}  # one walk per class, not per name
+        subclasses: dict = {}  # one walk per class, not per name: (subclasses, classes after it)
         with _lock:
             for key in self.pairs:
                 e = _installed.get(key)
                 if e is None:
                     cls, name = key
-                    if _defined_on(cls, name):  # defined since the plan was made: theirs stays
+                    if _defined_on(cls, name):  # the class's own (or defined since): theirs stays
                         continue
-                    if cls not in subclasses:
-                        subclasses[cls] = _subclasses(cls)
-                    verified = _verified(cls, name, subclasses[cls])
+                    walk = subclasses.get(cls)
+                    if walk is None:
+                        subs = _subclasses(cls)
+                        walk = subclasses[cls] = (subs, _after(cls, subs) if subs is not None else None)
+                    verified = _verified(cls, name, walk[0], walk[1])
                     if verified is None:
                         continue
                     d = make(name, MODULE_GETATTR, cls, verified)

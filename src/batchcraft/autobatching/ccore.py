@@ -15,7 +15,7 @@ import types
 
 import torch
 
-from batchcraft.autobatching import _native
+from batchcraft.autobatching import _native, statereaders
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.devices import device_constructors
 from batchcraft.autobatching.gather import stack_leaves, to_device
@@ -58,6 +58,7 @@ def _setup() -> None:
         fill_factories=tuple(FILL_FACTORIES), torch_dir=TORCH_DIR, plain_tensor=torch.Tensor,
         parameter=torch.nn.Parameter, method_wrapper=type(torch.Tensor.data.__get__)))
     SIGNATURES.on_clear(_c.clear_signatures)
+    statereaders.install(_c)
 
 
 _setup()

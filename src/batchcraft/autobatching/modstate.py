@@ -103,13 +103,16 @@ def resolve_module_state(fn, rec, lazy_type, interleaved: bool) -> list[str]:
             seen.add(id(m))
             d = m.__dict__
             for table in (d, d.get("_buffers") or {}, d.get("_parameters") or {}):
-                for name, v in list(table.items()):
+                # (a module's own tables and hooks are most of its __dict__: left out by a set
+                # difference, not one test per entry)
+                for name in (table.keys() - _MODULE_INTERNALS if table is d else list(table)):
+                    v = table.get(name)
                     t = type(v)
                     if t is lazy_type:
                         if v.rec is rec:
                             table[name] = rec.resolve(v)
                             replaced.append(f"{type(m).__name__}.{name}")
-                    elif table is d and t not in _SCALARS and name not in _MODULE_INTERNALS:
+                    elif table is d and t not in _SCALARS:
                         _resolve_inside(m, name, v, rec, lazy_type, replaced)
     if replaced and interleaved:
         warnings.warn(f"batchcraft.autobatch: instance code stored per-instance values on modules "

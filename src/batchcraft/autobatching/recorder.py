@@ -1003,12 +1003,12 @@ class PyRecorder(RecorderBase):
             else:
                 if leaves:
                     fkey = (tuple(key), rgk if func.__class__ is _StaticBlock else 0, op_state())
-                    info = SIGNATURES.fast.get(fkey)
+                    info = SIGNATURES.fast_get(fkey)
                     if info is not None and info.validated:
                         return self.append(info, leaves, None)
                     out, info = self.general(func, args, kwargs)
                     if info is not None:
-                        SIGNATURES.fast[fkey] = info
+                        SIGNATURES.fast_put(fkey, info)
                     return out
         return self.record_general(func, args, kwargs)
 

@@ -218,16 +218,18 @@ class Runtime:
         measured = getattr(self.executor.kernels, "n_measured", 0)
         retention = _memory.retain(self.options.retain_memory)
         faults = _minor_faults()
-        transformed = under_transform()
-        if transformed:  # signatures recorded under torch.func transforms stay inside them (#190)
-            SIGNATURES.clear()
+        # signatures recorded under torch.func transforms stay inside them, and none from outside
+        # is used there (#190, #195): a namespace of this thread's; the C core's table is not read
+        isolated = SIGNATURES.isolated() if under_transform() else nullcontext()
+        if not isinstance(isolated, nullcontext) and hasattr(self.rec, "sig_table"):
+            self.rec.sig_table = 0
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
             _functional.intercept_function_apply(True)
             install_train_hook()
-            with (attrs, cells, calls, dispatch, retention, SET_DEFAULT_DEVICE, ATOMIC_PRINT, SAVED_TENSORS_HOOKS,
-                  DISPATCH_MODES):
+            with (isolated, attrs, cells, calls, dispatch, retention, SET_DEFAULT_DEVICE, ATOMIC_PRINT,
+                  SAVED_TENSORS_HOOKS, DISPATCH_MODES):
                 return self._run(instances, t_start)
         finally:
             try:
@@ -238,8 +240,6 @@ class Runtime:
                 st.memory_retained = retention.retained
                 st.page_faults = _minor_faults() - faults
             finally:
-                if transformed:
-                    SIGNATURES.clear()
                 if gc_was_enabled:
                     gc.enable()
 
@@ -320,8 +320,7 @@ class Runtime:
         main_dctx = global_context()
         for i, inst in enumerate(instances):
             rec.instance, rec.phase, rec.inst_steps = i, 0, 0
-            fs = main_state.copy()  # current already: the caller's state
-            try:
+            try:  # (the instance starts in main_state, current already: the caller's state)
                 outputs.append(ctx.copy().run(self._body, i, inst))
             except _FlushFailed as exc:  # another instance's work, run at this one's value request
                 raise exc.error from None
@@ -331,8 +330,10 @@ class Runtime:
             except Exception as exc:
                 raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
             finally:
-                fs.leave(main_state)
-                fs.close()
+                if not main_state.is_current():  # the instance left the thread state changed
+                    fs = main_state.copy()  # (its state as it began; leave() captures what it left)
+                    fs.leave(main_state)
+                    fs.close()
                 if rec.device_changed:
                     set_global_context(main_dctx)
                     rec.set_factory_device(factory_device())

@@ -262,6 +262,11 @@ class SignatureCache:
     Keys hold ids of shared tensors; a SigInfo keeps those tensors alive, so an id cannot be
     reused while its entry exists. The cache is cleared when it grows past ``max_entries``
     (a stale entry only costs a new inference).
+
+    A call under a ``torch.func`` transform records in a namespace of its own (:meth:`isolated`):
+    eager's results differ there in what a signature records (under ``jvp``, ``lin(x)`` does not
+    require grad), so its signatures must neither be reused outside it, by this thread later or
+    by another thread meanwhile, nor come from outside it (reliability #190, #195).
     """
 
     def __init__(self, max_entries: int = 200_000):
@@ -274,22 +279,50 @@ class SignatureCache:
         self._lock = threading.RLock()
         self._reads: set = set()  # see may_be_read
         self._indexed = 0
+        self._local = threading.local()  # .space: this thread's isolated namespace (a list of its keys)
+
+    def _spaced(self, key):
+        space = getattr(self._local, "space", None)
+        return key if space is None else (space.token, key)
 
     def get(self, key):
-        return self.by_key.get(key)
+        return self.by_key.get(self._spaced(key))
 
     def add(self, key, make) -> SigInfo:
         """Register a new signature: ``make(sid)`` builds its SigInfo."""
+        k = self._spaced(key)
         with self._lock:  # two threads must never draw the same sid
-            info = self.by_key.get(key)
+            info = self.by_key.get(k)
             if info is not None:
                 return info
             if len(self.by_key) >= self.max_entries:
                 self.clear()
             info = make(len(self.by_sid))
             self.by_sid.append(info)
-            self.by_key[key] = info
+            self.by_key[k] = info
+            if k is not key:
+                self._local.space.keys.append(k)
             return info
+
+    def fast_get(self, key):
+        """The recorder's cheap-key entry (``fast``), in this thread's namespace."""
+        return self.fast.get(self._spaced(key))
+
+    def fast_put(self, key, info) -> None:
+        k = self._spaced(key)
+        self.fast[k] = info
+        if k is not key:
+            self._local.space.keys.append(k)
+
+    @property
+    def isolating(self) -> bool:
+        """Whether this thread records in an isolated namespace now."""
+        return getattr(self._local, "space", None) is not None
+
+    def isolated(self) -> "_Isolated":
+        """Context manager: this thread's signatures in a namespace of their own, dropped on exit
+        (nested: the outer namespace is kept)."""
+        return _Isolated(self)
 
     def may_be_read(self, t: torch.Tensor) -> bool:
         """Whether some signature reads ``t``'s memory: one of its shared tensors, or a constant of
@@ -332,6 +365,38 @@ class SignatureCache:
                 self.fast.pop(k, None)
         for fn in self._listeners:
             fn()
+
+
+class _Space:
+    __slots__ = ("token", "keys")
+
+    def __init__(self):
+        self.token = object()  # (compares by identity: no other namespace's key can equal it)
+        self.keys: list = []
+
+
+class _Isolated:
+    __slots__ = ("cache", "outer")
+
+    def __init__(self, cache: SignatureCache):
+        self.cache = cache
+
+    def __enter__(self):
+        local = self.cache._local
+        self.outer = getattr(local, "space", None)
+        if self.outer is None:
+            local.space = _Space()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.outer is None:
+            local = self.cache._local
+            space, local.space = local.space, None
+            with self.cache._lock:
+                for k in space.keys:
+                    self.cache.by_key.pop(k, None)
+                    self.cache.fast.pop(k, None)
+        return False
 
 
 SIGNATURES = SignatureCache()

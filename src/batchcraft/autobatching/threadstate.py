@@ -268,15 +268,18 @@ class FiberState:
             self._in_guard = _InferenceMode(self.inference)
         self._apply(True)
 
+    def is_current(self) -> bool:
+        """Is this state (captured without autocast) the thread's current one?"""
+        modes = self.modes
+        n = len(modes)
+        return (_tf_len() == n and _grad() is self.grad and _inference() is self.inference
+                and _default_dtype() is self.dtype and (self.autocast is None and not autocast_enabled_any())
+                and (n == 0 or (_tf_at(0) is modes[0] if n == 1 else all(_tf_at(i) is m for i, m in enumerate(modes))))
+                and _PRINT_OPTS == self.printopts and _hooks_off() == self.hooks_off)
+
     def leave(self, main: "FiberState") -> None:
         """After the fiber yielded or finished: capture its state, make ``main``'s current."""
-        modes = main.modes
-        n = len(modes)
-        if self._in_guard is None and _tf_len() == n and _grad() is main.grad \
-                and _inference() is main.inference and _default_dtype() is main.dtype \
-                and (main.autocast is None and not autocast_enabled_any()) \
-                and (n == 0 or (_tf_at(0) is modes[0] if n == 1 else all(_tf_at(i) is m for i, m in enumerate(modes)))) \
-                and _PRINT_OPTS == main.printopts and _hooks_off() == main.hooks_off:
+        if self._in_guard is None and main.is_current():
             # the fiber left the state as the scheduler's (the common case): nothing to restore
             self.grad, self.inference, self.autocast = main.grad, main.inference, None
             self.dtype, self.modes, self.printopts = main.dtype, main.modes, main.printopts
