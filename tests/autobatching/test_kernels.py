@@ -190,3 +190,60 @@ def test_onednn_is_asked_for_only_when_a_choice_needs_it(tmp_path, monkeypatch):
     assert missing.linear_for(None, None) is kernels._LINEAR  # known missing now: torch's linear directly
     forced = Selector("onednn", None)
     assert forced.choose(x, w, None) == "default"
+
+
+@needs_onednn
+@pytest.mark.parametrize("how", ["jvp", "dual_level"])
+def test_forward_mode_derivatives_keep_the_default_kernel(how):
+    # reliability #206 (hostile helper, stop 41; present before): oneDNN's linear has no forward
+    # derivative and torch gives its output a zero tangent, silently; under no_grad the inference
+    # path chose it inside torch.func.jvp (wrong tangents of a TreeLSTM's input projection)
+    import torch.autograd.forward_ad as fwAD
+
+    from batchcraft import autobatch, static_block
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96)
+
+    @static_block
+    def block(x, w, b):
+        return torch.tanh(F.linear(x, w, b))
+
+    xs = [torch.randn(64) for _ in range(40)]
+    tw = torch.randn_like(lin.weight)
+    f = autobatch(lambda x: block(x, lin.weight, lin.bias), kernels="onednn")  # always oneDNN where it may
+    with torch.no_grad():
+        if how == "jvp":
+            def run(batched):
+                def g(w):
+                    fn = (lambda x: block(x, w, lin.bias))
+                    return torch.stack(autobatch(fn, kernels="onednn")(xs) if batched else [fn(x) for x in xs])
+                return torch.func.jvp(g, (lin.weight.detach(),), (tw,))[1]
+            got, ref = run(True), run(False)
+        else:
+            with fwAD.dual_level():
+                w = fwAD.make_dual(lin.weight.detach(), tw)
+                fn = (lambda x: block(x, w, lin.bias))
+                got = torch.stack([fwAD.unpack_dual(o).tangent for o in autobatch(fn, kernels="onednn")(xs)])
+                ref = torch.stack([fwAD.unpack_dual(fn(x)).tangent for x in xs])
+        assert ref.abs().max() > 0.1
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        out = f(xs)  # and outside forward AD the chosen kernel still runs
+    torch.testing.assert_close(torch.stack(out), torch.stack([block(x, lin.weight, lin.bias) for x in xs]),
+                               atol=1e-4, rtol=1e-4)
+
+
+@needs_onednn
+def test_the_choice_outside_forward_ad_does_not_follow_it_inside():
+    import torch.autograd.forward_ad as fwAD
+
+    sel = Selector("onednn", None)
+    x, w = torch.randn(70, 256), torch.randn(512, 256)
+    with torch.no_grad():
+        assert sel.choose(x, w, None) == "onednn"
+        sel.linear(x, w)  # (cached by shape for the inference path)
+        with fwAD.dual_level():
+            xd = fwAD.make_dual(x, torch.ones_like(x))
+            assert sel.choose(xd, w, None) == "default"
+            t = fwAD.unpack_dual(sel.linear(xd, w)).tangent
+        torch.testing.assert_close(t, F.linear(torch.ones_like(x), w))

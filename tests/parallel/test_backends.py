@@ -135,3 +135,26 @@ def test_bad_backends():
         backends.convert(nn.Linear(2, 2), matmul="blas")
     with pytest.raises(ConfigurationError, match="conv backend must be one of"):
         backends.install(conv="winograd")
+
+
+@pytest.mark.parametrize("matmul", ["onednn", "mkl-packed"])
+@pytest.mark.parametrize("how", ["jvp", "dual_level"])
+def test_forward_mode_derivatives_keep_the_default_kernel(matmul, how):
+    # reliability #206 (stop 41): the packed kernels have no forward derivative; under no_grad
+    # they ran inside torch.func.jvp and dual levels and the tangents came back zero
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    fast = backends.convert(model, matmul=matmul)
+    x, tx = torch.randn(5, 16), torch.randn(5, 16)
+    with torch.no_grad():
+        if how == "jvp":
+            got = torch.func.jvp(fast, (x,), (tx,))[1]
+            ref = torch.func.jvp(model, (x,), (tx,))[1]
+        else:
+            with fwAD.dual_level():
+                got = fwAD.unpack_dual(fast(fwAD.make_dual(x, tx))).tangent
+                ref = fwAD.unpack_dual(model(fwAD.make_dual(x, tx))).tangent
+    assert ref.abs().max() > 0.01
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,9 @@ micro-batching measurements (:func:`batchcraft.measure.cache_dir`).
 :func:`onednn_linear` is differentiable (a custom autograd Function: the forward and the input
 gradient through oneDNN, the weight gradient as a plain matrix product), so training stays
 correct through the chosen kernel; results agree with ``F.linear`` within float32 rounding.
-Autocast regions and non-CPU tensors always use ``F.linear``.
+Autocast regions, non-CPU tensors, forward-mode AD (a ``dual_level``, ``torch.func.jvp``) and
+``torch.func`` transforms always use ``F.linear``: oneDNN's op has no forward derivative, and
+torch silently gives its outputs a zero tangent (reliability #206).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.autograd.forward_ad as _fwad
 import torch.nn.functional as F
 
+from batchcraft.autobatching.threadstate import under_transform
 from batchcraft.measure.machine import cache_dir, cpu_model
 
 _lp = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
@@ -210,7 +214,8 @@ class Selector:
 
     def _choose(self, x, w, b) -> str:
         if (self.mode == "default" or x.device.type != "cpu" or x.dtype != torch.float32
-                or x.dim() == 0 or torch.is_autocast_enabled("cpu") or w.dim() != 2):
+                or x.dim() == 0 or torch.is_autocast_enabled("cpu") or w.dim() != 2
+                or _fwad._current_level >= 0 or under_transform()):  # (tangents: see the module docstring)
             return "default"
         if self.mode == "onednn":
             return "onednn" if self.onednn else "default"
@@ -259,7 +264,8 @@ class Selector:
 
     def linear(self, x, w, b=None):
         """``F.linear`` with the kernel chosen for this shape class."""
-        if type(x) is _T and not (_grad_on() or _tf_on() or _any_autocast()):
+        if type(x) is _T and not (_grad_on() or _tf_on() or _any_autocast()) and _fwad._current_level < 0 \
+                and not under_transform():
             # inference, no mode of the user's, no autocast: the choice by exact shapes, one dict
             # read (what choose() would decide from the same shapes, dtype, device and threads)
             key = (x.shape, w.shape, b is None, x.dtype, x.is_cpu, _threads())

@@ -42,6 +42,7 @@ import copy
 import functools
 
 import torch
+import torch.autograd.forward_ad as _fwad
 import torch.nn.functional as F
 from torch import nn
 
@@ -99,7 +100,15 @@ def _packed_call(kind, x2, packed, weight, bias, rows):
     return torch.ops.mkl._mkl_linear(x2, packed, weight, bias, rows)
 
 
+_peek_transform = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
+
+
 def _no_grad_needed(*tensors) -> bool:
+    """No derivative can flow through the call: no autograd need, no forward-mode AD level (a
+    ``dual_level``, ``torch.func.jvp``) and no ``torch.func`` transform. The packed kernels have no
+    derivatives: torch would give their outputs a zero tangent, silently (reliability #206)."""
+    if _fwad._current_level >= 0 or _peek_transform() is not None:
+        return False
     return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
 
 
