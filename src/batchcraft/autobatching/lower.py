@@ -578,9 +578,8 @@ def _products_from_rows(em, prog, step_lines, step_rule) -> frozenset:
     the input's rows in place when the executor passes them as
     :class:`~batchcraft.autobatching.gather.RowRefs` (``Runner.rows_ins``) and is
     ``torch.matmul`` / :func:`matmul_accumulate` otherwise. Returns those inputs' indices
-    (none where this build has no pointer-array GEMM: the gathers stay)."""
-    if not _rowmm.sgemm_batch():
-        return frozenset()
+    (none where this build has no pointer-array GEMM: the gathers stay; the GEMM is looked up and
+    checked, once per process, only when some input qualifies)."""
     mm = em.name(torch.matmul, "F")
     acc = em.name(matmul_accumulate, "K")
     calls = {}  # step -> (kind, bare arguments) of its one line, a call of mm or acc
@@ -614,7 +613,7 @@ def _products_from_rows(em, prog, step_lines, step_rule) -> frozenset:
         bare = sum(args.count(name) for _, args in calls.values())
         if uses and uses == bare:
             eligible.append(j)
-    if not eligible:
+    if not eligible or not _rowmm.sgemm_batch():
         return frozenset()
     rmm = em.name(_rowmm.matmul, "RM")
     racc = em.name(_rowmm.matmul_accumulate, "RA")
