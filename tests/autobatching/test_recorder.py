@@ -233,3 +233,40 @@ def test_a_half_shared_parameter_gradient_rounds_once(core):
     (g,) = torch.autograd.grad(sum(o.float().sum() for o in out), p)
     once = torch.stack([x.float() for x in xs]).sum(0).half()
     torch.testing.assert_close(g, once, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_lazy_values_freed_and_made_again_keep_their_identity_rules(core):
+    # the C core reuses the memory of freed lazy values (a free list): a weak reference to a
+    # dropped one must die, a new one must be a distinct live object, and no reference to the
+    # LazyTensor type may be lost or leaked over many calls
+    import gc
+    import sys
+    import weakref
+
+    from batchcraft.autobatching.lazy import LazyTensor
+
+    seen = []
+
+    def fn(x):
+        y = torch.tanh(x)
+        ref = weakref.ref(y)
+        ident = id(y)
+        del y
+        dead = ref() is None
+        zs = [x * k for k in range(1, 6)]  # (one of these may take the freed memory)
+        seen.append((dead, all(ref() is None for _ in zs), ident))
+        return sum(zs) + torch.tanh(x)
+
+    xs = [torch.randn(3) for _ in range(4)]
+    f = autobatch(fn, core=core)
+    f(xs)
+    gc.collect()
+    before = sys.getrefcount(LazyTensor)
+    for _ in range(20):
+        out = f(xs)
+    gc.collect()
+    assert sys.getrefcount(LazyTensor) == before
+    assert all(dead and still_dead for dead, still_dead, _ in seen)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, sum(x * k for k in range(1, 6)) + torch.tanh(x))

@@ -227,10 +227,22 @@ static int lazy_clear(LazyObject *self) {
     return 0;
 }
 
+/* Freed lazy values of the LazyTensor type are kept for reuse (a recorded TreeLSTM node makes six
+   and drops most of them at once): new_lazy takes one back instead of allocating, initialising
+   and linking a fresh GC object. Under the GIL; the memory is the type's own allocation. */
+#define LAZY_FREE_MAX 2048
+static LazyObject *g_lazy_free[LAZY_FREE_MAX];
+static int g_lazy_nfree = 0;
+
 static void lazy_dealloc(LazyObject *self) {
     PyObject_GC_UnTrack(self);
     if (self->weakreflist) PyObject_ClearWeakRefs((PyObject *)self);
     lazy_clear(self);
+    if (Py_TYPE(self) == g_LazyType && g_lazy_nfree < LAZY_FREE_MAX) {
+        self->weakreflist = NULL;
+        g_lazy_free[g_lazy_nfree++] = self;  /* (subtype_dealloc drops the instance's type reference) */
+        return;
+    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -246,8 +258,16 @@ static int lazy_init(LazyObject *self, PyObject *args, PyObject *kw) {
 }
 
 static inline LazyObject *new_lazy(PyObject *rec, Py_ssize_t node, int slot, int did) {
-    LazyObject *x = (LazyObject *)g_LazyType->tp_alloc(g_LazyType, 0);
-    if (!x) return NULL;
+    LazyObject *x;
+    if (g_lazy_nfree > 0) {
+        x = g_lazy_free[--g_lazy_nfree];
+        PyObject_Init((PyObject *)x, g_LazyType);  /* a new reference, and one to the (heap) type */
+        x->weakreflist = NULL;
+        PyObject_GC_Track(x);
+    } else {
+        x = (LazyObject *)g_LazyType->tp_alloc(g_LazyType, 0);
+        if (!x) return NULL;
+    }
     Py_INCREF(rec);
     x->rec = rec; x->node = node; x->slot = slot; x->did = did; x->base = NULL;
     live_add(rec, node, slot, 1);
