@@ -626,8 +626,9 @@ def test_inputs_only_kernels_read_are_not_gathered(monkeypatch):
 
 @pytest.mark.parametrize("how", ["forward_ad_level", "group_fails"])
 def test_rows_are_copied_where_the_kernels_do_not_run(how, monkeypatch):
-    # a forward-AD level makes every kernel decline: the unfused branch copies the rows first; a
-    # group whose batched run fails runs one instance at a time on copied rows
+    # a forward-AD level makes every kernel decline, and since reliability #209 no rows are handed
+    # out under one at all (raw row reads carry no tangent): the inputs are gathered as before the
+    # kernels existed; a group whose batched run fails runs one instance at a time on copied rows
     import torch.autograd.forward_ad as fwAD
 
     from batchcraft.autobatching import lower
@@ -638,9 +639,15 @@ def test_rows_are_copied_where_the_kernels_do_not_run(how, monkeypatch):
     with torch.no_grad():
         f(trees)
         if how == "forward_ad_level":
+            before = list(made)
             with fwAD.dual_level():
                 out = f(trees)
             assert f.stats.fused_declined > 0 and f.stats.fallbacks == 0  # the unfused branches ran
+            assert made == before and f.stats.rows_in_place == 0  # no rows handed out under the level
+            ref = [fn(t) for t in trees]
+            _close([(o,) for o in out], [(r,) for r in ref])
+            assert made[0] > 0  # (outside the level they were)
+            return
         else:
             real = lower.Runner.__call__
 

@@ -188,7 +188,7 @@ def test_empty_products_are_torchs(monkeypatch):
             torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("state", ["float64_default", "autocast"])
+@pytest.mark.parametrize("state", ["float64_default", "autocast", "vmap", "jvp"])
 def test_the_gemm_check_does_not_depend_on_the_callers_state(state, monkeypatch):
     # hostile helper, stop 40: the one-time check of the pointer GEMM ran on the default dtype
     # (float64 made it fail) or under autocast (bf16 results): the feature was off for good
@@ -201,9 +201,15 @@ def test_the_gemm_check_does_not_depend_on_the_callers_state(state, monkeypatch)
             assert rowmm.sgemm_batch()
         finally:
             torch.set_default_dtype(torch.float32)
-    else:
+    elif state == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert rowmm.sgemm_batch()
+    elif state == "vmap":  # reliability #209: the check's own random draw inside the caller's vmap
+        torch.func.vmap(lambda x: x * bool(rowmm.sgemm_batch()))(torch.ones(2, 3))
+        assert rowmm._ADDRESS[0]
+    else:
+        torch.func.jvp(lambda x: x * bool(rowmm.sgemm_batch()), (torch.ones(3),), (torch.ones(3),))
+        assert rowmm._ADDRESS[0]
 
 
 @needs_gemm
@@ -244,3 +250,48 @@ def test_rows_in_place_counts_each_calls_own_rows_under_threads(monkeypatch):
         stop.set()
         t.join()
     assert counts == [alone] * 10
+
+
+@needs_gemm
+@pytest.mark.parametrize("how", ["dual_level", "jvp"])
+def test_forward_mode_tangents_through_products_of_per_instance_matrices(how):
+    # reliability #209 (hostile helper, stop 41; present before): under no_grad the products read
+    # the per-instance matrices in place (a raw GEMM) inside a dual level: every tangent came back
+    # None; MV-RNN's gathers and table lookups under forward AD raised or dropped tangents too
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import functional_call, jvp
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from batchcraft.data import load_sentences
+    from batchcraft.models import mvrnn
+
+    task = mvrnn.build_task(load_sentences(limit=12), 32)  # (32 x 32 float32 matrices: 4 KiB rows)
+    model, data = task.model, task.instances
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    tang = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in params.items()}
+    f = autobatch(model)
+    with torch.no_grad():
+        plain = f(data)
+        assert f.stats.rows_in_place > 0  # outside forward AD the products read the rows in place
+        for o, s in zip(plain, data):
+            torch.testing.assert_close(o, model(s), atol=1e-5, rtol=1e-5)
+        if how == "dual_level":
+            with fwAD.dual_level():
+                duals = {k: fwAD.make_dual(v, tang[k]) for k, v in params.items()}
+                with _reparametrize_module(model, duals):
+                    got = [fwAD.unpack_dual(o).tangent for o in f(data)]
+                    ref = [fwAD.unpack_dual(model(s)).tangent for s in data]
+            assert all(t is not None for t in got)
+            got, ref = torch.cat([t.reshape(-1) for t in got]), torch.cat([t.reshape(-1) for t in ref])
+        else:
+            def batched(p):
+                with _reparametrize_module(model, p):
+                    return torch.cat([o.reshape(-1) for o in f(data)])
+
+            def eager(p):
+                return torch.cat([functional_call(model, p, (s,)).reshape(-1) for s in data])
+
+            got, ref = jvp(batched, (params,), (tang,))[1], jvp(eager, (params,), (tang,))[1]
+    assert ref.abs().max() > 0.01
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -35,7 +35,7 @@ from batchcraft.autobatching.program import Program
 from batchcraft.autobatching.signature import LEAF, RAGGED, SIGNATURES, call_with, flatten, rebuild
 from batchcraft.autobatching.threadstate import PLAIN, under
 from batchcraft.autobatching.threadstate import is_transform_wrapped as _wrapped
-from batchcraft.autobatching.threadstate import under_transform
+from batchcraft.autobatching.threadstate import tangents_possible, under_transform
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
@@ -263,11 +263,13 @@ class Executor:
         with under(PLAIN):  # leaves stacked here are shared by later groups: keep their history
             plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
         bufs = rec.buffers
+        # (forward-mode AD or a transform: no raw row reads, lookups or products: they carry no tangent)
+        tangents = tangents_possible()
         tables = (self._lookups(info, prog) if hoisted is None and self.options.dedup and not info.grad
-                  and not any(info.out_rg) and not rec.hooks else None)
+                  and not any(info.out_rg) and not rec.hooks and not tangents else None)
         # inputs only fused kernels read stay rows of their buffers (gather.Rows), read in place:
         # only without grad mode or autocast, where the kernels run (else they would be copied anyway)
-        plain = hoisted is None and not info.state[0] and info.state[2] is None
+        plain = hoisted is None and not info.state[0] and info.state[2] is None and not tangents
         with under(info.state):
             if hoisted is None:
                 ins = take_all(bufs, plans[:prog.n_in], runner.deferred_ins if plain else (),

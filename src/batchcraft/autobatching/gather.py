@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array as _array
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from batchcraft.autobatching.threadstate import is_transform_wrapped as _wrapped
 
@@ -231,6 +232,8 @@ def _take_pieces(buffers, pieces, perm):
     extension."""
     first = buffers[pieces[0][0]]
     grad = torch.is_grad_enabled()
+    if _fwad._current_level >= 0:  # dual rows: torch has no out= copy for them (reliability #209)
+        return None
     srcs = []
     for b, _ in pieces:
         t = buffers[b]

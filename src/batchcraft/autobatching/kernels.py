@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.autograd.forward_ad as _fwad
 import torch.nn.functional as F
 
-from batchcraft.autobatching.threadstate import under_transform
+from batchcraft.autobatching.threadstate import tangents_possible
 from batchcraft.measure.machine import cache_dir, cpu_model
 
 _lp = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
@@ -215,7 +214,7 @@ class Selector:
     def _choose(self, x, w, b) -> str:
         if (self.mode == "default" or x.device.type != "cpu" or x.dtype != torch.float32
                 or x.dim() == 0 or torch.is_autocast_enabled("cpu") or w.dim() != 2
-                or _fwad._current_level >= 0 or under_transform()):  # (tangents: see the module docstring)
+                or tangents_possible()):  # (tangents: see the module docstring)
             return "default"
         if self.mode == "onednn":
             return "onednn" if self.onednn else "default"
@@ -264,8 +263,7 @@ class Selector:
 
     def linear(self, x, w, b=None):
         """``F.linear`` with the kernel chosen for this shape class."""
-        if type(x) is _T and not (_grad_on() or _tf_on() or _any_autocast()) and _fwad._current_level < 0 \
-                and not under_transform():
+        if type(x) is _T and not (_grad_on() or _tf_on() or _any_autocast() or tangents_possible()):
             # inference, no mode of the user's, no autocast: the choice by exact shapes, one dict
             # read (what choose() would decide from the same shapes, dtype, device and threads)
             key = (x.shape, w.shape, b is None, x.dtype, x.is_cpu, _threads())

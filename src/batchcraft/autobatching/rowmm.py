@@ -32,6 +32,7 @@ import threading
 import torch
 
 from batchcraft.autobatching.gather import RowRefs, materialize
+from batchcraft.autobatching.threadstate import outside_transforms, tangents_possible
 
 try:  # optional extension (the pointer arrays are built in C)
     from batchcraft.autobatching import _fused
@@ -81,8 +82,8 @@ def sgemm_batch() -> int:
             if not _ADDRESS:
                 address = 0
                 if _fused is not None and hasattr(_fused, "gemm_batch"):
-                    try:
-                        with torch._C.DisableTorchFunction():
+                    try:  # (its own tensors: no transform of the caller's may wrap them, reliability #209)
+                        with torch._C.DisableTorchFunction(), outside_transforms():
                             found = _find()
                             address = found if found and _works(found) else 0
                     except Exception:  # a library that is not what its name says: keep the gathers
@@ -106,8 +107,9 @@ def _shared_2d(w):
 
 
 def _recorded_on() -> bool:
-    """Autograd or autocast would need what a raw GEMM does not record or cast."""
-    return torch.is_grad_enabled() or torch._C._is_any_autocast_enabled()
+    """Autograd, forward-mode AD, a ``torch.func`` transform or autocast would need what a raw GEMM
+    does not record, carry or cast (reliability #209: tangents came back None)."""
+    return torch.is_grad_enabled() or torch._C._is_any_autocast_enabled() or tangents_possible()
 
 
 def _refs_product(r, w, out, beta: float) -> bool:

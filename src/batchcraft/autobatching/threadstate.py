@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.autograd.forward_ad as _fwad
 import torch.utils._python_dispatch
 
 from batchcraft.autobatching import stack as _stack
@@ -59,6 +60,14 @@ def under_transform() -> bool:
     a transform must not be shared (reliability #190).
     """
     return _peek_transform() is not None
+
+
+def tangents_possible() -> bool:
+    """Derivatives other than autograd's may flow through batched work now: a forward-mode AD
+    level is open (``dual_level``, ``torch.func.jvp``) or a ``torch.func`` transform is active.
+    The raw paths (row copies and addresses, in-place products, table lookups, oneDNN) carry no
+    tangent: torch would give their results none or a zero one, silently (reliability #206, #209)."""
+    return _fwad._current_level >= 0 or _peek_transform() is not None
 
 
 try:
@@ -358,4 +367,4 @@ def _refusing_dispatch_enter(self):
 
 DISPATCH_MODES = SharedPatch(_DispatchMode, "__enter__", _refusing_dispatch_enter)
 
-__all__ = ["PLAIN", "op_state", "SAVED_TENSORS_HOOKS", "DISPATCH_MODES", "under", "autocast_dtypes", "set_autocast_dtypes", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
+__all__ = ["PLAIN", "op_state", "tangents_possible", "under_transform", "outside_transforms", "SAVED_TENSORS_HOOKS", "DISPATCH_MODES", "under", "autocast_dtypes", "set_autocast_dtypes", "run_under", "FiberState", "autocast_state", "set_autocast_state", "AUTOCAST_DEVICES"]
