@@ -1,8 +1,9 @@
 """torch's thread-state accessors for the C core, found by symbol and checked before use.
 
-The C core asks torch's thread state several times per recorded call: grad mode and inference
-mode for a static block's signature (a block call asks three questions), and the torch-function
-mode stack to know whether its mode is innermost (a ``torch.tensor`` read and call ask four).
+The C core asks torch's thread state several times per recorded call: grad mode, autocast and
+inference mode for a static block's signature and the torch-function mode stack's length (a
+block call asks four questions), and whether its mode is innermost (a ``torch.tensor`` read and
+call ask four more).
 Through torch's builtins (``torch.is_grad_enabled`` and friends) each answer costs about 35 ns
 here, most of it torch's error and warning handlers around a one-byte read: about 0.4 µs of a
 TreeLSTM node's 3.3 µs of recording.
