@@ -81,7 +81,8 @@ static inline PyObject *tf_stack_len(void) { return call_noarg(g_tf_len_q, g_tf_
    the builtins are asked). The builtins wrap each answer in torch's error and warning handlers,
    about 35 ns a question here; a block call asks four, a scalar leaf four. No torch header: plain
    function pointers (no arguments; bool, int or int64 results), so nothing ties the build to a
-   torch version. Autocast stays a builtin (its C++ accessor takes a device type and can throw). */
+   torch version. Autocast is read from its dispatch-key bits (below): its C++ accessor takes a
+   device type and throws for one it does not know. */
 static _Bool (*sr_grad)(void) = NULL, (*sr_inference)(void) = NULL, (*sr_tf_mode)(void) = NULL;
 static int (*sr_tf_state)(void) = NULL;    /* 0: torch functions enabled */
 static int64_t (*sr_tf_len)(void) = NULL;
