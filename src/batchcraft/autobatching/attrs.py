@@ -84,15 +84,15 @@ def _after(cls, subs: list) -> list:
     return list(later)
 
 
-def _verified(cls, name: str, subs: list | None, later: list | None = None) -> set | None:
+def _verified(cls, name: str, subs: list | None, later: list | None) -> set | None:
     """The types that reach a descriptor on ``cls`` and define ``name`` nowhere after ``cls`` in
     their MRO (a mixin listed after it would win in eager), or None when one does (then no
     descriptor: the types are checked again at lookup, see ``ModuleAttr``, but a data descriptor
     further along would lose to the instance ``__dict__``). ``subs``: :func:`_subclasses` of ``cls``;
-    ``later``: :func:`_after` of them (computed when not given)."""
+    ``later``: :func:`_after` of them."""
     if subs is None:
         return None
-    for k in _after(cls, subs) if later is None else later:
+    for k in later:
         if name in k.__dict__:
             return None
     return set(subs)

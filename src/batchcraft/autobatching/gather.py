@@ -13,9 +13,9 @@ from __future__ import annotations
 from array import array as _array
 
 import torch
-import torch.autograd.forward_ad as _fwad
 
 from batchcraft.autobatching.threadstate import is_transform_wrapped as _wrapped
+from batchcraft.autobatching.threadstate import tangents_possible
 
 try:  # optional extension (fuse.py): without it interleaved gathers take the cat path
     from batchcraft.autobatching import _fused
@@ -232,7 +232,7 @@ def _take_pieces(buffers, pieces, perm):
     extension."""
     first = buffers[pieces[0][0]]
     grad = torch.is_grad_enabled()
-    if _fwad._current_level >= 0:  # dual rows: torch has no out= copy for them (reliability #209)
+    if tangents_possible():  # dual rows: torch has no out= copy for them (reliability #209)
         return None
     srcs = []
     for b, _ in pieces:

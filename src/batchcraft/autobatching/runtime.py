@@ -220,8 +220,9 @@ class Runtime:
         faults = _minor_faults()
         # signatures recorded under torch.func transforms stay inside them, and none from outside
         # is used there (#190, #195): a namespace of this thread's; the C core's table is not read
-        isolated = SIGNATURES.isolated() if under_transform() else nullcontext()
-        if not isinstance(isolated, nullcontext) and hasattr(self.rec, "sig_table"):
+        transformed = under_transform()
+        isolated = SIGNATURES.isolated() if transformed else nullcontext()
+        if transformed and hasattr(self.rec, "sig_table"):
             self.rec.sig_table = 0
         gc_was_enabled = gc.isenabled()
         gc.disable()

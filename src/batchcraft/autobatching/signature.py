@@ -314,11 +314,6 @@ class SignatureCache:
         if k is not key:
             self._local.space.keys.append(k)
 
-    @property
-    def isolating(self) -> bool:
-        """Whether this thread records in an isolated namespace now."""
-        return getattr(self._local, "space", None) is not None
-
     def isolated(self) -> "_Isolated":
         """Context manager: this thread's signatures in a namespace of their own, dropped on exit
         (nested: the outer namespace is kept)."""
