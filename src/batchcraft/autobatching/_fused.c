@@ -302,6 +302,104 @@ static PyObject *kernel_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     return (PyObject *)k;
 }
 
+
+/* ---- rows over torch's OpenMP team ---------------------------------------------------------------
+ * A kernel's rows are independent, so they split into contiguous ranges, one per thread, with the
+ * same maths per row (the same bits as one thread). The threads are torch's own: openmp.py hands
+ * over the addresses of GOMP_parallel and omp_get_max_threads / omp_get_thread_num /
+ * omp_get_num_threads of the OpenMP runtime torch loaded, so the team is the one torch's intra-op
+ * kernels use (already spinning after the last product, no thread of ours to wake) and its size is
+ * torch.get_num_threads() of the calling thread. Small calls stay on one thread: below
+ * TEAM_GRAIN floats a row range per thread (torch's GRAIN_SIZE for elementwise kernels is 32768
+ * elements) the team's start costs more than it saves. */
+#define MAX_TEAM 64
+#define TEAM_GRAIN 16384
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*omp_int_fn)(void);
+static struct {
+    gomp_parallel_fn parallel;
+    omp_int_fn max_threads, thread_num, num_threads;
+} omp = {NULL, NULL, NULL, NULL};
+
+typedef struct {
+    Kernel *k;
+    Py_ssize_t rows;
+    char **base;
+    Py_ssize_t *stride;
+    const int64_t **index;
+    float *scratch;
+    float **ptr;
+    int team;
+} RowJob;
+
+/* floats one row of the kernel touches (every op's width): the work per row */
+static Py_ssize_t kernel_floats(Kernel *k) {
+    Py_ssize_t w = 0;
+    for (int q = 0; q < k->n_ops; q++) w += k->slots[k->ops[q].dst].width;
+    return w;
+}
+
+/* threads for `work` floats over `rows` rows: 1 without a runtime or below the grain */
+static int team_size(Py_ssize_t rows, Py_ssize_t work) {
+    if (!omp.parallel || rows < 2 || work < 2 * TEAM_GRAIN) return 1;
+    int t = omp.max_threads();
+    Py_ssize_t by_work = work / TEAM_GRAIN;
+    if (t > by_work) t = (int)by_work;
+    if (t > rows) t = (int)rows;
+    if (t > MAX_TEAM) t = MAX_TEAM;
+    return t < 1 ? 1 : t;
+}
+
+static void run_rows(Kernel *k, char **base, Py_ssize_t *stride, const int64_t **index, float **ptr,
+                     float *scratch, Py_ssize_t r0, Py_ssize_t r1) {
+    int ns = k->n_slots;
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        for (int i = 0; i < ns; i++) {
+            const Slot *s = &k->slots[i];
+            if (s->kind == 1) {
+                ptr[i] = scratch + k->scratch_off[i];          /* this thread's scratch rows */
+            } else if (s->kind == 3) {
+                ptr[i] = ptr[s->ref] + s->offset;              /* columns of an earlier slot's row */
+            } else {
+                Py_ssize_t row = index[i] ? (Py_ssize_t)index[i][r] : r;
+                ptr[i] = (float *)(base[i] + row * stride[i]);
+            }
+        }
+        for (int q = 0; q < k->n_ops; q++) {
+            const Op *o = &k->ops[q];
+            float *d = ptr[o->dst];
+            const float *a = ptr[o->a];
+            Py_ssize_t w = k->slots[o->dst].width;
+            switch (o->code) {
+            case OP_ADD: k_add(d, a, ptr[o->b], w); break;
+            case OP_SUB: k_sub(d, a, ptr[o->b], w); break;
+            case OP_MUL: k_mul(d, a, ptr[o->b], w); break;
+            case OP_ADD_S: k_add_s(d, a, o->s, w); break;
+            case OP_SUB_S: k_sub_s(d, a, o->s, w); break;
+            case OP_MUL_S: k_mul_s(d, a, o->s, w); break;
+            case OP_RSUB_S: k_rsub_s(d, a, o->s, w); break;
+            case OP_NEG: k_neg(d, a, w); break;
+            case OP_RELU: k_relu(d, a, w); break;
+            case OP_SIGMOID: f_sigmoid(d, a, w); break;
+            case OP_TANH: f_tanh(d, a, w); break;
+            default: f_exp(d, a, w); break;
+            }
+        }
+    }
+}
+
+static void rows_worker(void *arg) {
+    RowJob *j = (RowJob *)arg;
+    int id = omp.thread_num(), n = omp.num_threads();
+    if (n > j->team) n = j->team;                      /* (the runtime may give fewer, never more) */
+    if (id >= n) return;
+    Py_ssize_t per = (j->rows + n - 1) / n, r0 = id * per, r1 = r0 + per > j->rows ? j->rows : r0 + per;
+    if (r0 >= r1) return;
+    int ns = j->k->n_slots;
+    Py_ssize_t sf = j->k->scratch_floats ? j->k->scratch_floats : 1;
+    run_rows(j->k, j->base, j->stride, j->index, j->ptr + (Py_ssize_t)id * ns, j->scratch + (Py_ssize_t)id * sf, r0, r1);
+}
+
 /* kernel(rows, in_ptrs, in_row_strides, in_index_ptrs, in_rows, out_ptrs): in_index_ptrs[j] is 0
  * or the address of `rows` int64 row numbers (a gather), each checked against in_rows[j] (the
  * gathered tensor's rows); the addresses are the caller's, checked by fuse.py. */
@@ -320,8 +418,9 @@ static PyObject *kernel_call(Kernel *k, PyObject *args, PyObject *kwds) {
     char **base = PyMem_Malloc(sizeof(char *) * ns);
     Py_ssize_t *stride = PyMem_Malloc(sizeof(Py_ssize_t) * ns);      /* bytes per row */
     const int64_t **index = PyMem_Calloc(ns, sizeof(int64_t *));
-    float *scratch = PyMem_Malloc(sizeof(float) * (k->scratch_floats ? k->scratch_floats : 1));
-    float **ptr = PyMem_Malloc(sizeof(float *) * ns);
+    /* one scratch row set and one pointer array per team member (team_size is at most MAX_TEAM) */
+    float *scratch = PyMem_Malloc(sizeof(float) * (k->scratch_floats ? k->scratch_floats : 1) * MAX_TEAM);
+    float **ptr = PyMem_Malloc(sizeof(float *) * ns * MAX_TEAM);
     if (!base || !stride || !index || !scratch || !ptr) {
         PyMem_Free(base); PyMem_Free(stride); PyMem_Free(index); PyMem_Free(scratch); PyMem_Free(ptr);
         return PyErr_NoMemory();
@@ -358,32 +457,14 @@ static PyObject *kernel_call(Kernel *k, PyObject *args, PyObject *kwds) {
         PyMem_Free(base); PyMem_Free(stride); PyMem_Free(index); PyMem_Free(scratch); PyMem_Free(ptr);
         return NULL;
     }
+    RowJob job = {k, rows, base, stride, index, scratch, ptr};
+    int team = team_size(rows, rows * kernel_floats(k));
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        for (int i = 0; i < ns; i++) {
-            Py_ssize_t row = index[i] ? (Py_ssize_t)index[i][r] : r;
-            ptr[i] = (float *)(base[i] + row * stride[i]);
-        }
-        for (int q = 0; q < k->n_ops; q++) {
-            const Op *o = &k->ops[q];
-            float *d = ptr[o->dst];
-            const float *a = ptr[o->a];
-            Py_ssize_t w = k->slots[o->dst].width;
-            switch (o->code) {
-            case OP_ADD: k_add(d, a, ptr[o->b], w); break;
-            case OP_SUB: k_sub(d, a, ptr[o->b], w); break;
-            case OP_MUL: k_mul(d, a, ptr[o->b], w); break;
-            case OP_ADD_S: k_add_s(d, a, o->s, w); break;
-            case OP_SUB_S: k_sub_s(d, a, o->s, w); break;
-            case OP_MUL_S: k_mul_s(d, a, o->s, w); break;
-            case OP_RSUB_S: k_rsub_s(d, a, o->s, w); break;
-            case OP_NEG: k_neg(d, a, w); break;
-            case OP_RELU: k_relu(d, a, w); break;
-            case OP_SIGMOID: f_sigmoid(d, a, w); break;
-            case OP_TANH: f_tanh(d, a, w); break;
-            default: f_exp(d, a, w); break;
-            }
-        }
+    if (team > 1) {
+        job.team = team;
+        omp.parallel(rows_worker, &job, (unsigned)team, 0);
+    } else {
+        run_rows(k, base, stride, index, ptr, scratch, 0, rows);
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(base); PyMem_Free(stride); PyMem_Free(index); PyMem_Free(scratch); PyMem_Free(ptr);
@@ -444,9 +525,9 @@ static PyObject *fused_map(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* seg_sum(out, x, seg, rows, width, x_row_stride, n): out[seg[j]] += x[j] for j in order (torch's
- * index_add_ on the CPU adds the rows in the same order: the same bits); out is zeroed by the
- * caller, (n, width) contiguous; the addresses are the caller's (fuse.segment_sum), each segment
+/* seg_sum(out, x, seg, rows, width, x_row_stride, n): out = 0, then out[seg[j]] += x[j] for j in
+ * order (torch's index_add_ on the CPU adds the rows in the same order: the same bits); out is
+ * (n, width) contiguous; the addresses are the caller's (fuse.segment_sum), each segment
  * id is checked against n (IndexError, as index_add_ raises). */
 BC_CLONES static void add_row(float *restrict d, const float *a, Py_ssize_t w) {
     for (Py_ssize_t i = 0; i < w; i++) d[i] += a[i];
@@ -463,6 +544,36 @@ static int check_index(const int64_t *ix, Py_ssize_t rows, Py_ssize_t limit, con
     return 0;
 }
 
+typedef struct {
+    float *out;
+    const float *x;
+    const int64_t *seg;
+    Py_ssize_t rows, width, xs, n_out;
+    int team;
+} SegJob;
+
+static void seg_cols(SegJob *j, Py_ssize_t c0, Py_ssize_t c1) {
+    for (Py_ssize_t r = 0; r < j->n_out; r++) memset(j->out + r * j->width + c0, 0, sizeof(float) * (size_t)(c1 - c0));
+    for (Py_ssize_t r = 0; r < j->rows; r++) add_row(j->out + j->seg[r] * j->width + c0, j->x + r * j->xs + c0, c1 - c0);
+}
+
+/* columns [c0, c1) of thread id out of n, in whole 16-float vectors but the last */
+static void split_cols(Py_ssize_t width, int id, int n, Py_ssize_t *c0, Py_ssize_t *c1) {
+    Py_ssize_t vecs = (width + 15) / 16, per = (vecs + n - 1) / n;
+    *c0 = id * per * 16 > width ? width : id * per * 16;
+    *c1 = (id + 1) * per * 16 > width ? width : (id + 1) * per * 16;
+}
+
+static void seg_worker(void *arg) {
+    SegJob *j = (SegJob *)arg;
+    int id = omp.thread_num(), n = omp.num_threads();
+    if (n > j->team) n = j->team;
+    if (id >= n) return;
+    Py_ssize_t c0, c1;
+    split_cols(j->width, id, n, &c0, &c1);
+    if (c0 < c1) seg_cols(j, c0, c1);
+}
+
 static PyObject *fused_seg_sum(PyObject *self, PyObject *args) {
     PyObject *po, *px, *ps;
     Py_ssize_t rows, width, xs, n_out;
@@ -471,15 +582,44 @@ static PyObject *fused_seg_sum(PyObject *self, PyObject *args) {
     const float *x = PyLong_AsVoidPtr(px);
     const int64_t *seg = PyLong_AsVoidPtr(ps);
     if (PyErr_Occurred()) return NULL;
-    if (rows < 0 || width < 0 || (rows > 0 && (!out || !x || !seg))) {
+    if (rows < 0 || width < 0 || n_out < 0 || (rows > 0 && (!x || !seg)) || (n_out > 0 && width > 0 && !out)) {
         PyErr_SetString(PyExc_ValueError, "seg_sum: bad sizes or a null address");
         return NULL;
     }
     if (check_index(seg, rows, n_out, "seg_sum") < 0) return NULL;
+    SegJob job = {out, x, seg, rows, width, xs, n_out, 1};
+    /* a team splits the columns, never the rows: each column's additions keep their order */
+    job.team = team_size(width / 16, (rows + n_out) * width);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t j = 0; j < rows; j++) add_row(out + seg[j] * width, x + j * xs, width);
+    if (job.team > 1) omp.parallel(seg_worker, &job, (unsigned)job.team, 0);
+    else seg_cols(&job, 0, width);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+typedef struct {
+    char *dst;
+    const int64_t *di;
+    const char *src;
+    const int64_t *si;
+    Py_ssize_t row_bytes, src_stride, count;
+    int team;
+} CopyJob;
+
+static void copy_bytes(CopyJob *j, Py_ssize_t b0, Py_ssize_t b1) {
+    for (Py_ssize_t r = 0; r < j->count; r++)
+        memcpy(j->dst + j->di[r] * j->row_bytes + b0, j->src + j->si[r] * j->src_stride + b0, (size_t)(b1 - b0));
+}
+
+static void copy_worker(void *arg) {
+    CopyJob *j = (CopyJob *)arg;
+    int id = omp.thread_num(), n = omp.num_threads();
+    if (n > j->team) n = j->team;
+    if (id >= n) return;
+    Py_ssize_t per = ((j->row_bytes + 63) / 64 + n - 1) / n * 64;
+    Py_ssize_t b0 = id * per > j->row_bytes ? j->row_bytes : id * per;
+    Py_ssize_t b1 = b0 + per > j->row_bytes ? j->row_bytes : b0 + per;
+    if (b0 < b1) copy_bytes(j, b0, b1);
 }
 
 /* copy_rows(dst, dst_rows, src, src_rows, row_bytes, src_stride, count, dst_limit, src_limit):
@@ -503,8 +643,12 @@ static PyObject *fused_copy_rows(PyObject *self, PyObject *args) {
     }
     if (check_index(di, count, dst_limit, "copy_rows") < 0 || check_index(si, count, src_limit, "copy_rows") < 0)
         return NULL;
+    CopyJob job = {dst, di, src, si, row_bytes, src_stride, count, 1};
+    /* a team splits each row's bytes, never the rows: a row written twice keeps its last copy */
+    job.team = team_size(row_bytes / 64, count * row_bytes / 4);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t j = 0; j < count; j++) memcpy(dst + di[j] * row_bytes, src + si[j] * src_stride, (size_t)row_bytes);
+    if (job.team > 1) omp.parallel(copy_worker, &job, (unsigned)job.team, 0);
+    else copy_bytes(&job, 0, row_bytes);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -559,14 +703,48 @@ static PyObject *fused_gemm_batch(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* set_openmp(parallel, max_threads, thread_num, num_threads): the addresses of GOMP_parallel and
+ * omp_get_max_threads / omp_get_thread_num / omp_get_num_threads in the OpenMP runtime torch loaded
+ * (openmp.py finds and checks them); all 0: one thread, as without a runtime. */
+static PyObject *fused_set_openmp(PyObject *self, PyObject *args) {
+    PyObject *p[4];
+    if (!PyArg_ParseTuple(args, "OOOO:set_openmp", &p[0], &p[1], &p[2], &p[3])) return NULL;
+    void *a[4];
+    int zeros = 0;
+    for (int i = 0; i < 4; i++) {
+        a[i] = PyLong_AsVoidPtr(p[i]);
+        if (PyErr_Occurred()) return NULL;
+        zeros += a[i] == NULL;
+    }
+    if (zeros != 0 && zeros != 4) {
+        PyErr_SetString(PyExc_ValueError, "set_openmp: all four addresses or none");
+        return NULL;
+    }
+    omp.parallel = (gomp_parallel_fn)a[0];
+    omp.max_threads = (omp_int_fn)a[1];
+    omp.thread_num = (omp_int_fn)a[2];
+    omp.num_threads = (omp_int_fn)a[3];
+    Py_RETURN_NONE;
+}
+
+/* team(rows, floats) -> the threads a call of that size would use (tests) */
+static PyObject *fused_team(PyObject *self, PyObject *args) {
+    Py_ssize_t rows, work;
+    if (!PyArg_ParseTuple(args, "nn:team", &rows, &work)) return NULL;
+    return PyLong_FromLong(team_size(rows, work));
+}
+
 static PyMethodDef methods[] = {
+    {"set_openmp", fused_set_openmp, METH_VARARGS,
+     "set_openmp(parallel, max_threads, thread_num, num_threads): torch's OpenMP entry points (openmp.py); all 0: one thread."},
+    {"team", fused_team, METH_VARARGS, "team(rows, floats) -> threads a kernel call of that size uses (tests)."},
     {"gemm_batch", fused_gemm_batch, METH_VARARGS,
      "gemm_batch(fn, count, trans_a, trans_b, m, n, k, alpha, a_addrs, a_base, a_stride, lda, b_addrs, b_base, "
      "b_stride, ldb, beta, c_base, c_stride, ldc): a pointer-array batched GEMM (rowmm.py)."},
     {"copy_rows", fused_copy_rows, METH_VARARGS,
      "copy_rows(dst, dst_rows, src, src_rows, row_bytes, src_stride, count, dst_limit, src_limit): row copies (gather.py)."},
     {"seg_sum", fused_seg_sum, METH_VARARGS,
-     "seg_sum(out, x, seg, rows, width, x_row_stride, n): out[seg[j]] += x[j] over float32 rows (fuse.py)."},
+     "seg_sum(out, x, seg, rows, width, x_row_stride, n): out = 0; out[seg[j]] += x[j] over float32 rows (fuse.py)."},
     {"map", fused_map, METH_VARARGS,
      "map(code, values[, scalar[, generic]]) -> list: one op over floats (tests; generic: the portable loop)."},
     {NULL, NULL, 0, NULL},

@@ -362,7 +362,11 @@ class Executor:
             # (a group of the same op recorded with grad on must keep its own autograd history)
             a = self.arenas.get((info.func, info.out_dids))
             if a is not None:
-                placed = self._into_arena(a, outs, n)
+                if dest is not None and len(outs) == len(dest) and all(o is d for o, d in zip(outs, dest)):
+                    placed = (a[0], a[1])  # the kernels wrote every output into its arena rows
+                    a[1] += n
+                else:
+                    placed = self._into_arena(a, outs, n)
         if placed is None and dest is not None:
             # outputs a kernel wrote into arena rows that the arena did not take: rows of their own
             ptrs = {d.data_ptr() for d in dest}

@@ -57,6 +57,10 @@ except ImportError:  # pragma: no cover - exercised by the CC=/bin/false install
     _fused = None
 
 available = _fused is not None
+if _fused is not None:  # rows and columns over torch's own OpenMP team (openmp.py)
+    from batchcraft.autobatching import openmp as _openmp
+
+    _openmp.install(_fused)
 
 # opcodes of _fused.c
 ADD, SUB, MUL, ADD_S, SUB_S, MUL_S, RSUB_S, NEG, RELU, SIGMOID, TANH, EXP = range(12)
@@ -664,9 +668,10 @@ def segment_sum(x, seg, n):
         ptrs = x.data_ptr(), seg.data_ptr()
     except RuntimeError:  # no storage: a torch.func wrapper (vmap's batched tensor)
         return None
-    out = x.new_zeros((n, x.shape[1]))
-    if x.shape[0] and x.shape[1]:
-        _fused.seg_sum(out.data_ptr(), ptrs[0], ptrs[1], x.shape[0], x.shape[1], x.stride(0), n)
+    if not x.shape[1]:
+        return x.new_zeros((n, 0))
+    out = x.new_empty((n, x.shape[1]))  # (seg_sum zeroes it)
+    _fused.seg_sum(out.data_ptr(), ptrs[0], ptrs[1], x.shape[0], x.shape[1], x.stride(0), n)
     return out
 
 
