@@ -92,3 +92,54 @@ def test_conjugate_and_negative_views_are_gathered_by_value(view):
         with torch.no_grad():
             got = gather._take([a, b], plan)
         assert torch.equal(got, _cat_path([a, b], plan))
+
+
+# -- small gathers: one C call (_fused.gather_pieces) ------------------------------------------------
+
+@pytest.mark.skipif(gather._fused is None, reason="the one-call gather needs the _fused extension")
+@pytest.mark.parametrize("limit", [0, gather.SMALL_GATHER_BYTES], ids=["torch-copies", "one-call"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(p=plans(), seed=st.integers(0, 2 ** 16))
+def test_both_gather_paths_equal_the_cat_path(limit, monkeypatch, p, seed):
+    monkeypatch.setattr(gather, "SMALL_GATHER_BYTES", limit)
+    test_rows_of_several_buffers_equal_the_cat_path.hypothesis.inner_test(p, seed)
+
+
+@pytest.mark.skipif(gather._fused is None, reason="the one-call gather needs the _fused extension")
+def test_small_gathers_read_expanded_strided_and_permuted_buffers_by_value():
+    g = torch.Generator().manual_seed(1)
+    expanded = torch.randn(1, 4, generator=g).expand(5, 4)          # every row the same memory
+    narrow = torch.randn(6, 9, generator=g)[:, 2:6]                 # rows 9 floats apart
+    scalars = torch.randn(7, generator=g)[::2]                      # scalar rows 2 apart
+    cube = torch.randn(4, 2, 3, generator=g).transpose(1, 2)        # rows not contiguous: general path
+    for bufs in ([expanded, narrow], [scalars, torch.randn(3, generator=g)], [cube, torch.randn(2, 3, 2, generator=g)]):
+        plan = ("pieces", [(0, [2, 0]), (1, [1, 1])], [3, 0, 2, 1])
+        with torch.no_grad():
+            assert torch.equal(gather._take(bufs, plan), _cat_path(bufs, plan))
+    assert gather._small_gather([cube], [(0, [0])], None, cube, False) is None
+
+
+@pytest.mark.skipif(gather._fused is None, reason="the one-call gather needs the _fused extension")
+def test_gather_pieces_checks_rows_perm_and_sizes():
+    src = torch.arange(12.0).view(4, 3)
+    out = torch.zeros(2, 3)
+    fp = gather._fused.gather_pieces
+    piece = (src.data_ptr(), 12, 4, [3, 0])
+    fp(out.data_ptr(), 2, 12, (piece,), bytearray(torch.tensor([1, 0]).numpy().tobytes()))
+    assert torch.equal(out, src[[0, 3]])
+    with pytest.raises(IndexError):
+        fp(out.data_ptr(), 2, 12, ((src.data_ptr(), 12, 4, [3, 4]),), None)    # row 4 of 4
+    with pytest.raises(IndexError):
+        fp(out.data_ptr(), 2, 12, (piece,), [0, 2])                            # perm past the rows
+    with pytest.raises(ValueError):
+        fp(out.data_ptr(), 2, 12, (piece,), [0])                               # perm of 1 of 2 rows
+    with pytest.raises(ValueError):
+        fp(out.data_ptr(), 3, 12, (piece,), None)                              # fewer rows than total
+    with pytest.raises(ValueError):
+        fp(out.data_ptr(), 1, 12, (piece,), None)                              # more rows than total
+    with pytest.raises(ValueError):
+        fp(out.data_ptr(), 2, 12, ((src.data_ptr(), 12),), None)               # a malformed piece
+    with pytest.raises(ValueError):
+        fp(out.data_ptr(), 2, 12, ((src.data_ptr(), 12, 4, bytearray(3)),), None)  # not int64 bytes
+    assert torch.equal(out, src[[0, 3]])  # no failed call wrote a row

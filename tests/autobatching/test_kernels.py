@@ -247,3 +247,55 @@ def test_the_choice_outside_forward_ad_does_not_follow_it_inside():
             assert sel.choose(xd, w, None) == "default"
             t = fwAD.unpack_dual(sel.linear(xd, w)).tangent
         torch.testing.assert_close(t, F.linear(torch.ones_like(x), w))
+
+
+_LIMITED = r"""
+import torch
+torch.set_num_threads(2)
+from batchcraft import autobatch
+from batchcraft.autobatching import kernels
+from batchcraft.autobatching.kernels import Selector
+from batchcraft.data import load_sentences
+from batchcraft.models import suite
+from batchcraft.parallel import backends
+
+assert not kernels.onednn_available()
+assert "onednn" not in backends.available_matmul()
+
+
+class Stored:  # a choice another process of this machine measured and stored
+    def get(self, key):
+        return ("onednn", 100.0, 50.0)
+
+    def put(self, *args):
+        raise AssertionError("a refused choice is not stored")
+
+
+s = Selector("auto", Stored())
+s._onednn = True  # as if oneDNN had passed the process-wide check: the per-class check must still refuse
+x, w, b = torch.randn(64, 256), torch.randn(768, 256), torch.randn(768)
+with torch.no_grad():
+    assert torch.allclose(s.linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4)
+task = suite.build("treelstm", load_sentences(limit=40), hidden=256)
+with torch.no_grad():
+    want = torch.stack([task.fn(t) for t in task.instances])
+    for mode in ("auto", "onednn"):
+        got = torch.stack(autobatch(task.fn, kernels=mode)(task.instances))
+        assert torch.allclose(got, want, atol=1e-5), (mode, (got - want).abs().max())
+print("ok")
+"""
+
+
+@needs_onednn
+@pytest.mark.parametrize("env", [{"OMP_THREAD_LIMIT": "1"}, {"OMP_DYNAMIC": "true"}], ids=["thread-limit", "dynamic"])
+def test_onednn_is_refused_where_it_leaves_rows_unwritten(env, tmp_path):
+    """Reliability #211 (hostile helper, stop 42): under OMP_THREAD_LIMIT=1 or OMP_DYNAMIC=true,
+    torch's oneDNN linear on 2 threads leaves rows unwritten; kernels="auto" chose it, and an
+    auto-batched TreeLSTM came out off by up to 0.87 (NaN for other models)."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _LIMITED], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, BATCHCRAFT_CACHE_DIR=str(tmp_path), **env))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -653,6 +653,103 @@ static PyObject *fused_copy_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* gather_pieces(dst, total, row_bytes, pieces, perm): the rows of several buffers, in one call.
+   pieces: a tuple of (address, row_stride_bytes, rows_limit, rows), rows an int64 bytearray or a
+   list of ints (each checked against rows_limit); their concatenation, reordered by perm (None, or
+   `total` int64s as a bytearray or a list: row i of dst is row perm[i] of the concatenation, each
+   checked), is written to dst (total rows of row_bytes, contiguous). A group's gather from a few
+   buffers (gather.py), where the torch calls of a copy per buffer and a reorder cost more than the
+   rows: a tree's scalar and vector leaves of 2 to 12 rows. */
+static int rows_of(PyObject *rows, Py_ssize_t *n, const int64_t **ro, int64_t **owned) {
+    *owned = NULL;
+    if (PyByteArray_Check(rows)) {
+        Py_ssize_t b = PyByteArray_GET_SIZE(rows);
+        if (b % 8) { PyErr_SetString(PyExc_ValueError, "gather_pieces: rows are not int64 bytes"); return -1; }
+        *n = b / 8;
+        *ro = (const int64_t *)PyByteArray_AS_STRING(rows);
+        return 0;
+    }
+    PyObject *seq = PySequence_Fast(rows, "gather_pieces: rows must be a bytearray or a sequence of ints");
+    if (!seq) return -1;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    int64_t *v = PyMem_Malloc(sizeof(int64_t) * (m ? m : 1));
+    if (!v) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        long long x = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (x == -1 && PyErr_Occurred()) { PyMem_Free(v); Py_DECREF(seq); return -1; }
+        v[i] = x;
+    }
+    Py_DECREF(seq);
+    *n = m; *ro = v; *owned = v;
+    return 0;
+}
+
+static PyObject *fused_gather_pieces(PyObject *self, PyObject *args) {
+    PyObject *pd, *pieces, *perm;
+    Py_ssize_t total, row_bytes;
+    if (!PyArg_ParseTuple(args, "OnnO!O:gather_pieces", &pd, &total, &row_bytes, &PyTuple_Type, &pieces, &perm))
+        return NULL;
+    char *dst = PyLong_AsVoidPtr(pd);
+    if (PyErr_Occurred()) return NULL;
+    if (total < 0 || row_bytes < 0 || (total > 0 && row_bytes > 0 && !dst)) {
+        PyErr_SetString(PyExc_ValueError, "gather_pieces: bad sizes or a null address");
+        return NULL;
+    }
+    const char **src = PyMem_Malloc(sizeof(char *) * (total ? total : 1));   /* per concatenated row */
+    if (!src) return PyErr_NoMemory();
+    Py_ssize_t at = 0;
+    int err = 0;
+    for (Py_ssize_t q = 0; q < PyTuple_GET_SIZE(pieces) && !err; q++) {
+        PyObject *pc = PyTuple_GET_ITEM(pieces, q);
+        if (!PyTuple_Check(pc) || PyTuple_GET_SIZE(pc) != 4) {
+            PyErr_SetString(PyExc_ValueError, "gather_pieces: a piece is (address, stride, rows_limit, rows)");
+            err = 1; break;
+        }
+        const char *base = PyLong_AsVoidPtr(PyTuple_GET_ITEM(pc, 0));
+        Py_ssize_t stride = PyLong_AsSsize_t(PyTuple_GET_ITEM(pc, 1));
+        Py_ssize_t limit = PyLong_AsSsize_t(PyTuple_GET_ITEM(pc, 2));
+        if (PyErr_Occurred()) { err = 1; break; }
+        Py_ssize_t n;
+        const int64_t *ro;
+        int64_t *owned;
+        if (rows_of(PyTuple_GET_ITEM(pc, 3), &n, &ro, &owned) < 0) { err = 1; break; }
+        if (at + n > total) {
+            PyErr_SetString(PyExc_ValueError, "gather_pieces: more rows than total");
+            err = 1;
+        } else if (n > 0 && (!base || stride < 0)) {
+            PyErr_SetString(PyExc_ValueError, "gather_pieces: a null address or a negative stride");
+            err = 1;
+        } else if (check_index(ro, n, limit, "gather_pieces") < 0) {
+            err = 1;
+        } else {
+            for (Py_ssize_t j = 0; j < n; j++) src[at + j] = base + ro[j] * stride;
+            at += n;
+        }
+        PyMem_Free(owned);
+    }
+    if (!err && at != total) {
+        PyErr_SetString(PyExc_ValueError, "gather_pieces: fewer rows than total");
+        err = 1;
+    }
+    const int64_t *pr = NULL;
+    int64_t *powned = NULL;
+    if (!err && perm != Py_None) {
+        Py_ssize_t np;
+        if (rows_of(perm, &np, &pr, &powned) < 0) err = 1;
+        else if (np != total) { PyErr_SetString(PyExc_ValueError, "gather_pieces: perm is not total rows"); err = 1; }
+        else if (check_index(pr, np, total, "gather_pieces") < 0) err = 1;
+    }
+    if (err) { PyMem_Free(src); PyMem_Free(powned); return NULL; }
+    if (pr) {
+        for (Py_ssize_t i = 0; i < total; i++) memcpy(dst + i * row_bytes, src[pr[i]], (size_t)row_bytes);
+    } else {
+        for (Py_ssize_t i = 0; i < total; i++) memcpy(dst + i * row_bytes, src[i], (size_t)row_bytes);
+    }
+    PyMem_Free(src);
+    PyMem_Free(powned);
+    Py_RETURN_NONE;
+}
+
 /* gemm_batch(fn, count, trans_a, trans_b, m, n, k, alpha, a_addrs, a_base, a_stride, lda,
               b_addrs, b_base, b_stride, ldb, beta, c_base, c_stride, ldc)
    C_i = alpha op(A_i) op(B_i) + beta C_i for i < count (row-major float32; op: transposed when
@@ -741,6 +838,8 @@ static PyMethodDef methods[] = {
     {"gemm_batch", fused_gemm_batch, METH_VARARGS,
      "gemm_batch(fn, count, trans_a, trans_b, m, n, k, alpha, a_addrs, a_base, a_stride, lda, b_addrs, b_base, "
      "b_stride, ldb, beta, c_base, c_stride, ldc): a pointer-array batched GEMM (rowmm.py)."},
+    {"gather_pieces", fused_gather_pieces, METH_VARARGS,
+     "gather_pieces(dst, total, row_bytes, pieces, perm): rows of several buffers, reordered, in one call (gather.py)."},
     {"copy_rows", fused_copy_rows, METH_VARARGS,
      "copy_rows(dst, dst_rows, src, src_rows, row_bytes, src_stride, count, dst_limit, src_limit): row copies (gather.py)."},
     {"seg_sum", fused_seg_sum, METH_VARARGS,

@@ -223,6 +223,36 @@ def _rows_2d(t):
     return t.view(t.shape[0], -1) if t.is_contiguous() else None
 
 
+#: gathers from several buffers up to this many bytes are one ``_fused.gather_pieces`` call
+SMALL_GATHER_BYTES = 64 * 1024
+
+
+def _small_gather(buffers, pieces, perm, first, grad):
+    """:func:`_take_pieces` for at most :data:`SMALL_GATHER_BYTES`: one ``_fused.gather_pieces``
+    call, no torch call but the output's allocation; None where the general path must decide."""
+    dtype, rshape = first.dtype, first.shape[1:]
+    item = first.element_size()
+    for d in rshape:
+        item *= d
+    total = 0
+    srcs = []
+    for b, rows in pieces:
+        t = buffers[b]
+        if (type(t) is not _T or not t.is_cpu or t.dtype is not dtype or t.shape[1:] != rshape
+                or (grad and t.requires_grad) or not _memory_is_values(t)):
+            return None
+        st = t.stride()
+        if len(st) > 1 and not t.is_contiguous() and not (len(st) == 2 and (rshape[0] < 2 or st[1] == 1)):
+            return None  # rows whose elements are apart: the general path
+        total += len(rows) // 8 if type(rows) is bytearray else len(rows)
+        srcs.append((t.data_ptr(), st[0] * t.element_size() if st else 0, t.shape[0] if st else 1, rows))
+    if total * item > SMALL_GATHER_BYTES or not first.dim():
+        return None
+    out = torch.empty((total, *rshape), dtype=dtype)
+    _fused.gather_pieces(out.data_ptr(), total, item, tuple(srcs), perm)
+    return out
+
+
 def _take_pieces(buffers, pieces, perm):
     """Rows of several buffers (``pieces``: ``[(buffer, rows), ...]`` in concatenation order, then
     ``perm`` over the concatenation, or None) copied once into a new tensor; None where the
@@ -234,6 +264,10 @@ def _take_pieces(buffers, pieces, perm):
     grad = torch.is_grad_enabled()
     if tangents_possible():  # dual rows: torch has no out= copy for them (reliability #209)
         return None
+    if _fused is not None:
+        out = _small_gather(buffers, pieces, perm, first, grad)
+        if out is not None:
+            return out
     srcs = []
     for b, _ in pieces:
         t = buffers[b]

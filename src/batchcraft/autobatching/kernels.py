@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 from batchcraft.autobatching.threadstate import tangents_possible
 from batchcraft.measure.machine import cache_dir, cpu_model
+from batchcraft.measure.poison import fresh_inputs, poisoned_call
+from batchcraft.measure.poison import poisoned_call
 
 _lp = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
@@ -51,13 +53,19 @@ _threads = torch.get_num_threads
 
 
 def onednn_available() -> bool:
+    """Does oneDNN's linear run here and give ``F.linear``'s values, on a product big enough for
+    oneDNN to split over threads? (Under ``OMP_THREAD_LIMIT=1`` or ``OMP_DYNAMIC=true`` torch's
+    oneDNN linear leaves rows unwritten: NaN or values off by tens, reliability #211.)"""
     if _lp is None or not torch.backends.mkldnn.is_available():
         return False
     try:
         with torch._C.DisableTorchFunction():  # the user's or the recording's modes must not see this
-            x = torch.ones(2, 3)
-            w = torch.ones(4, 3)
-            return bool(torch.allclose(_lp(x, w, None, "none", [], ""), F.linear(x, w)))
+            for m, k, n in ((2, 3, 4), (64, 256, 768)):
+                x, w, b = fresh_inputs((m, k), (n, k), (n,))  # (measure/poison.py)
+                got = poisoned_call(torch.empty(m, n), lambda: _lp(x, w, b, "none", [], ""))
+                if not torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+                    return False
+            return True
     except Exception:  # the op exists but has no kernel in this build
         return False
 
@@ -91,6 +99,21 @@ def onednn_linear(x, weight, bias=None):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _OneDNNLinear.apply(x, weight, bias)
     return _lp(x, weight, bias, "none", [], "")
+
+
+def _agrees(k, w, b) -> bool:
+    """Does oneDNN's linear give ``F.linear``'s values for the shape class ``k`` (:meth:`Selector.key`)
+    at this thread count? Asked once per class and process before oneDNN is chosen: under
+    ``OMP_THREAD_LIMIT`` below torch's thread count, or ``OMP_DYNAMIC=true``, torch's oneDNN linear
+    leaves rows unwritten (NaN, values off by tens: reliability #211)."""
+    (x,) = fresh_inputs((k[5], k[3]))  # (measure/poison.py: why fresh inputs, a poison, the reference after)
+    with torch.no_grad():
+        wd, bd = w.detach(), None if b is None else b.detach()
+        try:
+            got = poisoned_call(torch.empty(k[5], k[4]), lambda: _lp(x, wd, bd, "none", [], ""))
+        except RuntimeError:
+            return False
+        return bool(torch.allclose(got, _LINEAR(x, wd, bd), rtol=1e-4, atol=1e-4))
 
 
 def _bucket(m: int) -> int:
@@ -231,8 +254,11 @@ class Selector:
         row = self.store.get(skey) if self.store is not None else None
         if row is not None:
             self.measured[k] = (row[1], row[2])
-            return row[0] if row[0] != "onednn" or self.onednn else "default"
-        if not self.onednn:
+            if row[0] != "onednn":
+                return row[0]
+            # (a stored choice is this machine's, not this process's: its thread limits may differ)
+            return "onednn" if self.onednn and _agrees(k, w, b) else "default"
+        if not self.onednn or not _agrees(k, w, b):
             return "default"  # nothing to measure against (not stored: another build may have it)
         m = k[5]
         xs = torch.full((m, k[3]), 0.5)  # not randn: measuring must not move the caller's random state

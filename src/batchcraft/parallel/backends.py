@@ -46,6 +46,7 @@ import torch.autograd.forward_ad as _fwad
 import torch.nn.functional as F
 from torch import nn
 
+from batchcraft.measure.poison import fresh_inputs, poisoned_call
 from batchcraft.errors import ConfigurationError
 
 __all__ = ["MATMUL_BACKENDS", "CONV_BACKENDS", "available_matmul", "convert", "install", "uninstall",
@@ -62,18 +63,28 @@ _PROCESS = {"matmul": "default", "conv": "default"}  # what install() set for th
 
 @functools.lru_cache(maxsize=None)
 def available_matmul() -> tuple[str, ...]:
-    """The ``matmul`` backends this torch build can run (a tiny call of each is tried once)."""
+    """The ``matmul`` backends this torch build can run and that give ``F.linear``'s values, tried
+    once on a tiny product and on one big enough to run on several threads (torch's oneDNN linear
+    leaves rows unwritten under ``OMP_THREAD_LIMIT=1`` or ``OMP_DYNAMIC=true``, reliability #211)."""
     out = ["default"]
-    w, x = torch.randn(4, 3), torch.randn(2, 3)
+    threads = torch.get_num_threads()
     for kind in MATMUL_BACKENDS[1:]:
         try:
-            with torch.no_grad():
-                packed = _pack(kind, w, 2)
-                y = _packed_call(kind, x, packed, w, None, 2)
-            if torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-5):
+            ok = True
+            for t in sorted({threads, max(2, threads)}):  # (the bug shows only on several threads)
+                torch.set_num_threads(t)
+                for m, k, n in ((2, 3, 4), (64, 256, 768)):
+                    w, x = fresh_inputs((n, k), (m, k))  # (measure/poison.py: fresh inputs, a poison,
+                    with torch.no_grad():               # the reference after the call)
+                        packed = _pack(kind, w, m)
+                        y = poisoned_call(torch.empty(m, n), lambda: _packed_call(kind, x, packed, w, None, m))
+                        ok = ok and torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-4)
+            if ok:
                 out.append(kind)
         except (RuntimeError, AttributeError, NotImplementedError):
             pass
+        finally:
+            torch.set_num_threads(threads)
     return tuple(out)
 
 
