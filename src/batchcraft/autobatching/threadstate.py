@@ -163,12 +163,37 @@ def op_state() -> tuple:
 PLAIN = (True, False, None)  # an op_state: grad on, no inference mode, no autocast
 
 
+class _GradOnly:
+    """Context manager: grad mode ``on`` inside, ``not on`` after: what :class:`run_under` does when
+    only grad mode differs (it holds no state, so one object serves every nesting)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        _set_grad(self.on)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        _set_grad(not self.on)
+        return False
+
+
+_GRAD_ON, _GRAD_OFF = _GradOnly(True), _GradOnly(False)
+
+
 def under(state: tuple):
     """:class:`run_under` ``state``, or a no-op context when it is already the current state (the
-    common case: two per batched group, hundreds of groups a call in models that wait often)."""
-    if (_grad() is state[0] and _inference() is state[1] and state[2] is None
+    common case: two per batched group, hundreds of groups a call in models that wait often), or a
+    grad-mode switch when only grad mode differs (a group recorded with grad on, run in the
+    caller's ``no_grad``)."""
+    if (_inference() is state[1] and state[2] is None
             and not (_any_autocast() if _any_autocast is not None else autocast_enabled_any())):
-        return _NOTHING
+        if _grad() is state[0]:
+            return _NOTHING
+        return _GRAD_ON if state[0] else _GRAD_OFF
     return run_under(state)
 
 
