@@ -418,9 +418,10 @@ static PyObject *kernel_call(Kernel *k, PyObject *args, PyObject *kwds) {
     char **base = PyMem_Malloc(sizeof(char *) * ns);
     Py_ssize_t *stride = PyMem_Malloc(sizeof(Py_ssize_t) * ns);      /* bytes per row */
     const int64_t **index = PyMem_Calloc(ns, sizeof(int64_t *));
-    /* one scratch row set and one pointer array per team member (team_size is at most MAX_TEAM) */
-    float *scratch = PyMem_Malloc(sizeof(float) * (k->scratch_floats ? k->scratch_floats : 1) * MAX_TEAM);
-    float **ptr = PyMem_Malloc(sizeof(float *) * ns * MAX_TEAM);
+    /* one scratch row set and one pointer array per team member */
+    int team = team_size(rows, rows * kernel_floats(k));
+    float *scratch = PyMem_Malloc(sizeof(float) * (k->scratch_floats ? k->scratch_floats : 1) * team);
+    float **ptr = PyMem_Malloc(sizeof(float *) * ns * team);
     if (!base || !stride || !index || !scratch || !ptr) {
         PyMem_Free(base); PyMem_Free(stride); PyMem_Free(index); PyMem_Free(scratch); PyMem_Free(ptr);
         return PyErr_NoMemory();
@@ -458,7 +459,6 @@ static PyObject *kernel_call(Kernel *k, PyObject *args, PyObject *kwds) {
         return NULL;
     }
     RowJob job = {k, rows, base, stride, index, scratch, ptr};
-    int team = team_size(rows, rows * kernel_floats(k));
     Py_BEGIN_ALLOW_THREADS
     if (team > 1) {
         job.team = team;
