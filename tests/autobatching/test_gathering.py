@@ -143,3 +143,27 @@ def test_gather_pieces_checks_rows_perm_and_sizes():
     with pytest.raises(ValueError):
         fp(out.data_ptr(), 2, 12, ((src.data_ptr(), 12, 4, bytearray(3)),), None)  # not int64 bytes
     assert torch.equal(out, src[[0, 3]])  # no failed call wrote a row
+
+
+@pytest.mark.parametrize("reorder", [False, True], ids=["in-order", "reordered"])
+@pytest.mark.parametrize("row", [(0,), (3, 0)])
+def test_rows_of_no_elements_gather_from_several_buffers(reorder, row):
+    """Reliability #212 (hostile helper, stop 42): a gather from several buffers of rows with no
+    elements (no address: ``data_ptr()`` is 0) raised ValueError from the one-call gather (new) and,
+    reordered, from the row copies (present before); eager's values are empty rows."""
+    def fn(inst):
+        x, k = inst
+        h = x * 2 if k < 3 else x + 1   # two signatures: the rows lie in two buffers
+        return h - 1
+
+    order = [5, 0, 4, 1, 3, 2] if reorder else range(6)
+    insts = [(torch.zeros(row), k) for k in order]
+    from batchcraft import autobatch
+
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            outs = autobatch(fn)(insts)
+        assert [tuple(o.shape) for o in outs] == [row] * 6
+    plan = ("pieces", [(0, [1, 0]), (1, [0])], [2, 0, 1] if reorder else None)
+    with torch.no_grad():
+        assert gather._take([torch.zeros(2, *row[1:]), torch.zeros(1, *row[1:])], plan).shape == (3, *row[1:])

@@ -299,3 +299,45 @@ def test_onednn_is_refused_where_it_leaves_rows_unwritten(env, tmp_path):
     r = subprocess.run([sys.executable, "-c", _LIMITED], capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, BATCHCRAFT_CACHE_DIR=str(tmp_path), **env))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+_LATER = r"""
+import sys
+import torch
+from batchcraft import autobatch
+from batchcraft.parallel import backends
+
+first, then = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(first)
+torch.manual_seed(0)
+lin = torch.nn.Linear(256, 512)
+xs = [torch.randn(256) for _ in range(64)]
+f = autobatch(lambda x: lin(x), kernels="onednn")
+conv = backends.convert(torch.nn.Sequential(torch.nn.Linear(256, 768)), matmul="onednn") \
+    if "onednn" in backends.available_matmul() else None
+x2 = torch.randn(64, 256)
+for t in (first, then):  # checked first where oneDNN is right; then at more threads
+    torch.set_num_threads(t)
+    with torch.no_grad():
+        err = max((o - lin(x)).abs().max().item() for o, x in zip(f(xs), xs))
+        assert err < 1e-4, (t, err)
+        if conv is not None:
+            err2 = (conv(x2) - torch.nn.functional.linear(x2, conv[0].weight, conv[0].bias)).abs().max().item()
+            assert err2 < 1e-4, (t, err2)
+print("ok" if conv is not None or first == 1 else "no backend")
+"""
+
+
+@needs_onednn
+@pytest.mark.parametrize("limit,first,then", [(1, 1, 2), (2, 2, 4)])
+def test_onednn_is_checked_again_at_a_later_thread_count(limit, first, then):
+    """Reliability #213 (hostile helper, stop 42, present before): kernels="onednn" and the Spread
+    backends' oneDNN linear were checked at the first thread count only; under OMP_THREAD_LIMIT,
+    more threads afterwards brought back oneDNN's unwritten rows (off by 135)."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _LATER, str(first), str(then)], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, OMP_THREAD_LIMIT=str(limit)))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -637,7 +637,7 @@ static PyObject *fused_copy_rows(PyObject *self, PyObject *args) {
     const int64_t *si = PyLong_AsVoidPtr(psi);
     if (PyErr_Occurred()) return NULL;
     if (count < 0 || row_bytes < 0 || src_stride < 0
-        || (count > 0 && (!dst || !di || !src || !si))) {
+        || (count > 0 && (!di || !si || (row_bytes > 0 && (!dst || !src))))) {
         PyErr_SetString(PyExc_ValueError, "copy_rows: bad sizes or a null address");
         return NULL;
     }
@@ -716,7 +716,7 @@ static PyObject *fused_gather_pieces(PyObject *self, PyObject *args) {
         if (at + n > total) {
             PyErr_SetString(PyExc_ValueError, "gather_pieces: more rows than total");
             err = 1;
-        } else if (n > 0 && (!base || stride < 0)) {
+        } else if (n > 0 && row_bytes > 0 && (!base || stride < 0)) {
             PyErr_SetString(PyExc_ValueError, "gather_pieces: a null address or a negative stride");
             err = 1;
         } else if (check_index(ro, n, limit, "gather_pieces") < 0) {

@@ -249,7 +249,8 @@ def _small_gather(buffers, pieces, perm, first, grad):
     if total * item > SMALL_GATHER_BYTES or not first.dim():
         return None
     out = torch.empty((total, *rshape), dtype=dtype)
-    _fused.gather_pieces(out.data_ptr(), total, item, tuple(srcs), perm)
+    if item:  # (rows of no elements: nothing to copy, and their buffers may have no address)
+        _fused.gather_pieces(out.data_ptr(), total, item, tuple(srcs), perm)
     return out
 
 
@@ -283,6 +284,8 @@ def _take_pieces(buffers, pieces, perm):
     counts = [_run_of(rows) for _, rows in pieces]
     total = sum(n for _, n in counts)
     out = torch.empty((total, *first.shape[1:]), dtype=first.dtype)
+    if out.numel() == 0:  # rows of no elements (or none): nothing to copy, no address to read
+        return out
     o2 = out.view(total, -1)
     if perm is None:
         r = 0

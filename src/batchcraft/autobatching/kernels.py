@@ -239,9 +239,12 @@ class Selector:
                 or x.dim() == 0 or torch.is_autocast_enabled("cpu") or w.dim() != 2
                 or tangents_possible()):  # (tangents: see the module docstring)
             return "default"
-        if self.mode == "onednn":
-            return "onednn" if self.onednn else "default"
         k = self.key(x, w, b)
+        if self.mode == "onednn":  # (checked per shape class and thread count, as a measured choice)
+            c = self.choices.get(k)
+            if c is None:
+                c = self.choices[k] = "onednn" if self.onednn and _agrees(k, w, b) else "default"
+            return c
         c = self.choices.get(k)
         if c is None:
             small = 2.0 * k[5] * k[3] * k[4] < MIN_MEASURED_FLOP

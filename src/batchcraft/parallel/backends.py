@@ -88,6 +88,29 @@ def available_matmul() -> tuple[str, ...]:
     return tuple(out)
 
 
+_ONEDNN_AT: dict = {}  # thread count -> does oneDNN's linear give F.linear's values there
+
+
+def _onednn_right_at(threads: int) -> bool:
+    """:func:`available_matmul`'s oneDNN check at ``threads`` intra-op threads (the current count),
+    once per count: under ``OMP_THREAD_LIMIT`` or ``OMP_DYNAMIC`` torch's oneDNN linear leaves rows
+    unwritten from some thread count on (reliability #211, #213)."""
+    ok = _ONEDNN_AT.get(threads)
+    if ok is None:
+        ok = True
+        try:  # (the user's torch-function modes must not see the check's calls)
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                for m, k, n in ((2, 3, 4), (64, 256, 768)):
+                    w, x = fresh_inputs((n, k), (m, k))  # (measure/poison.py: fresh inputs, a poison,
+                    y = poisoned_call(torch.empty(m, n), lambda: _packed_call(  # the reference after)
+                        "onednn", x, _pack("onednn", w, m), w, None, m))
+                    ok = ok and bool(torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-4))
+        except (RuntimeError, AttributeError, NotImplementedError):
+            ok = False
+        _ONEDNN_AT[threads] = ok
+    return ok
+
+
 def _check(matmul: str, conv: str) -> None:
     if matmul not in MATMUL_BACKENDS:
         raise ConfigurationError(f"matmul backend must be one of {MATMUL_BACKENDS}, got {matmul!r}")
@@ -142,7 +165,8 @@ def linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     kind = self.__dict__.get("_batchcraft_matmul", _PROCESS["matmul"])
     w, b = self.weight, self.bias
     if (kind == "default" or x.dim() < 2 or x.device.type != "cpu" or x.dtype != torch.float32
-            or w.dtype != torch.float32 or not _no_grad_needed(x, w, b)):
+            or w.dtype != torch.float32 or not _no_grad_needed(x, w, b)
+            or (kind == "onednn" and not _onednn_right_at(torch.get_num_threads()))):
         return F.linear(x, w, b)
     rows = max(1, x.numel() // max(1, x.shape[-1]))
     packs = self.__dict__.get("_batchcraft_packs")
