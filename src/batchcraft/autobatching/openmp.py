@@ -17,6 +17,10 @@ into one value, so the results are the same bits on any number of threads.
 It is used only where torch's parallel backend is OpenMP and the runtime answers as torch does;
 ``BATCHCRAFT_FUSED_THREADS=1`` (read at import) keeps every call on one thread. In a process
 forked after install the kernels run on one thread (an OpenMP team does not survive a fork).
+torch's own parallel kernels in such a child hang as they do after any multi-threaded torch work
+in the parent (libgomp's team is gone); with batchcraft's kernels that can now happen after a
+parent that ran only them on several threads. ``torch.set_num_threads(1)`` in the child, as
+DataLoader workers do, avoids it (a hostile pass's note, stop 42).
 """
 
 from __future__ import annotations
