@@ -388,14 +388,23 @@ static void run_rows(Kernel *k, char **base, Py_ssize_t *stride, const int64_t *
     }
 }
 
+/* This team member's share [*a, *b) of [0, total), cut in whole units of `unit` (the last may be
+ * short), or 0 when it has none. `team`: the members asked for (the runtime may give fewer). */
+static int member_range(int team, Py_ssize_t total, Py_ssize_t unit, Py_ssize_t *a, Py_ssize_t *b) {
+    int id = omp.thread_num(), n = omp.num_threads();
+    if (n > team) n = team;
+    if (id >= n) return 0;
+    Py_ssize_t per = ((total + unit - 1) / unit + n - 1) / n * unit;
+    *a = id * per > total ? total : id * per;
+    *b = *a + per > total ? total : *a + per;
+    return *a < *b;
+}
+
 static void rows_worker(void *arg) {
     RowJob *j = (RowJob *)arg;
-    int id = omp.thread_num(), n = omp.num_threads();
-    if (n > j->team) n = j->team;                      /* (the runtime may give fewer, never more) */
-    if (id >= n) return;
-    Py_ssize_t per = (j->rows + n - 1) / n, r0 = id * per, r1 = r0 + per > j->rows ? j->rows : r0 + per;
-    if (r0 >= r1) return;
-    int ns = j->k->n_slots;
+    Py_ssize_t r0, r1;
+    if (!member_range(j->team, j->rows, 1, &r0, &r1)) return;
+    int id = omp.thread_num(), ns = j->k->n_slots;
     Py_ssize_t sf = j->k->scratch_floats ? j->k->scratch_floats : 1;
     run_rows(j->k, j->base, j->stride, j->index, j->ptr + (Py_ssize_t)id * ns, j->scratch + (Py_ssize_t)id * sf, r0, r1);
 }
@@ -557,21 +566,10 @@ static void seg_cols(SegJob *j, Py_ssize_t c0, Py_ssize_t c1) {
     for (Py_ssize_t r = 0; r < j->rows; r++) add_row(j->out + j->seg[r] * j->width + c0, j->x + r * j->xs + c0, c1 - c0);
 }
 
-/* columns [c0, c1) of thread id out of n, in whole 16-float vectors but the last */
-static void split_cols(Py_ssize_t width, int id, int n, Py_ssize_t *c0, Py_ssize_t *c1) {
-    Py_ssize_t vecs = (width + 15) / 16, per = (vecs + n - 1) / n;
-    *c0 = id * per * 16 > width ? width : id * per * 16;
-    *c1 = (id + 1) * per * 16 > width ? width : (id + 1) * per * 16;
-}
-
 static void seg_worker(void *arg) {
     SegJob *j = (SegJob *)arg;
-    int id = omp.thread_num(), n = omp.num_threads();
-    if (n > j->team) n = j->team;
-    if (id >= n) return;
     Py_ssize_t c0, c1;
-    split_cols(j->width, id, n, &c0, &c1);
-    if (c0 < c1) seg_cols(j, c0, c1);
+    if (member_range(j->team, j->width, 16, &c0, &c1)) seg_cols(j, c0, c1);  /* whole 16-float vectors */
 }
 
 static PyObject *fused_seg_sum(PyObject *self, PyObject *args) {
@@ -613,13 +611,8 @@ static void copy_bytes(CopyJob *j, Py_ssize_t b0, Py_ssize_t b1) {
 
 static void copy_worker(void *arg) {
     CopyJob *j = (CopyJob *)arg;
-    int id = omp.thread_num(), n = omp.num_threads();
-    if (n > j->team) n = j->team;
-    if (id >= n) return;
-    Py_ssize_t per = ((j->row_bytes + 63) / 64 + n - 1) / n * 64;
-    Py_ssize_t b0 = id * per > j->row_bytes ? j->row_bytes : id * per;
-    Py_ssize_t b1 = b0 + per > j->row_bytes ? j->row_bytes : b0 + per;
-    if (b0 < b1) copy_bytes(j, b0, b1);
+    Py_ssize_t b0, b1;
+    if (member_range(j->team, j->row_bytes, 64, &b0, &b1)) copy_bytes(j, b0, b1);  /* whole cache lines */
 }
 
 /* copy_rows(dst, dst_rows, src, src_rows, row_bytes, src_stride, count, dst_limit, src_limit):

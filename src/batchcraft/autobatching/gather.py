@@ -234,7 +234,9 @@ def _small_gather(buffers, pieces, perm, first, grad):
     item = first.element_size()
     for d in rshape:
         item *= d
-    total = 0
+    total = sum(len(rows) // 8 if type(rows) is bytearray else len(rows) for _, rows in pieces)
+    if total * item > SMALL_GATHER_BYTES or not first.dim():
+        return None  # (before the checks below: the general path makes its own)
     srcs = []
     for b, rows in pieces:
         t = buffers[b]
@@ -244,10 +246,7 @@ def _small_gather(buffers, pieces, perm, first, grad):
         st = t.stride()
         if len(st) > 1 and not t.is_contiguous() and not (len(st) == 2 and (rshape[0] < 2 or st[1] == 1)):
             return None  # rows whose elements are apart: the general path
-        total += len(rows) // 8 if type(rows) is bytearray else len(rows)
         srcs.append((t.data_ptr(), st[0] * t.element_size() if st else 0, t.shape[0] if st else 1, rows))
-    if total * item > SMALL_GATHER_BYTES or not first.dim():
-        return None
     out = torch.empty((total, *rshape), dtype=dtype)
     if item:  # (rows of no elements: nothing to copy, and their buffers may have no address)
         _fused.gather_pieces(out.data_ptr(), total, item, tuple(srcs), perm)

@@ -25,12 +25,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from batchcraft.autobatching.threadstate import tangents_possible
 from batchcraft.measure.machine import cache_dir, cpu_model
 from batchcraft.measure.poison import fresh_inputs, poisoned_call
-from batchcraft.measure.poison import poisoned_call
 
 _lp = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
@@ -60,12 +58,7 @@ def onednn_available() -> bool:
         return False
     try:
         with torch._C.DisableTorchFunction():  # the user's or the recording's modes must not see this
-            for m, k, n in ((2, 3, 4), (64, 256, 768)):
-                x, w, b = fresh_inputs((m, k), (n, k), (n,))  # (measure/poison.py)
-                got = poisoned_call(torch.empty(m, n), lambda: _lp(x, w, b, "none", [], ""))
-                if not torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
-                    return False
-            return True
+            return all(_right(*fresh_inputs((m, k), (n, k), (n,))) for m, k, n in ((2, 3, 4), (64, 256, 768)))
     except Exception:  # the op exists but has no kernel in this build
         return False
 
@@ -106,14 +99,19 @@ def _agrees(k, w, b) -> bool:
     at this thread count? Asked once per class and process before oneDNN is chosen: under
     ``OMP_THREAD_LIMIT`` below torch's thread count, or ``OMP_DYNAMIC=true``, torch's oneDNN linear
     leaves rows unwritten (NaN, values off by tens: reliability #211)."""
-    (x,) = fresh_inputs((k[5], k[3]))  # (measure/poison.py: why fresh inputs, a poison, the reference after)
+    (x,) = fresh_inputs((k[5], k[3]))
+    try:
+        return _right(x, w.detach(), None if b is None else b.detach())
+    except RuntimeError:
+        return False
+
+
+def _right(x, w, b) -> bool:
+    """oneDNN's ``x w^T + b`` equals ``F.linear``'s, checked as :mod:`batchcraft.measure.poison` says
+    (fresh inputs from the caller, a poisoned output block, the reference after the call)."""
     with torch.no_grad():
-        wd, bd = w.detach(), None if b is None else b.detach()
-        try:
-            got = poisoned_call(torch.empty(k[5], k[4]), lambda: _lp(x, wd, bd, "none", [], ""))
-        except RuntimeError:
-            return False
-        return bool(torch.allclose(got, _LINEAR(x, wd, bd), rtol=1e-4, atol=1e-4))
+        got = poisoned_call(torch.empty(x.shape[0], w.shape[0]), lambda: _lp(x, w, b, "none", [], ""))
+        return bool(torch.allclose(got, _LINEAR(x, w, b), rtol=1e-4, atol=1e-4))
 
 
 def _bucket(m: int) -> int:

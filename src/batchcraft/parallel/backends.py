@@ -46,8 +46,8 @@ import torch.autograd.forward_ad as _fwad
 import torch.nn.functional as F
 from torch import nn
 
-from batchcraft.measure.poison import fresh_inputs, poisoned_call
 from batchcraft.errors import ConfigurationError
+from batchcraft.measure.poison import fresh_inputs, poisoned_call
 
 __all__ = ["MATMUL_BACKENDS", "CONV_BACKENDS", "available_matmul", "convert", "install", "uninstall",
            "relevant_knobs", "BackendLinear", "BackendConv2d"]
@@ -73,12 +73,7 @@ def available_matmul() -> tuple[str, ...]:
             ok = True
             for t in sorted({threads, max(2, threads)}):  # (the bug shows only on several threads)
                 torch.set_num_threads(t)
-                for m, k, n in ((2, 3, 4), (64, 256, 768)):
-                    w, x = fresh_inputs((n, k), (m, k))  # (measure/poison.py: fresh inputs, a poison,
-                    with torch.no_grad():               # the reference after the call)
-                        packed = _pack(kind, w, m)
-                        y = poisoned_call(torch.empty(m, n), lambda: _packed_call(kind, x, packed, w, None, m))
-                        ok = ok and torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-4)
+                ok = ok and _right(kind)
             if ok:
                 out.append(kind)
         except (RuntimeError, AttributeError, NotImplementedError):
@@ -88,23 +83,30 @@ def available_matmul() -> tuple[str, ...]:
     return tuple(out)
 
 
+def _right(kind: str) -> bool:
+    """Does ``kind``'s packed linear give ``x @ w.T`` at the current thread count, on a tiny product
+    and on one big enough for several threads? Checked as :mod:`batchcraft.measure.poison` says
+    (fresh inputs, a poisoned output block, the reference after the call)."""
+    ok = True
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # (the user's modes must not see the check)
+        for m, k, n in ((2, 3, 4), (64, 256, 768)):
+            w, x = fresh_inputs((n, k), (m, k))
+            y = poisoned_call(torch.empty(m, n), lambda: _packed_call(kind, x, _pack(kind, w, m), w, None, m))
+            ok = ok and bool(torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-4))
+    return ok
+
+
 _ONEDNN_AT: dict = {}  # thread count -> does oneDNN's linear give F.linear's values there
 
 
 def _onednn_right_at(threads: int) -> bool:
-    """:func:`available_matmul`'s oneDNN check at ``threads`` intra-op threads (the current count),
-    once per count: under ``OMP_THREAD_LIMIT`` or ``OMP_DYNAMIC`` torch's oneDNN linear leaves rows
-    unwritten from some thread count on (reliability #211, #213)."""
+    """:func:`_right` for oneDNN at ``threads`` intra-op threads (the current count), once per count:
+    under ``OMP_THREAD_LIMIT`` or ``OMP_DYNAMIC`` torch's oneDNN linear leaves rows unwritten from
+    some thread count on (reliability #211, #213)."""
     ok = _ONEDNN_AT.get(threads)
     if ok is None:
-        ok = True
-        try:  # (the user's torch-function modes must not see the check's calls)
-            with torch._C.DisableTorchFunction(), torch.no_grad():
-                for m, k, n in ((2, 3, 4), (64, 256, 768)):
-                    w, x = fresh_inputs((n, k), (m, k))  # (measure/poison.py: fresh inputs, a poison,
-                    y = poisoned_call(torch.empty(m, n), lambda: _packed_call(  # the reference after)
-                        "onednn", x, _pack("onednn", w, m), w, None, m))
-                    ok = ok and bool(torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-4))
+        try:
+            ok = _right("onednn")
         except (RuntimeError, AttributeError, NotImplementedError):
             ok = False
         _ONEDNN_AT[threads] = ok
