@@ -515,6 +515,58 @@ def test_the_portable_loops_run_the_same_programs(tmp_path):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
+_MATHS_SCRIPT = """
+import sys, torch
+from batchcraft.autobatching import _fused, fuse
+g = torch.Generator().manual_seed(1)
+parts = [torch.randn(60000, generator=g) * s for s in (0.1, 1, 5, 30, 100)]
+bits = torch.randint(0, 2**32, (150000,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+edges = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 88.72283935546875, 88.7228,
+                      88.73, -103.97208, -103.972, -103.98, 0.625, -0.625, 0.6249999, 1e-40, -1e-40,
+                      3.4e38, -3.4e38, 44.36, -44.36, -87.3, -88.0, -100.0, 1e-8, -1e-8])
+x = torch.cat(parts + [bits, edges.repeat(8)])
+out = {"maths": _fused.vector_maths}
+for w in (8, 13):  # whole vectors; vectors and a scalar tail
+    xw = x[: x.numel() // w * w].view(-1, w).contiguous()
+    for code in (fuse.SIGMOID, fuse.TANH, fuse.EXP):
+        k = _fused.Kernel([(fuse.IN, 0, w, 0), (fuse.OUT, 0, w, 0)], [(code, 1, 0, -1, 0.0)], 1, 1)
+        out[(w, code)] = fuse.FusedCall(k, ["b"], [w], [w], 1)(xw.shape[0], None, xw)[0]
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_the_avx2_maths_give_the_portable_loops_bits(tmp_path):
+    """AVX2's 8-lane exp, sigmoid and tanh (CPUs without AVX-512) are the portable loops, bit for bit.
+
+    Random values at several scales, random bit patterns (denormals, infinities, NaNs) and the
+    clamps' edges; NaN lanes only need to stay NaN (their payload may differ).
+    """
+    import os
+    import subprocess
+    import sys
+
+    if _fused is None or _fused.vector_maths == "portable":
+        pytest.skip("no AVX2 on this CPU (or no compiler): only the portable loops exist")
+    script = tmp_path / "maths.py"
+    script.write_text(_MATHS_SCRIPT)
+    results = {}
+    for cap in ("avx2", "1"):
+        path = tmp_path / f"{cap}.pt"
+        r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
+                           timeout=300, env=dict(os.environ, BATCHCRAFT_FUSED_PORTABLE=cap))
+        assert r.returncode == 0, r.stderr[-2000:]
+        results[cap] = torch.load(path)
+    vec, port = results["avx2"], results["1"]
+    assert vec["maths"] == "avx2" and port["maths"] == "portable"
+    for key, a in vec.items():
+        if key == "maths":
+            continue
+        b = port[key]
+        both_nan = a.isnan() & b.isnan()
+        assert torch.equal(a.isnan(), b.isnan()), key
+        assert torch.equal(a[~both_nan].view(torch.int32), b[~both_nan].view(torch.int32)), key
+
+
 # -- inputs read in place through their index (gather.Rows) ----------------------------------------
 
 def test_fused_call_reads_rows_of_a_buffer_through_their_index():
