@@ -211,6 +211,24 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
             cache.append(_float32_reference(fn, P, snap, instances, ref, loss, wrt))
         return cache[0]
 
+    ge_cache: list = []
+
+    def eager_grads():
+        """Eager's gradients of the loss w.r.t. ``wrt`` (its graph kept: the nudged runs may ask first)."""
+        if not ge_cache:
+            l_e = loss(ref)
+            ge_cache.append(torch.autograd.grad(l_e, wrt, allow_unused=True, retain_graph=True)
+                            if l_e.requires_grad else None)
+        return ge_cache[0]
+
+    sens: list = []
+
+    def sensitivity():
+        """Per output, how far eager's own float32 value moves when the inputs move one ulp."""
+        if not sens:
+            sens.append(_sensitivity(fn, P, snap, instances, ref, loss, wrt, eager_grads))
+        return sens[0]
+
     for i, (o, r) in enumerate(zip(out, ref)):
         assert _non_tensors(o) == _non_tensors(r), f"instance {i}: output structure differs"
         for k, (a, b) in enumerate(zip(flat_tensors(o), flat_tensors(r))):
@@ -219,14 +237,15 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
             assert a.dtype == b.dtype, f"instance {i}: dtype {a.dtype} vs eager {b.dtype}"
             if CHECK_REQUIRES_GRAD:
                 assert a.requires_grad == b.requires_grad, f"instance {i}: requires_grad differs from eager"
-            _assert_close(a, b, tol, f"instance {i}", lambda i=i, k=k: reference()[0][i][k] if reference() else None)
+            _assert_close(a, b, tol, f"instance {i}", lambda i=i, k=k: reference()[0][i][k] if reference() else None,
+                          lambda i=i, k=k: sensitivity()[0][i][k] if sensitivity() else None)
             COUNTS["output_tensors_compared"] += 1
 
     # gradients: w.r.t. shared parameters (incl. module blocks) and instance inputs
     l_e, l_b = loss(ref), loss(out)
     if not l_e.requires_grad:
         return f
-    ge = torch.autograd.grad(l_e, wrt, allow_unused=True)
+    ge = eager_grads()
     assert l_b.requires_grad, "batched outputs do not require grad but eager ones do"
     gb = torch.autograd.grad(l_b, wrt, allow_unused=True)
     for j, (a, b) in enumerate(zip(gb, ge)):
@@ -234,34 +253,90 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
         b = torch.zeros_like(wrt[j]) if b is None else b
         gtol = _GTOL_BF16 if P.autocast_used else dict(atol=2e-4, rtol=1e-3)
         _assert_close(a, b, gtol, f"gradient of input {j} {tuple(wrt[j].shape)}",
-                      lambda j=j: reference()[1][j] if reference() else None)
+                      lambda j=j: reference()[1][j] if reference() else None,
+                      lambda j=j: sensitivity()[1][j] if sensitivity() and sensitivity()[1] else None)
         COUNTS["gradients_compared"] += 1
     return f
 
 
-def _assert_close(a, b, tol, what, float32_value):
+def _assert_close(a, b, tol, what, float32_value, sensitivity=None):
     """``a`` (batched) close to ``b`` (eager); under bf16 autocast, else as close to the float32
-    result as eager's bf16 value is (within a factor 2).
+    result as eager's bf16 value is (within a factor 2); in float32, else within twice the distance
+    eager's own value moves when the instances' inputs move by one float32 ulp.
 
     Batching moves bf16 rounding: a shared parameter's gradient is one bf16 reduction over all
     instances rather than per-instance bf16 gradients summed in float32, so where a sum cancels
     (bug #31: 0.96 eager, 1.08 batched, 0.79 in float32) neither bf16 value is near the other.
     ``float32_value()`` returns the float32 eager value (None when that run took other branches).
+
+    Batching also moves float32 rounding (another summation order in a batched GEMM), which a
+    chaotic program amplifies past any fixed tolerance (#215: a training-mode batch norm, GRU
+    cells and a loop of ``sin``; a one-ulp change of ``x`` moves eager's own output by 2.0e-4,
+    the batched one differed by 2.0e-4). ``sensitivity()`` returns that move for this output (the
+    larger of one ulp up and one down; None when a nudged run took other branches).
     """
     try:
         torch.testing.assert_close(a, b, **tol, equal_nan=True, msg=lambda m: f"{what}: {m}")
     except AssertionError:
-        if float32_value is None or tol is not _TOL_BF16 and tol is not _GTOL_BF16:
+        if tol is _TOL_BF16 or tol is _GTOL_BF16:
+            r = float32_value() if float32_value is not None else None
+            if r is None or r.shape != a.shape:
+                raise
+            r = r.double()
+            err_a, err_b = (a.double() - r).abs(), (b.double() - r).abs()
+            bound = 2 * err_b + tol["atol"] + tol["rtol"] * r.abs()
+            if not bool(((err_a <= bound) | (a.isnan() & b.isnan())).all()):
+                raise
+            COUNTS["bf16_rounding_excused"] = COUNTS.get("bf16_rounding_excused", 0) + 1
+            return
+        s = sensitivity() if sensitivity is not None else None
+        if s is None or s.shape != a.shape:
             raise
-        r = float32_value()
-        if r is None or r.shape != a.shape:
+        err = (a.double() - b.double()).abs()
+        bound = 2 * s.double() + tol["atol"] + tol["rtol"] * b.double().abs()
+        if not bool(((err <= bound) | (a.isnan() & b.isnan())).all()):
             raise
-        r = r.double()
-        err_a, err_b = (a.double() - r).abs(), (b.double() - r).abs()
-        bound = 2 * err_b + tol["atol"] + tol["rtol"] * r.abs()
-        if not bool(((err_a <= bound) | (a.isnan() & b.isnan())).all()):
-            raise
-        COUNTS["bf16_rounding_excused"] = COUNTS.get("bf16_rounding_excused", 0) + 1
+        COUNTS["float32_conditioning_excused"] = COUNTS.get("float32_conditioning_excused", 0) + 1
+
+
+def _sensitivity(fn, P, snap, instances, ref, loss, wrt, eager_grads):
+    """How far eager's own float32 results move when every instance's ``x`` moves one ulp, up or
+    down (the larger move; state restored around the runs): ``(outputs, gradients)``, per instance
+    and output tensor, and per tensor of ``wrt`` (None without autograd); None when a nudged run's
+    outputs differ in structure (another branch)."""
+    eager_after = _buffers(P)
+    moves = gmoves = None
+    xs = [inst["x"] for inst in instances if inst["x"].requires_grad]
+    try:
+        for direction in (math.inf, -math.inf):
+            _restore(P, snap)
+            nudged = []
+            for inst in instances:
+                x = inst["x"]
+                with torch.no_grad():
+                    y = torch.nextafter(x.detach(), torch.full_like(x.detach(), direction))
+                nudged.append({**inst, "x": y.requires_grad_(x.requires_grad)})
+            P.memo.clear()
+            MARGIN.tracking = False
+            out = [fn(inst) for inst in nudged]
+            if [_non_tensors(o) for o in out] != [_non_tensors(r) for r in ref]:
+                return None
+            d = [[(t.detach().double() - r.detach().double()).abs() if t.is_floating_point() else torch.zeros(t.shape)
+                  for t, r in zip(flat_tensors(o), flat_tensors(rr))] for o, rr in zip(out, ref)]
+            moves = d if moves is None else [[torch.maximum(p, q) for p, q in zip(u, v)] for u, v in zip(moves, d)]
+            l_n = loss(out)
+            if not l_n.requires_grad:
+                continue
+            # the same parameters; the nudged inputs where ``wrt`` has the instances' own
+            wrt_n = wrt[: len(wrt) - len(xs)] + [inst["x"] for inst in nudged if inst["x"].requires_grad]
+            g_n = torch.autograd.grad(l_n, wrt_n, allow_unused=True)
+            g_e = eager_grads()
+            gd = [((torch.zeros_like(w) if a is None else a).double() - (torch.zeros_like(w) if b is None else b).double()).abs()
+                  for a, b, w in zip(g_n, g_e, wrt)]
+            gmoves = gd if gmoves is None else [torch.maximum(p, q) for p, q in zip(gmoves, gd)]
+    finally:
+        _restore(P, eager_after)
+    return moves, gmoves
 
 
 def _float32_reference(fn, P, snap, instances, ref, loss, wrt):
@@ -341,6 +416,23 @@ def test_bf16_rounding_excuse_needs_the_float32_result_on_its_side():
         _assert_close(torch.tensor([1.078, 1.0]), eager, dict(atol=2e-4, rtol=1e-3), "g", lambda: f32)
     with pytest.raises(AssertionError):  # the float32 run took other branches
         _assert_close(torch.tensor([1.078, 1.0]), eager, _GTOL_BF16, "g", lambda: None)
+
+
+def test_float32_conditioning_excuse_needs_eager_to_move_as_much():
+    """#215's rule accepts a float32 difference only within twice eager's own move under a one-ulp
+    nudge of the inputs (plus the tolerance), and never without that measurement."""
+    tol = dict(atol=1e-4, rtol=1e-4)
+    eager = torch.tensor([0.4306, -0.0762])
+    batched = torch.tensor([0.4306, -0.0764])                                          # #215's numbers
+    _assert_close(batched, eager, tol, "v", None, lambda: torch.tensor([0.0, 2.02e-4]))
+    with pytest.raises(AssertionError):  # eager barely moves: a real difference
+        _assert_close(batched, eager, tol, "v", None, lambda: torch.tensor([0.0, 1e-7]))
+    with pytest.raises(AssertionError):  # the move is on another element
+        _assert_close(batched, eager, tol, "v", None, lambda: torch.tensor([2.02e-4, 0.0]))
+    with pytest.raises(AssertionError):  # a nudged run took other branches
+        _assert_close(batched, eager, tol, "v", None, lambda: None)
+    with pytest.raises(AssertionError):  # no measurement, no excuse
+        _assert_close(batched, eager, tol, "v", None)
 
 
 @pytest.mark.parametrize("inference", [True, False])
