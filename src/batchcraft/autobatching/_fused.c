@@ -132,6 +132,27 @@ static unary_fn f_sigmoid = k_sigmoid, f_tanh = k_tanh, f_exp = k_exp;
 #if BC_AVX512
 /* The same maths, 16 lanes with AVX-512F: vscalefps scales by 2^n with the right overflow to inf
  * and underflow through the denormals, so the clamps only keep the polynomial's argument small. */
+/* Cephes expf's e^r (|r| <= ln2 / 2, degree 7) and tanhf's odd polynomial in z = x^2, written
+ * once for every vector width: FMADD, MUL, ADD and SET1 are that width's intrinsics. */
+#define EXPF_POLY(p, r, FMADD, MUL, ADD, SET1)                                                 \
+    do {                                                                                      \
+        p = SET1(1.9875691500E-4f);                                                           \
+        p = FMADD(p, r, SET1(1.3981999507E-3f));                                              \
+        p = FMADD(p, r, SET1(8.3334519073E-3f));                                              \
+        p = FMADD(p, r, SET1(4.1665795894E-2f));                                              \
+        p = FMADD(p, r, SET1(1.6666665459E-1f));                                              \
+        p = FMADD(p, r, SET1(5.0000001201E-1f));                                              \
+        p = FMADD(p, MUL(r, r), ADD(r, SET1(1.0f)));                                          \
+    } while (0)
+#define TANHF_POLY(p, z, FMADD, SET1)                                                         \
+    do {                                                                                      \
+        p = SET1(-5.70498872745E-3f);                                                         \
+        p = FMADD(p, z, SET1(2.06390887954E-2f));                                             \
+        p = FMADD(p, z, SET1(-5.37397155531E-2f));                                            \
+        p = FMADD(p, z, SET1(1.33314422036E-1f));                                             \
+        p = FMADD(p, z, SET1(-3.33332819422E-1f));                                            \
+    } while (0)
+
 #define T512 __attribute__((target("avx512f")))
 T512 static inline __m512 exp16(__m512 x) {
     __m512 xc = _mm512_min_ps(_mm512_set1_ps(89.0f), x);             /* min/max(c, NaN) = NaN */
@@ -140,13 +161,8 @@ T512 static inline __m512 exp16(__m512 x) {
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 p;
+    EXPF_POLY(p, r, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps, _mm512_set1_ps);
     return _mm512_scalef_ps(p, n);
 }
 T512 static inline __m512 sigmoid16(__m512 x) {
@@ -157,11 +173,8 @@ T512 static inline __m512 tanh16(__m512 x) {
     __m512 sign = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
     __m512 ax = _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_set1_epi32((int)0x80000000u), _mm512_castps_si512(x)));
     __m512 z = _mm512_mul_ps(x, x);
-    __m512 p = _mm512_set1_ps(-5.70498872745E-3f);
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954E-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531E-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036E-1f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422E-1f));
+    __m512 p;
+    TANHF_POLY(p, z, _mm512_fmadd_ps, _mm512_set1_ps);
     __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
     small = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_EQ_OQ), small, x);  /* tanh(-0) = -0 */
     __m512 e = exp16(_mm512_add_ps(ax, ax));
@@ -200,13 +213,8 @@ T256 static inline __m256 exp8(__m256 x) {
     n = _mm256_and_ps(n, _mm256_cmp_ps(n, n, _CMP_ORD_Q));                  /* NaN -> 0 */
     __m256 r = _mm256_fnmadd_ps(n, V8(0.693359375f), xc);
     r = _mm256_fnmadd_ps(n, V8(-2.12194440e-4f), r);
-    __m256 p = V8(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, V8(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, V8(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, V8(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, V8(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, V8(5.0000001201E-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, V8(1.0f)));
+    __m256 p;
+    EXPF_POLY(p, r, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_set1_ps);
     __m256i ni = _mm256_cvtps_epi32(n);                                     /* n is integral */
     __m256i n1 = _mm256_srai_epi32(_mm256_add_epi32(ni, _mm256_srli_epi32(ni, 31)), 1);  /* ni / 2 */
     __m256i n2 = _mm256_sub_epi32(ni, n1);
@@ -223,11 +231,8 @@ T256 static inline __m256 tanh8(__m256 x) {
     const __m256 signbit = V8(-0.0f);
     __m256 ax = _mm256_andnot_ps(signbit, x);
     __m256 z = _mm256_mul_ps(x, x);
-    __m256 p = V8(-5.70498872745E-3f);
-    p = _mm256_fmadd_ps(p, z, V8(2.06390887954E-2f));
-    p = _mm256_fmadd_ps(p, z, V8(-5.37397155531E-2f));
-    p = _mm256_fmadd_ps(p, z, V8(1.33314422036E-1f));
-    p = _mm256_fmadd_ps(p, z, V8(-3.33332819422E-1f));
+    __m256 p;
+    TANHF_POLY(p, z, _mm256_fmadd_ps, _mm256_set1_ps);
     __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
     small = _mm256_blendv_ps(small, x, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_EQ_OQ));  /* -0 */
     __m256 e = exp8(_mm256_add_ps(ax, ax));
