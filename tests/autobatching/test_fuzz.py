@@ -249,8 +249,7 @@ def _check_one(program, specs, scheduler, fibers, max_pending, seed, core, ragge
     assert l_b.requires_grad, "batched outputs do not require grad but eager ones do"
     gb = torch.autograd.grad(l_b, wrt, allow_unused=True)
     for j, (a, b) in enumerate(zip(gb, ge)):
-        a = torch.zeros_like(wrt[j]) if a is None else a
-        b = torch.zeros_like(wrt[j]) if b is None else b
+        a, b = _dense(a, wrt[j]), _dense(b, wrt[j])
         gtol = _GTOL_BF16 if P.autocast_used else dict(atol=2e-4, rtol=1e-3)
         _assert_close(a, b, gtol, f"gradient of input {j} {tuple(wrt[j].shape)}",
                       lambda j=j: reference()[1][j] if reference() else None,
@@ -304,56 +303,60 @@ def _sensitivity(fn, P, snap, instances, ref, loss, wrt, eager_grads):
     down (the larger move; state restored around the runs): ``(outputs, gradients)``, per instance
     and output tensor, and per tensor of ``wrt`` (None without autograd); None when a nudged run's
     outputs differ in structure (another branch)."""
-    eager_after = _buffers(P)
     moves = gmoves = None
-    xs = [inst["x"] for inst in instances if inst["x"].requires_grad]
-    try:
-        for direction in (math.inf, -math.inf):
-            _restore(P, snap)
-            nudged = []
-            for inst in instances:
-                x = inst["x"]
-                with torch.no_grad():
-                    y = torch.nextafter(x.detach(), torch.full_like(x.detach(), direction))
-                nudged.append({**inst, "x": y.requires_grad_(x.requires_grad)})
-            P.memo.clear()
-            MARGIN.tracking = False
-            out = [fn(inst) for inst in nudged]
-            if [_non_tensors(o) for o in out] != [_non_tensors(r) for r in ref]:
-                return None
-            d = [[(t.detach().double() - r.detach().double()).abs() if t.is_floating_point() else torch.zeros(t.shape)
-                  for t, r in zip(flat_tensors(o), flat_tensors(rr))] for o, rr in zip(out, ref)]
-            moves = d if moves is None else [[torch.maximum(p, q) for p, q in zip(u, v)] for u, v in zip(moves, d)]
-            l_n = loss(out)
-            if not l_n.requires_grad:
-                continue
-            # the same parameters; the nudged inputs where ``wrt`` has the instances' own
-            wrt_n = wrt[: len(wrt) - len(xs)] + [inst["x"] for inst in nudged if inst["x"].requires_grad]
-            g_n = torch.autograd.grad(l_n, wrt_n, allow_unused=True)
-            g_e = eager_grads()
-            gd = [((torch.zeros_like(w) if a is None else a).double() - (torch.zeros_like(w) if b is None else b).double()).abs()
-                  for a, b, w in zip(g_n, g_e, wrt)]
-            gmoves = gd if gmoves is None else [torch.maximum(p, q) for p, q in zip(gmoves, gd)]
-    finally:
-        _restore(P, eager_after)
+    n_xs = sum(inst["x"].requires_grad for inst in instances)
+    for direction in (math.inf, -math.inf):
+        nudged = []
+        for inst in instances:
+            x = inst["x"].detach()
+            y = torch.nextafter(x, torch.full_like(x, direction))
+            nudged.append({**inst, "x": y.requires_grad_(inst["x"].requires_grad)})
+        out = _eager_again(fn, P, snap, nudged)
+        if [_non_tensors(o) for o in out] != [_non_tensors(r) for r in ref]:
+            return None
+        d = [[(t.detach().double() - r.detach().double()).abs() if t.is_floating_point() else torch.zeros(t.shape)
+              for t, r in zip(flat_tensors(o), flat_tensors(rr))] for o, rr in zip(out, ref)]
+        moves = d if moves is None else [[torch.maximum(p, q) for p, q in zip(u, v)] for u, v in zip(moves, d)]
+        l_n = loss(out)
+        if not l_n.requires_grad:
+            continue
+        # the same parameters; the nudged inputs where ``wrt`` has the instances' own
+        wrt_n = wrt[: len(wrt) - n_xs] + [inst["x"] for inst in nudged if inst["x"].requires_grad]
+        g_n = torch.autograd.grad(l_n, wrt_n, allow_unused=True)
+        gd = [(_dense(a, w).double() - _dense(b, w).double()).abs() for a, b, w in zip(g_n, eager_grads(), wrt)]
+        gmoves = gd if gmoves is None else [torch.maximum(p, q) for p, q in zip(gmoves, gd)]
     return moves, gmoves
 
 
-def _float32_reference(fn, P, snap, instances, ref, loss, wrt):
-    eager_after = _buffers(P)
+def _dense(g, like):
+    """A gradient, zeros where autograd gave None."""
+    return torch.zeros_like(like) if g is None else g
+
+
+def _eager_again(fn, P, snap, instances):
+    """Eager outputs of ``instances`` run again from the module state ``snap`` (the state the
+    caller's runs left is put back afterwards)."""
+    after = _buffers(P)
     _restore(P, snap)
-    P.autocast_off, MARGIN.tracking = True, False
+    MARGIN.tracking = False
     try:
         P.memo.clear()
-        out32 = [fn(inst) for inst in instances]
+        return [fn(inst) for inst in instances]
+    finally:
+        _restore(P, after)
+
+
+def _float32_reference(fn, P, snap, instances, ref, loss, wrt):
+    P.autocast_off = True
+    try:
+        out32 = _eager_again(fn, P, snap, instances)
     finally:
         P.autocast_off = False
-        _restore(P, eager_after)
     if [_non_tensors(o) for o in out32] != [_non_tensors(r) for r in ref]:
         return None
     l32 = loss(out32)
     grads = torch.autograd.grad(l32, wrt, allow_unused=True) if l32.requires_grad else [None] * len(wrt)
-    grads = [torch.zeros_like(w) if gr is None else gr for gr, w in zip(grads, wrt)]
+    grads = [_dense(gr, w) for gr, w in zip(grads, wrt)]
     return [list(flat_tensors(o)) for o in out32], grads
 
 

@@ -25,11 +25,11 @@
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && defined(__linux__)
 #define BC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#define BC_AVX512 1
+#define BC_VECTOR_MATHS 1  /* AVX-512 and AVX2 loops, chosen at import */
 #include <immintrin.h>
 #else
 #define BC_CLONES
-#define BC_AVX512 0
+#define BC_VECTOR_MATHS 0
 #endif
 
 /* opcodes (fuse.py mirrors them in OPCODES) */
@@ -129,9 +129,7 @@ BC_CLONES static void k_exp(float *restrict d, const float *a, Py_ssize_t w) {
 typedef void (*unary_fn)(float *restrict, const float *, Py_ssize_t);
 static unary_fn f_sigmoid = k_sigmoid, f_tanh = k_tanh, f_exp = k_exp;
 
-#if BC_AVX512
-/* The same maths, 16 lanes with AVX-512F: vscalefps scales by 2^n with the right overflow to inf
- * and underflow through the denormals, so the clamps only keep the polynomial's argument small. */
+#if BC_VECTOR_MATHS
 /* Cephes expf's e^r (|r| <= ln2 / 2, degree 7) and tanhf's odd polynomial in z = x^2, written
  * once for every vector width: FMADD, MUL, ADD and SET1 are that width's intrinsics. */
 #define EXPF_POLY(p, r, FMADD, MUL, ADD, SET1)                                                 \
@@ -153,6 +151,8 @@ static unary_fn f_sigmoid = k_sigmoid, f_tanh = k_tanh, f_exp = k_exp;
         p = FMADD(p, z, SET1(-3.33332819422E-1f));                                            \
     } while (0)
 
+/* The same maths, 16 lanes with AVX-512F: vscalefps scales by 2^n with the right overflow to inf
+ * and underflow through the denormals, so the clamps only keep the polynomial's argument small. */
 #define T512 __attribute__((target("avx512f")))
 T512 static inline __m512 exp16(__m512 x) {
     __m512 xc = _mm512_min_ps(_mm512_set1_ps(89.0f), x);             /* min/max(c, NaN) = NaN */
@@ -195,9 +195,7 @@ T512 static inline __m512 tanh16(__m512 x) {
 LOOP16(k_sigmoid512, sigmoid16)
 LOOP16(k_tanh512, tanh16)
 LOOP16(k_exp512, exp16)
-#endif
 
-#if BC_AVX512
 /* The same maths, 8 lanes with AVX2 and FMA, for CPUs without AVX-512 (AMD Zen 1-3, many Intel
  * desktops), where the portable loops ran 5-10x slower than torch's own vector kernels. As the
  * AVX-512 loops: the polynomials by FMA (within a few ulp of the portable loops); 2^n as two
@@ -206,8 +204,8 @@ LOOP16(k_exp512, exp16)
 #define V8(c) _mm256_set1_ps(c)
 T256 static inline __m256 exp8(__m256 x) {
     const __m256 hi = V8(88.72283935546875f), lo = V8(-103.97208f);
-    __m256 xc = _mm256_blendv_ps(x, hi, _mm256_cmp_ps(x, hi, _CMP_GT_OQ));  /* NaN passes */
-    xc = _mm256_blendv_ps(xc, lo, _mm256_cmp_ps(xc, lo, _CMP_LT_OQ));
+    const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ), under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    __m256 xc = _mm256_blendv_ps(_mm256_blendv_ps(x, hi, over), lo, under);  /* NaN passes both */
     __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, V8(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     n = _mm256_and_ps(n, _mm256_cmp_ps(n, n, _CMP_ORD_Q));                  /* NaN -> 0 */
@@ -221,8 +219,7 @@ T256 static inline __m256 exp8(__m256 x) {
     const __m256i bias = _mm256_set1_epi32(127);
     __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23))),
                              _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23)));
-    y = _mm256_blendv_ps(y, V8(INFINITY), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
-    return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+    return _mm256_blendv_ps(_mm256_blendv_ps(y, V8(INFINITY), over), _mm256_setzero_ps(), under);
 }
 T256 static inline __m256 sigmoid8(__m256 x) {
     return _mm256_div_ps(V8(1.0f), _mm256_add_ps(V8(1.0f), exp8(_mm256_xor_ps(x, V8(-0.0f)))));
@@ -257,7 +254,7 @@ LOOP8(k_exp256, exp8, bc_exp)
 static const char *vector_maths = "portable";
 
 static void choose_kernels(void) {
-#if BC_AVX512
+#if BC_VECTOR_MATHS
     const char *cap = getenv("BATCHCRAFT_FUSED_PORTABLE");
     int allow512 = 1, allow256 = 1;
     if (cap && *cap && strcmp(cap, "0") != 0) {
