@@ -11,7 +11,10 @@ micro-batching measurements (:func:`batchcraft.measure.cache_dir`).
 :func:`onednn_linear` is differentiable (a custom autograd Function: the forward and the input
 gradient through oneDNN, the weight gradient as a plain matrix product), so training stays
 correct through the chosen kernel; results agree with ``F.linear`` within float32 rounding.
-Autocast regions, non-CPU tensors, forward-mode AD (a ``dual_level``, ``torch.func.jvp``) and
+Before oneDNN is used, its results are checked against ``F.linear`` (process-wide, then per shape
+class, reliability #211); a check that passed is stored with the environment that decides it
+(:func:`runtime_fingerprint`), so a new process under the same settings does not run it again
+(about 5 ms of a TreeLSTM's first call here). Autocast regions, non-CPU tensors, forward-mode AD (a ``dual_level``, ``torch.func.jvp``) and
 ``torch.func`` transforms always use ``F.linear``: oneDNN's op has no forward derivative, and
 torch silently gives its outputs a zero tangent (reliability #206).
 """
@@ -41,6 +44,11 @@ LEAD = 1.10            # oneDNN must be this much faster to be chosen (noise mar
 # fixed per-call overhead (tens of µs), and measuring each costs a first call 16 timed calls
 MIN_MEASURED_FLOP = 4e6
 SCHEMA = "kernels_v2"  # v2: interleaved measurement (v1 choices could come from a busy machine)
+CHECKS = "onednn_checks_v1"  # oneDNN agreement checks that passed, keyed by runtime_fingerprint()
+#: environment variables whose prefix marks them as settings of the threading runtimes or math
+#: libraries (#211's triggers are OMP_THREAD_LIMIT and OMP_DYNAMIC): a stored check holds only
+#: under the same values
+_RUNTIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "DNNL_", "ONEDNN_", "LD_PRELOAD")
 
 
 _T = torch.Tensor
@@ -50,11 +58,16 @@ _any_autocast = torch._C._is_any_autocast_enabled
 _threads = torch.get_num_threads
 
 
+def _onednn_built() -> bool:
+    """Does this torch build have oneDNN's linear (never stored: another build may share a cache)?"""
+    return _lp is not None and torch.backends.mkldnn.is_available()
+
+
 def onednn_available() -> bool:
     """Does oneDNN's linear run here and give ``F.linear``'s values, on a product big enough for
     oneDNN to split over threads? (Under ``OMP_THREAD_LIMIT=1`` or ``OMP_DYNAMIC=true`` torch's
     oneDNN linear leaves rows unwritten: NaN or values off by tens, reliability #211.)"""
-    if _lp is None or not torch.backends.mkldnn.is_available():
+    if not _onednn_built():
         return False
     try:
         with torch._C.DisableTorchFunction():  # the user's or the recording's modes must not see this
@@ -114,6 +127,14 @@ def _right(x, w, b) -> bool:
         return bool(torch.allclose(got, _LINEAR(x, w, b), rtol=1e-4, atol=1e-4))
 
 
+def runtime_fingerprint() -> str:
+    """What a oneDNN agreement check's answer depends on besides the shape: the CPU, torch's
+    version, its intra-op threads, and every threading-runtime or math-library variable of the
+    environment (:data:`_RUNTIME_ENV`), as one string."""
+    env = ",".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(_RUNTIME_ENV))
+    return f"{cpu_model()}|{torch.__version__}|t={torch.get_num_threads()}|{env}"
+
+
 def _bucket(m: int) -> int:
     b = 1
     while b < m:
@@ -134,18 +155,42 @@ class _Store:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(str(path), timeout=10, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute(f"CREATE TABLE IF NOT EXISTS {SCHEMA} (key TEXT PRIMARY KEY, choice TEXT, "
-                            "default_us REAL, onednn_us REAL)")
+            self._tables()
         except sqlite3.DatabaseError:
             try:
                 os.replace(path, f"{path}.corrupt-{int(time.time())}")
                 self.db = sqlite3.connect(str(path), timeout=10, check_same_thread=False)
-                self.db.execute(f"CREATE TABLE IF NOT EXISTS {SCHEMA} (key TEXT PRIMARY KEY, choice TEXT, "
-                                "default_us REAL, onednn_us REAL)")
+                self._tables()
             except (OSError, sqlite3.DatabaseError):
                 self.db = None
         except OSError:
             self.db = None
+
+    def _tables(self) -> None:
+        self.db.execute(f"CREATE TABLE IF NOT EXISTS {SCHEMA} (key TEXT PRIMARY KEY, choice TEXT, "
+                        "default_us REAL, onednn_us REAL)")
+        self.db.execute(f"CREATE TABLE IF NOT EXISTS {CHECKS} (key TEXT PRIMARY KEY)")
+
+    def passed(self, key) -> bool:
+        """Was the oneDNN check ``key`` passed and stored before?"""
+        if self.db is None:
+            return False
+        with self.lock:
+            try:
+                return self.db.execute(f"SELECT 1 FROM {CHECKS} WHERE key=?", (key,)).fetchone() is not None
+            except sqlite3.DatabaseError:
+                return False
+
+    def put_passed(self, key) -> None:
+        """Store that the oneDNN check ``key`` passed (a failed check is never stored: it runs again)."""
+        if self.db is None:
+            return
+        with self.lock:
+            try:
+                self.db.execute(f"INSERT OR REPLACE INTO {CHECKS} VALUES (?)", (key,))
+                self.db.commit()
+            except sqlite3.DatabaseError:
+                pass
 
     def get(self, key):
         if self.db is None:
@@ -220,8 +265,26 @@ class Selector:
     def onednn(self) -> bool:
         """Does this torch build run oneDNN's linear here (checked once, when first needed)?"""
         if self._onednn is None:
-            self._onednn = onednn_available()
+            self._onednn = _onednn_built() and self._check("available", onednn_available)
         return self._onednn
+
+    def _check(self, what: str, fn) -> bool:
+        """``fn()``, a oneDNN agreement check, unless the store holds a pass of ``what`` under
+        this :func:`runtime_fingerprint`; a pass is stored."""
+        if self.store is None:
+            return fn()
+        key = f"{runtime_fingerprint()}|{what}"
+        if self.store.passed(key):
+            return True
+        ok = fn()
+        if ok:
+            self.store.put_passed(key)
+        return ok
+
+    def _agrees(self, k, w, b) -> bool:
+        """:func:`_agrees` for shape class ``k`` through :meth:`_check`."""
+        return self._check(f"class={k[0]}|grad={k[1]}|bias={k[2]}|K={k[3]}|N={k[4]}|M<={k[5]}|t={k[6]}",
+                           lambda: _agrees(k, w, b))
 
     def key(self, x, w, b) -> tuple:
         m = x.numel() // x.shape[-1] if x.dim() else 1
@@ -241,7 +304,7 @@ class Selector:
         if self.mode == "onednn":  # (checked per shape class and thread count, as a measured choice)
             c = self.choices.get(k)
             if c is None:
-                c = self.choices[k] = "onednn" if self.onednn and _agrees(k, w, b) else "default"
+                c = self.choices[k] = "onednn" if self.onednn and self._agrees(k, w, b) else "default"
             return c
         c = self.choices.get(k)
         if c is None:
@@ -258,8 +321,8 @@ class Selector:
             if row[0] != "onednn":
                 return row[0]
             # (a stored choice is this machine's, not this process's: its thread limits may differ)
-            return "onednn" if self.onednn and _agrees(k, w, b) else "default"
-        if not self.onednn or not _agrees(k, w, b):
+            return "onednn" if self.onednn and self._agrees(k, w, b) else "default"
+        if not self.onednn or not self._agrees(k, w, b):
             return "default"  # nothing to measure against (not stored: another build may have it)
         m = k[5]
         xs = torch.full((m, k[3]), 0.5)  # not randn: measuring must not move the caller's random state
@@ -327,4 +390,4 @@ def selector(mode: str) -> Selector:
     return s
 
 
-__all__ = ["Selector", "selector", "onednn_linear", "onednn_available"]
+__all__ = ["Selector", "selector", "onednn_linear", "onednn_available", "runtime_fingerprint"]

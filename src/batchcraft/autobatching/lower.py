@@ -29,6 +29,7 @@ import torch
 
 from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching import rowmm as _rowmm
+from batchcraft.autobatching.codecache import compile_program
 from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.gather import materialize as _materialize
 from batchcraft.autobatching.program import draws
@@ -315,7 +316,7 @@ class Runner:
         def compiled(clusters, deferred=None):
             body = _assemble(em, prog, step_lines, clusters, deferred) + [ret]
             src = f"def run({', '.join(params)}):\n" + "\n".join(body) + "\n"
-            exec(compile(src, f"<batchcraft program {prog.name}>", "exec"), em.ns)
+            exec(compile_program(src, f"<batchcraft program {prog.name}>"), em.ns)
             return em.ns["run"], src
 
         none = frozenset()
