@@ -54,18 +54,29 @@ def test_a_program_compiled_once_is_loaded_after(cache, compiles):
     assert len(compiles) == 2 and len(list(cache.iterdir())) == 3  # another name, another source
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", "other magic", "not code", "other name"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "other magic", "one byte flipped", "not code",
+                                    "not marshal", "other name"])
 def test_a_file_that_does_not_load_is_compiled_again_and_rewritten(cache, compiles, damage):
+    import hashlib
     import marshal
 
     codecache.compile_program(SRC, NAME)
     (path,) = cache.iterdir()
     data = path.read_bytes()
     magic = codecache._MAGIC
+    head = len(magic) + codecache._DIGEST
+
+    def signed(body):
+        return magic + hashlib.blake2b(body, digest_size=codecache._DIGEST).digest() + body
+
+    flipped = bytearray(data)
+    flipped[head + 20] ^= 0x40  # one byte of the bytecode or its constants
     path.write_bytes({"truncated": data[: len(data) // 2], "empty": b"",
                       "other magic": b"\0\0\0\0" + data[len(magic):],
-                      "not code": magic + marshal.dumps([1, 2]),
-                      "other name": magic + marshal.dumps(compile(SRC, "<elsewhere>", "exec"))}[damage])
+                      "one byte flipped": bytes(flipped),
+                      "not code": signed(marshal.dumps([1, 2])),
+                      "not marshal": signed(b"\xff\x00garbage"),
+                      "other name": signed(marshal.dumps(compile(SRC, "<elsewhere>", "exec")))}[damage])
     codecache._dirs.clear()
     code = codecache.compile_program(SRC, NAME)
     assert _run(code) == [6] and code.co_filename == NAME and len(compiles) == 2
@@ -124,3 +135,16 @@ def test_a_new_process_runs_the_cached_programs(tmp_path):
                                  timeout=300, check=True).stdout.split()[-1]) for _ in range(2)]
     assert counts[0] > 0 and counts[1] == 0, counts
 
+
+
+def test_any_error_of_marshal_means_a_compile(cache, compiles, monkeypatch):
+    # (hostile pass, stop 44: one flipped byte made marshal raise SystemError, which escaped, and every
+    # later group ran one instance at a time; the digest now refuses such files before marshal)
+    codecache.compile_program(SRC, NAME)
+    codecache._dirs.clear()
+
+    def broken(data):
+        raise SystemError("bad argument to internal function")
+
+    monkeypatch.setattr(codecache.marshal, "loads", broken)
+    assert _run(codecache.compile_program(SRC, NAME)) == [6] and len(compiles) == 2

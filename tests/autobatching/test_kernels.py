@@ -394,3 +394,70 @@ def test_onednn_is_checked_again_at_a_later_thread_count(limit, first, then):
     r = subprocess.run([sys.executable, "-c", _LATER, str(first), str(then)], capture_output=True, text=True,
                        timeout=600, env=dict(os.environ, OMP_THREAD_LIMIT=str(limit)))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_passes_are_keyed_by_the_runtimes_own_state_and_never_stored_under_dynamic_threads(tmp_path, monkeypatch):
+    # hostile pass, stop 44: the fingerprint read os.environ, which the OpenMP runtime read once at
+    # load; and under OMP_DYNAMIC a check passed while idle was reused while busy (wrong values)
+    state = [(0, 2147483647, 2)]
+    monkeypatch.setattr(kernels._openmp, "runtime_state", lambda: state[0])
+    free = kernels.runtime_fingerprint()
+    state[0] = (0, 1, 2)  # OMP_THREAD_LIMIT=1 as the runtime read it, whatever os.environ says now
+    assert kernels.runtime_fingerprint() not in (None, free)
+    for dynamic in ((1, 2147483647, 2), None):  # dynamic adjustment; no runtime to ask
+        state[0] = dynamic
+        assert kernels.runtime_fingerprint() is None
+    asked = []
+    monkeypatch.setattr(kernels, "_onednn_built", lambda: True)
+    monkeypatch.setattr(kernels, "onednn_available", lambda: asked.append("available") or True)
+    monkeypatch.setattr(kernels, "_agrees", lambda *a: asked.append("class") or True)
+    path = str(tmp_path / "kernels.sqlite")
+    x, w = torch.randn(100, 128), torch.randn(256, 128)
+    for _ in range(2):
+        assert Selector("auto", _Store(path), timer=FakeTimer(100.0, 10.0)).choose(x, w, None) == "onednn"
+    assert asked == ["available", "class"] * 2  # checked in each process, nothing stored
+    import sqlite3
+
+    assert sqlite3.connect(path).execute(f"SELECT COUNT(*) FROM {kernels.CHECKS}").fetchone()[0] == 0
+
+
+_RUN = r"""
+import os, sys, torch
+torch.set_num_threads(2)
+if sys.argv[1] == "set-late":
+    os.environ["OMP_THREAD_LIMIT"] = "1"  # after the OpenMP runtime has loaded: it never sees this
+elif sys.argv[1] == "unset-late":
+    os.environ.pop("OMP_THREAD_LIMIT", None)  # the runtime keeps the limit it read
+from batchcraft import autobatch
+from batchcraft.autobatching import kernels
+from batchcraft.data import load_sentences
+from batchcraft.models import suite
+
+kernels.selector("auto").timer = lambda fns: [100.0, 10.0]  # measured: oneDNN wins every class
+task = suite.build("treelstm", load_sentences(limit=40), hidden=256)
+with torch.no_grad():
+    want = torch.stack([task.fn(t) for t in task.instances])
+    got = torch.stack(autobatch(task.fn)(task.instances))
+print("ok" if torch.allclose(got, want, atol=1e-5) else f"off by {(got - want).abs().max():.3g}")
+"""
+
+
+@needs_onednn
+def test_a_pass_stored_under_another_runtime_state_is_not_trusted(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    def run(how, **env):
+        base = {k: v for k, v in os.environ.items() if k not in ("OMP_THREAD_LIMIT", "OMP_DYNAMIC")}
+        r = subprocess.run([sys.executable, "-c", _RUN, how], capture_output=True, text=True, timeout=600,
+                           env=dict(base, BATCHCRAFT_CACHE_DIR=str(tmp_path), **env))
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout.strip().splitlines()[-1]
+
+    # passes stored by a process that set OMP_THREAD_LIMIT too late, then a process really limited
+    assert run("set-late") == "ok"
+    assert run("plain", OMP_THREAD_LIMIT="1") == "ok"
+    # passes stored by an unlimited process, then a limited one that removed the variable
+    assert run("plain") == "ok"
+    assert run("unset-late", OMP_THREAD_LIMIT="1") == "ok"

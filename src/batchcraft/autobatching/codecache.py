@@ -7,8 +7,10 @@ directory (:func:`batchcraft.measure.cache_dir`, ``programs/``), named by a hash
 file name it is compiled under and the interpreter's bytecode magic number, so a new process loads
 it instead (about 50 µs).
 
-A file that does not load (truncated, another interpreter's, not a code object of that name) is
-compiled again and rewritten; a directory that cannot be written only costs the compile. Files are
+Each file holds the magic number, a BLAKE2b digest of the marshalled code and the code. A file
+that does not load (truncated, damaged, another interpreter's, not a code object of that name) is
+compiled again and rewritten: a damaged byte must not reach ``marshal`` (which may crash on
+bytecode that is wrong but well-formed). A directory that cannot be written only costs the compile. Files are
 written whole under a temporary name, then renamed, so concurrent processes never read half a file.
 At most :data:`MAX_FILES` are kept (the oldest go first). ``BATCHCRAFT_CODE_CACHE=0`` turns the
 cache off. The files are trusted as ``.pyc`` files are: the cache directory is the user's own.
@@ -29,6 +31,7 @@ from batchcraft.measure.machine import cache_dir
 MAX_FILES = 4096
 
 _MAGIC = importlib.util.MAGIC_NUMBER
+_DIGEST = 16  # bytes of the BLAKE2b digest of the marshalled code that follows the magic number
 _dirs: dict = {}  # cache directory path -> its programs/ directory, or None where it cannot be made
 
 
@@ -76,11 +79,15 @@ def _load(path: str, filename: str):
             data = f.read()
     except OSError:
         return None
-    if not data.startswith(_MAGIC):
+    head = len(_MAGIC) + _DIGEST
+    if not data.startswith(_MAGIC) or len(data) <= head:
+        return None
+    body = data[head:]
+    if hashlib.blake2b(body, digest_size=_DIGEST).digest() != data[len(_MAGIC):head]:
         return None
     try:
-        code = marshal.loads(data[len(_MAGIC):])
-    except (EOFError, ValueError, TypeError):
+        code = marshal.loads(body)
+    except Exception:  # noqa: BLE001 (marshal raises EOFError, ValueError, TypeError, SystemError...)
         return None
     if type(code) is not types.CodeType or code.co_filename != filename:
         return None
@@ -93,8 +100,9 @@ def _store(d: str, path: str, code) -> None:
             _prune(d)
         fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
         try:
+            body = marshal.dumps(code)
             with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + marshal.dumps(code))
+                f.write(_MAGIC + hashlib.blake2b(body, digest_size=_DIGEST).digest() + body)
             os.replace(tmp, path)
         except BaseException:
             try:

@@ -13,8 +13,10 @@ gradient through oneDNN, the weight gradient as a plain matrix product), so trai
 correct through the chosen kernel; results agree with ``F.linear`` within float32 rounding.
 Before oneDNN is used, its results are checked against ``F.linear`` (process-wide, then per shape
 class, reliability #211); a check that passed is stored with the environment that decides it
-(:func:`runtime_fingerprint`), so a new process under the same settings does not run it again
-(about 5 ms of a TreeLSTM's first call here). Autocast regions, non-CPU tensors, forward-mode AD (a ``dual_level``, ``torch.func.jvp``) and
+(:func:`runtime_fingerprint`: the OpenMP runtime's own thread limit and count, not only the
+environment), so a new process under the same settings does not run it again (about 5 ms of a
+TreeLSTM's first call here); under OpenMP's dynamic adjustment, whose outcome follows the
+machine's load, it runs in every process. Autocast regions, non-CPU tensors, forward-mode AD (a ``dual_level``, ``torch.func.jvp``) and
 ``torch.func`` transforms always use ``F.linear``: oneDNN's op has no forward derivative, and
 torch silently gives its outputs a zero tangent (reliability #206).
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from batchcraft.autobatching import openmp as _openmp
 from batchcraft.autobatching.threadstate import tangents_possible
 from batchcraft.measure.machine import cache_dir, cpu_model
 from batchcraft.measure.poison import fresh_inputs, poisoned_call
@@ -127,12 +130,26 @@ def _right(x, w, b) -> bool:
         return bool(torch.allclose(got, _LINEAR(x, w, b), rtol=1e-4, atol=1e-4))
 
 
-def runtime_fingerprint() -> str:
-    """What a oneDNN agreement check's answer depends on besides the shape: the CPU, torch's
-    version, its intra-op threads, and every threading-runtime or math-library variable of the
-    environment (:data:`_RUNTIME_ENV`), as one string."""
+def runtime_fingerprint() -> str | None:
+    """What a oneDNN agreement check's answer depends on besides the shape, as one string: the
+    CPU, the CPUs this process may run on, torch's version and intra-op threads, the thread limit
+    and thread count that torch's OpenMP runtime itself holds (:func:`openmp.runtime_state`: it
+    read its variables when it loaded, whatever ``os.environ`` says now), and every
+    threading-runtime or math-library variable of the environment (:data:`_RUNTIME_ENV`).
+
+    None where a stored pass must not be trusted: the runtime's state cannot be read, or its
+    dynamic adjustment is on (``OMP_DYNAMIC``, ``omp_set_dynamic``: the team follows the
+    machine's load, so a check passed while idle says nothing about a busy moment)."""
+    state = _openmp.runtime_state()
+    if state is None or state[0]:
+        return None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count()
     env = ",".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(_RUNTIME_ENV))
-    return f"{cpu_model()}|{torch.__version__}|t={torch.get_num_threads()}|{env}"
+    return (f"{cpu_model()}|cpus={cpus}|{torch.__version__}|t={torch.get_num_threads()}|"
+            f"omp_limit={state[1]}|omp_threads={state[2]}|{env}")
 
 
 def _bucket(m: int) -> int:
@@ -270,10 +287,11 @@ class Selector:
 
     def _check(self, what: str, fn) -> bool:
         """``fn()``, a oneDNN agreement check, unless the store holds a pass of ``what`` under
-        this :func:`runtime_fingerprint`; a pass is stored."""
-        if self.store is None:
+        this :func:`runtime_fingerprint`; a pass is stored (never without a fingerprint)."""
+        fingerprint = runtime_fingerprint() if self.store is not None else None
+        if fingerprint is None:
             return fn()
-        key = f"{runtime_fingerprint()}|{what}"
+        key = f"{fingerprint}|{what}"
         if self.store.passed(key):
             return True
         ok = fn()

@@ -61,6 +61,35 @@ def find() -> tuple | None:
     return None
 
 
+_STATE_FUNCS = None  # (omp_get_dynamic, omp_get_thread_limit, omp_get_max_threads) of torch's runtime
+
+
+def runtime_state() -> tuple | None:
+    """``(dynamic, thread limit, max threads)`` as torch's OpenMP runtime holds them for the
+    calling thread (``omp_get_dynamic``, ``omp_get_thread_limit``, ``omp_get_max_threads``), or
+    None where torch's parallel backend is not a loaded OpenMP runtime. These are the values the
+    runtime uses: it reads ``OMP_DYNAMIC`` and ``OMP_THREAD_LIMIT`` once, when it loads, and a later
+    change of ``os.environ`` does not reach it."""
+    global _STATE_FUNCS
+    if _STATE_FUNCS is None:
+        _STATE_FUNCS = ()
+        if find() is not None:
+            mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 1)
+            for name in SONAMES:
+                try:
+                    lib = ctypes.CDLL(name, mode=mode)
+                    fns = tuple(ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value)
+                                for sym in ("omp_get_dynamic", "omp_get_thread_limit", "omp_get_max_threads"))
+                except (OSError, AttributeError, TypeError):
+                    continue
+                if fns[2]() == torch.get_num_threads():
+                    _STATE_FUNCS = fns
+                    break
+    if not _STATE_FUNCS:
+        return None
+    return tuple(f() for f in _STATE_FUNCS)
+
+
 def install(fused) -> str:
     """Give ``fused`` (the ``_fused`` module) torch's OpenMP entry points; returns :data:`reason`."""
     global reason, _pid
@@ -95,4 +124,4 @@ def uninstall(fused) -> None:
     reason = "uninstalled"
 
 
-__all__ = ["install", "uninstall", "find", "reason", "SONAMES", "ENTRY_POINTS"]
+__all__ = ["install", "uninstall", "find", "runtime_state", "reason", "SONAMES", "ENTRY_POINTS"]

@@ -19,10 +19,11 @@ def _cpu_model() -> str:
 
 def cache_dir():
     """Where measured choices persist: ``$BATCHCRAFT_CACHE_DIR``, else ``$XDG_CACHE_HOME/batchcraft``,
-    else ``~/.cache/batchcraft`` (a :class:`pathlib.Path`; not created here)."""
+    else ``~/.cache/batchcraft`` (a :class:`pathlib.Path`; not created here). An empty variable
+    counts as unset (not the current directory)."""
     from pathlib import Path
 
-    root = os.environ.get("BATCHCRAFT_CACHE_DIR")
+    root = os.environ.get("BATCHCRAFT_CACHE_DIR") or None
     if root is None:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchcraft"
     return Path(root)
