@@ -399,12 +399,12 @@ def test_onednn_is_checked_again_at_a_later_thread_count(limit, first, then):
 def test_passes_are_keyed_by_the_runtimes_own_state_and_never_stored_under_dynamic_threads(tmp_path, monkeypatch):
     # hostile pass, stop 44: the fingerprint read os.environ, which the OpenMP runtime read once at
     # load; and under OMP_DYNAMIC a check passed while idle was reused while busy (wrong values)
-    state = [(0, 2147483647, 2)]
+    state = [(0, 2147483647, 2, 2147483647, 0)]
     monkeypatch.setattr(kernels._openmp, "runtime_state", lambda: state[0])
     free = kernels.runtime_fingerprint()
-    state[0] = (0, 1, 2)  # OMP_THREAD_LIMIT=1 as the runtime read it, whatever os.environ says now
+    state[0] = (0, 4, 2, 2147483647, 0)  # OMP_THREAD_LIMIT=4 as the runtime read it, whatever os.environ says
     assert kernels.runtime_fingerprint() not in (None, free)
-    for dynamic in ((1, 2147483647, 2), None):  # dynamic adjustment; no runtime to ask
+    for dynamic in ((1, 2147483647, 2, 2147483647, 0), (0, 1, 2, 2147483647, 0), None):  # dynamic; limited; none
         state[0] = dynamic
         assert kernels.runtime_fingerprint() is None
     asked = []
@@ -461,3 +461,87 @@ def test_a_pass_stored_under_another_runtime_state_is_not_trusted(tmp_path):
     # passes stored by an unlimited process, then a limited one that removed the variable
     assert run("plain") == "ok"
     assert run("unset-late", OMP_THREAD_LIMIT="1") == "ok"
+
+
+def test_onednn_runs_only_where_its_openmp_team_is_full(monkeypatch):
+    # reliability #223 (hostile pass, stop 44; present before in the process's own choices): after a
+    # first call chose oneDNN, omp_set_dynamic(1) or omp_set_max_active_levels(0) left rows unwritten
+    from batchcraft.autobatching import openmp
+
+    assert openmp.full_team((0, 2147483647, 2, 2147483647, 0))
+    for bad in ((1, 2147483647, 2, 2147483647, 0), (0, 1, 2, 2147483647, 0), (0, 2147483647, 2, 0, 0),
+                (0, 2147483647, 2, 2147483647, 1)):
+        assert not openmp.full_team(bad)
+    state = [(0, 2147483647, 2, 2147483647, 0)]
+    monkeypatch.setattr(openmp, "runtime_state", lambda: state[0])
+    calls = []
+    monkeypatch.setattr(kernels, "onednn_linear", lambda *a: calls.append("onednn") or F.linear(*a))
+    sel = Selector("onednn", None)
+    sel.choices = {}
+    monkeypatch.setattr(sel, "choose", lambda *a: "onednn")
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    with torch.no_grad():
+        sel.linear(x, w)
+        state[0] = (1, 2147483647, 2, 2147483647, 0)
+        torch.testing.assert_close(sel.linear(x, w), F.linear(x, w))
+    assert calls == ["onednn"]
+    assert kernels.runtime_fingerprint() is None
+    state[0] = None  # no runtime to ask: the agreement checks alone decide, nothing is stored
+    assert kernels.onednn_team_ok() and kernels.runtime_fingerprint() is None
+
+
+_TEAM = r"""
+import ctypes, os, sys, torch
+torch.set_num_threads(2)
+from batchcraft import autobatch
+from batchcraft.autobatching import kernels, openmp
+from batchcraft.data import load_sentences
+from batchcraft.models import suite
+
+kernels.selector("auto").timer = lambda fns: [100.0, 10.0]  # measured: oneDNN wins every class
+if openmp.find() is None:
+    print("skip: no OpenMP runtime of torch's"); sys.exit(0)
+mode = os.RTLD_NOLOAD | os.RTLD_LAZY
+
+
+def loaded(name):
+    try:
+        return ctypes.CDLL(name, mode=mode)
+    except OSError:  # not in the process
+        return None
+
+
+rt = next(lib for lib in map(loaded, openmp.SONAMES) if lib is not None)
+task = suite.build("treelstm", load_sentences(limit=40), hidden=256)
+
+
+def wrong():
+    with torch.no_grad():
+        want = [task.fn(t) for t in task.instances]
+        got = autobatch(task.fn)(task.instances)
+    return sum(not torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+
+
+assert wrong() == 0  # oneDNN chosen and checked (its passes stored)
+getattr(rt, sys.argv[1])(int(sys.argv[2]))
+assert wrong() == 0, sys.argv[1:]
+print("ok")
+"""
+
+
+@needs_onednn
+@pytest.mark.parametrize("call", [("omp_set_dynamic", 1), ("omp_set_max_active_levels", 0)],
+                         ids=["dynamic", "no-active-levels"])
+def test_a_runtime_change_of_the_openmp_team_after_a_first_call_keeps_values_right(call, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, BATCHCRAFT_CACHE_DIR=str(tmp_path))
+    for k in ("OMP_THREAD_LIMIT", "OMP_DYNAMIC", "OMP_MAX_ACTIVE_LEVELS"):
+        env.pop(k, None)
+    for _ in range(2):  # the second process starts from the passes the first stored
+        r = subprocess.run([sys.executable, "-c", _TEAM, call[0], str(call[1])], capture_output=True, text=True,
+                           timeout=600, env=env)
+        assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] in ("ok", "skip: no OpenMP runtime of torch's"), \
+            r.stderr[-3000:]

@@ -7,7 +7,8 @@ directory (:func:`batchcraft.measure.cache_dir`, ``programs/``), named by a hash
 file name it is compiled under and the interpreter's bytecode magic number, so a new process loads
 it instead (about 50 µs).
 
-Each file holds the magic number, a BLAKE2b digest of the marshalled code and the code. A file
+Each file holds the magic number, a BLAKE2b digest of the marshalled code keyed by the file's own
+name (so another program's file copied under this name does not load) and the code. A file
 that does not load (truncated, damaged, another interpreter's, not a code object of that name) is
 compiled again and rewritten: a damaged byte must not reach ``marshal`` (which may crash on
 bytecode that is wrong but well-formed). A directory that cannot be written only costs the compile. Files are
@@ -66,14 +67,20 @@ def compile_program(source: str, filename: str) -> types.CodeType:
         return compile(source, filename, "exec")
     digest = hashlib.sha256(b"%s\0%s\0%s" % (_MAGIC, filename.encode(), source.encode())).hexdigest()[:40]
     path = os.path.join(d, digest + ".code")
-    code = _load(path, filename)
+    code = _load(path, filename, digest)
     if code is None:
         code = compile(source, filename, "exec")
-        _store(d, path, code)
+        _store(d, path, code, digest)
     return code
 
 
-def _load(path: str, filename: str):
+def _seal(key: str, body: bytes) -> bytes:
+    """The digest a file stores: of its own source key and its marshalled code, so a file copied
+    or renamed to another program's name does not load (a hostile pass, stop 44)."""
+    return hashlib.blake2b(body, digest_size=_DIGEST, key=key.encode()[:64]).digest()
+
+
+def _load(path: str, filename: str, key: str):
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -83,7 +90,7 @@ def _load(path: str, filename: str):
     if not data.startswith(_MAGIC) or len(data) <= head:
         return None
     body = data[head:]
-    if hashlib.blake2b(body, digest_size=_DIGEST).digest() != data[len(_MAGIC):head]:
+    if _seal(key, body) != data[len(_MAGIC):head]:
         return None
     try:
         code = marshal.loads(body)
@@ -94,7 +101,7 @@ def _load(path: str, filename: str):
     return code
 
 
-def _store(d: str, path: str, code) -> None:
+def _store(d: str, path: str, code, key: str) -> None:
     try:
         if len(os.listdir(d)) >= MAX_FILES:
             _prune(d)
@@ -102,7 +109,7 @@ def _store(d: str, path: str, code) -> None:
         try:
             body = marshal.dumps(code)
             with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + hashlib.blake2b(body, digest_size=_DIGEST).digest() + body)
+                f.write(_MAGIC + _seal(key, body) + body)
             os.replace(tmp, path)
         except BaseException:
             try:

@@ -61,6 +61,16 @@ _any_autocast = torch._C._is_any_autocast_enabled
 _threads = torch.get_num_threads
 
 
+def onednn_team_ok() -> bool:
+    """May a oneDNN product start here and now? False where torch's OpenMP runtime would not give
+    it the team it plans for (:func:`openmp.full_team`): a choice made or checked earlier in the
+    process does not hold after ``omp_set_dynamic(1)``, ``omp_set_max_active_levels(0)`` or from
+    inside an active parallel region (reliability #223). True where the runtime cannot be asked
+    (the agreement checks alone decide, as before). About 1 µs (five runtime queries)."""
+    state = _openmp.runtime_state()
+    return state is None or _openmp.full_team(state)
+
+
 def _onednn_built() -> bool:
     """Does this torch build have oneDNN's linear (never stored: another build may share a cache)?"""
     return _lp is not None and torch.backends.mkldnn.is_available()
@@ -137,11 +147,11 @@ def runtime_fingerprint() -> str | None:
     read its variables when it loaded, whatever ``os.environ`` says now), and every
     threading-runtime or math-library variable of the environment (:data:`_RUNTIME_ENV`).
 
-    None where a stored pass must not be trusted: the runtime's state cannot be read, or its
-    dynamic adjustment is on (``OMP_DYNAMIC``, ``omp_set_dynamic``: the team follows the
-    machine's load, so a check passed while idle says nothing about a busy moment)."""
+    None where a stored pass must not be trusted: the runtime's state cannot be read, or a region
+    would not get its full team (:func:`openmp.full_team`; under dynamic adjustment the team
+    follows the machine's load, so a check passed while idle says nothing about a busy moment)."""
     state = _openmp.runtime_state()
-    if state is None or state[0]:
+    if state is None or not _openmp.full_team(state):
         return None
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -382,7 +392,7 @@ class Selector:
                 c = self._by_shape[key] = self.choose(x, w, b)
         else:
             c = self.choose(x, w, b)
-        if c == "onednn":
+        if c == "onednn" and onednn_team_ok():
             return onednn_linear(x, w, b)
         return _LINEAR(x, w, b)
 
@@ -408,4 +418,4 @@ def selector(mode: str) -> Selector:
     return s
 
 
-__all__ = ["Selector", "selector", "onednn_linear", "onednn_available", "runtime_fingerprint"]
+__all__ = ["Selector", "selector", "onednn_linear", "onednn_available", "onednn_team_ok", "runtime_fingerprint"]

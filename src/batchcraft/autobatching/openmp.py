@@ -61,15 +61,19 @@ def find() -> tuple | None:
     return None
 
 
-_STATE_FUNCS = None  # (omp_get_dynamic, omp_get_thread_limit, omp_get_max_threads) of torch's runtime
+_STATE_FUNCS = None  # torch's runtime's omp_get_* of STATE_QUERIES, () where not found
+#: what :func:`runtime_state` asks torch's OpenMP runtime, in order
+STATE_QUERIES = ("omp_get_dynamic", "omp_get_thread_limit", "omp_get_max_threads", "omp_get_max_active_levels",
+                 "omp_get_active_level")
 
 
 def runtime_state() -> tuple | None:
-    """``(dynamic, thread limit, max threads)`` as torch's OpenMP runtime holds them for the
-    calling thread (``omp_get_dynamic``, ``omp_get_thread_limit``, ``omp_get_max_threads``), or
-    None where torch's parallel backend is not a loaded OpenMP runtime. These are the values the
-    runtime uses: it reads ``OMP_DYNAMIC`` and ``OMP_THREAD_LIMIT`` once, when it loads, and a later
-    change of ``os.environ`` does not reach it."""
+    """``(dynamic, thread limit, max threads, max active levels, active level)`` as torch's OpenMP
+    runtime holds them for the calling thread (:data:`STATE_QUERIES`), or None where torch's
+    parallel backend is not a loaded OpenMP runtime. These are the values the runtime uses: it
+    reads ``OMP_DYNAMIC``, ``OMP_THREAD_LIMIT`` and ``OMP_MAX_ACTIVE_LEVELS`` once, when it loads
+    (a later change of ``os.environ`` does not reach it), and ``omp_set_dynamic`` or
+    ``omp_set_max_active_levels`` change them at run time."""
     global _STATE_FUNCS
     if _STATE_FUNCS is None:
         _STATE_FUNCS = ()
@@ -79,7 +83,7 @@ def runtime_state() -> tuple | None:
                 try:
                     lib = ctypes.CDLL(name, mode=mode)
                     fns = tuple(ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value)
-                                for sym in ("omp_get_dynamic", "omp_get_thread_limit", "omp_get_max_threads"))
+                                for sym in STATE_QUERIES)
                 except (OSError, AttributeError, TypeError):
                     continue
                 if fns[2]() == torch.get_num_threads():
@@ -88,6 +92,16 @@ def runtime_state() -> tuple | None:
     if not _STATE_FUNCS:
         return None
     return tuple(f() for f in _STATE_FUNCS)
+
+
+def full_team(state) -> bool:
+    """Does a parallel region started from here get the team that ``omp_get_max_threads`` promises,
+    by :func:`runtime_state`'s ``state``? Not under dynamic adjustment (the team follows the
+    load), a thread limit below the thread count, nested inside an active region, or with no
+    active levels allowed: oneDNN then plans for threads that never run and leaves rows
+    unwritten (reliability #211, #223)."""
+    dynamic, limit, threads, max_levels, level = state
+    return not dynamic and limit >= threads and level == 0 and max_levels >= 1
 
 
 def install(fused) -> str:
@@ -124,4 +138,4 @@ def uninstall(fused) -> None:
     reason = "uninstalled"
 
 
-__all__ = ["install", "uninstall", "find", "runtime_state", "reason", "SONAMES", "ENTRY_POINTS"]
+__all__ = ["install", "uninstall", "find", "runtime_state", "full_team", "STATE_QUERIES", "reason", "SONAMES", "ENTRY_POINTS"]
