@@ -487,7 +487,7 @@ def test_onednn_runs_only_where_its_openmp_team_is_full(monkeypatch):
     assert calls == ["onednn"]
     assert kernels.runtime_fingerprint() is None
     state[0] = None  # no runtime to ask: the agreement checks alone decide, nothing is stored
-    assert kernels.onednn_team_ok() and kernels.runtime_fingerprint() is None
+    assert openmp.team_ok() and kernels.runtime_fingerprint() is None
 
 
 _TEAM = r"""

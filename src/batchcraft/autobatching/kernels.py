@@ -12,12 +12,13 @@ micro-batching measurements (:func:`batchcraft.measure.cache_dir`).
 gradient through oneDNN, the weight gradient as a plain matrix product), so training stays
 correct through the chosen kernel; results agree with ``F.linear`` within float32 rounding.
 Before oneDNN is used, its results are checked against ``F.linear`` (process-wide, then per shape
-class, reliability #211); a check that passed is stored with the environment that decides it
+class, reliability #211); a check that passed is stored with the settings that decide it
 (:func:`runtime_fingerprint`: the OpenMP runtime's own thread limit and count, not only the
 environment), so a new process under the same settings does not run it again (about 5 ms of a
-TreeLSTM's first call here); under OpenMP's dynamic adjustment, whose outcome follows the
-machine's load, it runs in every process. Autocast regions, non-CPU tensors, forward-mode AD (a ``dual_level``, ``torch.func.jvp``) and
-``torch.func`` transforms always use ``F.linear``: oneDNN's op has no forward derivative, and
+TreeLSTM's first call here); where a region would not get its full OpenMP team (dynamic
+adjustment, whose outcome follows the machine's load), nothing is stored and oneDNN does not run
+(:func:`openmp.team_ok`, asked at each product). Autocast regions, non-CPU tensors, forward-mode
+AD (a ``dual_level``, ``torch.func.jvp``) and ``torch.func`` transforms always use ``F.linear``: oneDNN's op has no forward derivative, and
 torch silently gives its outputs a zero tangent (reliability #206).
 """
 
@@ -59,16 +60,6 @@ _grad_on = torch.is_grad_enabled
 _tf_on = torch._C._is_torch_function_mode_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _threads = torch.get_num_threads
-
-
-def onednn_team_ok() -> bool:
-    """May a oneDNN product start here and now? False where torch's OpenMP runtime would not give
-    it the team it plans for (:func:`openmp.full_team`): a choice made or checked earlier in the
-    process does not hold after ``omp_set_dynamic(1)``, ``omp_set_max_active_levels(0)`` or from
-    inside an active parallel region (reliability #223). True where the runtime cannot be asked
-    (the agreement checks alone decide, as before). About 1 µs (five runtime queries)."""
-    state = _openmp.runtime_state()
-    return state is None or _openmp.full_team(state)
 
 
 def _onednn_built() -> bool:
@@ -392,7 +383,7 @@ class Selector:
                 c = self._by_shape[key] = self.choose(x, w, b)
         else:
             c = self.choose(x, w, b)
-        if c == "onednn" and onednn_team_ok():
+        if c == "onednn" and _openmp.team_ok():
             return onednn_linear(x, w, b)
         return _LINEAR(x, w, b)
 
@@ -418,4 +409,4 @@ def selector(mode: str) -> Selector:
     return s
 
 
-__all__ = ["Selector", "selector", "onednn_linear", "onednn_available", "onednn_team_ok", "runtime_fingerprint"]
+__all__ = ["Selector", "selector", "onednn_linear", "onednn_available", "runtime_fingerprint"]

@@ -46,7 +46,7 @@ import torch.autograd.forward_ad as _fwad
 import torch.nn.functional as F
 from torch import nn
 
-from batchcraft.autobatching.openmp import full_team, runtime_state
+from batchcraft.autobatching.openmp import team_ok
 from batchcraft.errors import ConfigurationError
 from batchcraft.measure.poison import fresh_inputs, poisoned_call
 
@@ -114,14 +114,6 @@ def _onednn_right_at(threads: int) -> bool:
     return ok
 
 
-def _team_ok() -> bool:
-    """Would a oneDNN product started here get its full OpenMP team (``openmp.full_team``)? A
-    check passed at this thread count does not hold after ``omp_set_dynamic(1)`` or
-    ``omp_set_max_active_levels(0)``, nor inside an active parallel region (reliability #223)."""
-    state = runtime_state()
-    return state is None or full_team(state)
-
-
 def _check(matmul: str, conv: str) -> None:
     if matmul not in MATMUL_BACKENDS:
         raise ConfigurationError(f"matmul backend must be one of {MATMUL_BACKENDS}, got {matmul!r}")
@@ -177,7 +169,7 @@ def linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w, b = self.weight, self.bias
     if (kind == "default" or x.dim() < 2 or x.device.type != "cpu" or x.dtype != torch.float32
             or w.dtype != torch.float32 or not _no_grad_needed(x, w, b)
-            or (kind == "onednn" and not (_team_ok() and _onednn_right_at(torch.get_num_threads())))):
+            or (kind == "onednn" and not (team_ok() and _onednn_right_at(torch.get_num_threads())))):
         return F.linear(x, w, b)
     rows = max(1, x.numel() // max(1, x.shape[-1]))
     packs = self.__dict__.get("_batchcraft_packs")
