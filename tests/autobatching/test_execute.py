@@ -301,3 +301,39 @@ def test_random_factories_inside_a_static_block_draw_per_instance(core):
     for u, v in zip(a, b):
         assert torch.equal(u, v)
     assert f.stats.fallbacks == 0
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_leaf_groups_unread_argument_is_not_gathered(core, monkeypatch):
+    # a TreeLSTM-like cell whose leaves never read their second argument (the forget-gate input):
+    # the leaf group's program does not refer to it, so it is passed as None, not gathered; the
+    # internal nodes (which read it) gather it, and every value equals eager's
+    from batchcraft.autobatching import execute, lower
+
+    torch.manual_seed(3)
+    proj = static_block(torch.nn.Linear(4, 6))
+
+    @static_block
+    def cell(a, f, kids):
+        if kids:
+            return torch.tanh(a + f * torch.stack(kids, dim=-2).sum(-2))
+        return torch.sigmoid(a)
+
+    def tree(t):
+        kids = [tree(k) for k in t[1]]
+        a = proj(t[0])
+        return cell(a, a * 0.5, kids)
+
+    def leaf():
+        return (torch.randn(4), [])
+
+    trees = [(torch.randn(4), [leaf(), (torch.randn(4), [leaf(), leaf()])]), leaf(), (torch.randn(4), [leaf()])]
+    skipped = []
+    real = execute.take_all
+    monkeypatch.setattr(execute, "take_all", lambda bufs, plans, defer=(), refs=(), skip=():
+                        skipped.append(tuple(sorted(skip))) or real(bufs, plans, defer, refs, skip))
+    with torch.no_grad():
+        assert_matches_eager(tree, trees, [], core=core)
+    assert (1,) in skipped  # the leaves' group: argument 1 (f) never read
+    assert () in skipped    # the other groups read all of theirs
+    assert lower._unread_inputs(type("P", (), {"steps": [], "out_refs": [("in", 1)], "n_in": 3})()) == {0, 2}

@@ -79,3 +79,45 @@ def test_values_stored_on_a_module_reached_through_globals_are_concrete(core):
     autobatch(_through_a_global, core=core)(xs)
     assert type(_GLOBAL_EMA.last) is torch.Tensor and type(_GLOBAL_EMA.ema) is torch.Tensor
     torch.testing.assert_close(_GLOBAL_EMA.last, _GLOBAL_EMA.lin(xs[-1]))
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_the_module_scan_runs_only_where_a_lazy_value_can_be_held_elsewhere(core, monkeypatch):
+    # the C core counts its live lazy values: a call whose only lazy values are its outputs, each
+    # referenced only from there, stored nothing on a module and skips the attribute scan; one
+    # that kept an output on a module (the same object: ``self.last = h; return h``) or stored
+    # another value is scanned and resolved. The Python core scans every call.
+    from batchcraft.autobatching import runtime
+
+    scans = []
+    real = runtime.resolve_module_state
+    monkeypatch.setattr(runtime, "resolve_module_state", lambda *a: scans.append(1) or real(*a))
+    lin = nn.Linear(3, 3)
+    xs = [torch.randn(3) for _ in range(4)]
+    autobatch(lambda x: (lin(x), [lin(x) * 2]), core=core)(xs)
+    assert len(scans) == (0 if core == "c" else 1)
+
+    class Keep(nn.Module):
+        def __init__(self, other):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.other = other
+
+        def forward(self, x):
+            h = self.lin(x)
+            if self.other:
+                self.extra = h + 1  # a value that is not an output
+            else:
+                self.last = h       # the output itself
+            return h
+
+    for other in (False, True):
+        scans.clear()
+        m = Keep(other)
+        out = autobatch(m, core=core)(xs)
+        assert len(scans) == 1
+        kept = m.extra if other else m.last
+        assert type(kept) is torch.Tensor
+        torch.testing.assert_close(kept, m.lin(xs[-1]) + (1 if other else 0))  # the last instance's
+        if not other:
+            torch.testing.assert_close(out[-1], kept)

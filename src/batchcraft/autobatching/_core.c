@@ -759,6 +759,7 @@ typedef struct {
     int64_t *in_start;
     uint64_t *rgbits;
     uint64_t *live;        /* per node: 16-bit counts of live lazy objects of slots 0-3 (0xFFFF: sticky) */
+    Py_ssize_t n_lazies;   /* lazy objects of this recorder alive now (all nodes; exact, never saturates) */
     /* inputs */
     IVec in_node, in_slot, lens;
     /* leaves */
@@ -789,6 +790,7 @@ typedef struct {
 static void live_add(PyObject *rec, Py_ssize_t node, int slot, int d) {
     if (!rec || !PyObject_TypeCheck(rec, &RecorderType)) return;
     RecObject *r = (RecObject *)rec;
+    r->n_lazies += d;
     if (node < 0 || node >= r->n || slot < 0 || slot > 3 || !r->live) return;
     int sh = slot * 16;
     uint64_t c = (r->live[node] >> sh) & 0xFFFFull;
@@ -2200,6 +2202,8 @@ static PyMemberDef rec_members[] = {
     {"ops_recorded", T_PYSSIZET, offsetof(RecObject, ops_recorded), 0, "operations recorded"},
     {"n_pending", T_PYSSIZET, offsetof(RecObject, n_pending), READONLY, "nodes waiting"},
     {"n_nodes", T_PYSSIZET, offsetof(RecObject, n), READONLY, "nodes recorded (leaves included)"},
+    {"n_lazies", T_PYSSIZET, offsetof(RecObject, n_lazies), READONLY,
+     "lazy values of this recorder alive now (runtime.py: none beyond the outputs means none was stored)"},
     {"ragged_on", T_INT, offsetof(RecObject, ragged_on), 0, "ragged block keys enabled"},
     {"sig_table", T_INT, offsetof(RecObject, sig_table), 0,
      "0: every call takes the Python path (signatures of a call under a transform stay in its own namespace)"},

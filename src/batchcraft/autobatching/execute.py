@@ -270,10 +270,15 @@ class Executor:
         # inputs only fused kernels read stay rows of their buffers (gather.Rows), read in place:
         # only without grad mode or autocast, where the kernels run (else they would be copied anyway)
         plain = hoisted is None and not info.state[0] and info.state[2] is None and not tangents
+        dedups = (hoisted is None and n >= _dedup.MIN_NODES and self.options.dedup and not info.grad
+                  and not any(info.out_rg) and self._dedups(info, prog))
         with under(info.state):
             if hoisted is None:
+                # inputs the program never reads are not gathered (None), except where the inputs
+                # are keys (deduplication, lookups: they read every input)
+                skip = runner.unread_ins if not (dedups or tables) else ()
                 ins = take_all(bufs, plans[:prog.n_in], runner.deferred_ins if plain else (),
-                               runner.rows_ins if plain else ())  # (RowRefs: rowmm.py)
+                               runner.rows_ins if plain else (), skip)  # (RowRefs: rowmm.py)
             else:
                 sp = hoisted[0]
                 reads = sp.rest_reads
@@ -315,8 +320,7 @@ class Executor:
             dest = None  # arena rows the program's kernels may write its outputs into
             try:
                 outs = None
-                if (hoisted is None and n >= _dedup.MIN_NODES and self.options.dedup and not info.grad
-                        and not any(info.out_rg) and self._dedups(info, prog)):
+                if dedups:
                     probe = prog.lowered["dedup"] == "probe"
                     got = _dedup.run(runner, n, ins, probe)
                     if got is _dedup.DREW:  # it samples: each node keeps its own draw from now on

@@ -339,14 +339,15 @@ def keep_requires_grad(buffers, plans, ins) -> list:
 JOIN_MIN = 2
 
 
-def take_all(buffers, plans, defer=(), refs=()) -> list:
+def take_all(buffers, plans, defer=(), refs=(), skip=()) -> list:
     """:func:`take` of every plan of a group; index plans reading one buffer share one gather.
 
     A group with many slots (``torch.stack`` of a sentence's words: one slot per word) would make
     one small ``index_select`` per slot; joined, the slots are one ``index_select`` of all their
     rows (slot after slot) and each slot is a contiguous view of it. Values are the same rows.
     ``defer``: slots taken with ``take(..., defer=True)`` (possibly :class:`Rows`); ``refs``:
-    slots taken as :class:`RowRefs` where :func:`row_refs` allows (else gathered).
+    slots taken as :class:`RowRefs` where :func:`row_refs` allows (else gathered); ``skip``: slots
+    the group's program never reads (a leaf's unused argument): None, nothing gathered.
     """
     by_buf: dict = {}
     got: dict = {}
@@ -355,7 +356,7 @@ def take_all(buffers, plans, defer=(), refs=()) -> list:
         if r is not None:
             got[j] = r
     for j, p in enumerate(plans):
-        if p[0] == "index" and j not in defer and j not in got:
+        if p[0] == "index" and j not in defer and j not in got and j not in skip:
             by_buf.setdefault(p[1], []).append(j)
     out = [None] * len(plans)
     for b, js in by_buf.items():
@@ -378,7 +379,8 @@ def take_all(buffers, plans, defer=(), refs=()) -> list:
             r0 += n
     for j, r in got.items():
         out[j] = r
-    return [take(buffers, p, j in defer) if o is None else o for j, (p, o) in enumerate(zip(plans, out))]
+    return [None if j in skip else take(buffers, p, j in defer) if o is None else o
+            for j, (p, o) in enumerate(zip(plans, out))]
 
 
 def stack_leaves(records, desc, value_of, nodes) -> torch.Tensor:

@@ -205,6 +205,9 @@ class Runner:
         rules (Counter): which rule each batched step used (for ``RunStats.groups_by_rule``).
         clusters (list[fuse.Cluster]): the fused clusters of the unchecked program.
         fuse_error (str): why planning them failed ("" if it did not; the program then runs unfused).
+        unread_ins (frozenset[int]): inputs no step and no output reads (a leaf node's unused
+            argument, such as a TreeLSTM leaf's forget-gate input): the executor need not gather them
+            and passes None.
         deferred_ins, deferred_rags (frozenset[int]): inputs / ragged member inputs that only fused
             kernels read, as rows (set once the unchecked program is built): the executor may pass
             them as :class:`~batchcraft.autobatching.gather.Rows`, read in place through their
@@ -223,6 +226,7 @@ class Runner:
         self.rules: Counter = Counter()
         self._fast = None
         self._checked = None
+        self.unread_ins: frozenset = _unread_inputs(program)
         self.deferred_ins: frozenset = frozenset()
         self.deferred_rags: frozenset = frozenset()
         self.rows_ins: frozenset = frozenset()  # inputs only batched products read (rowmm.py)
@@ -430,6 +434,14 @@ class Runner:
     @property
     def fallback_steps(self) -> int:
         return len(self.fallbacks)
+
+
+def _unread_inputs(prog) -> frozenset:
+    """The single inputs ``("in", j)`` of ``prog`` that no step and no output refers to (steps of
+    nested blocks are reached through their step's refs)."""
+    read = {r[1] for st in prog.steps for r in st.refs if r[0] == "in"}
+    read |= {r[1] for r in prog.out_refs if r[0] == "in"}
+    return frozenset(j for j in range(prog.n_in) if j not in read)
 
 
 def _deferrable(prog, clusters, ragged_plan=None) -> dict:
