@@ -111,6 +111,20 @@ def test_the_module_scan_runs_only_where_a_lazy_value_can_be_held_elsewhere(core
                 self.last = h       # the output itself
             return h
 
+    class KeepList(nn.Module):  # the output list itself kept on the module
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.hist = [self.lin(x)]
+            return self.hist
+
+    scans.clear()
+    m = KeepList()
+    out = autobatch(m, core=core)(xs)
+    assert len(scans) == 1 and type(m.hist[0]) is torch.Tensor
+    torch.testing.assert_close(m.hist[0], m.lin(xs[-1]))
     for other in (False, True):
         scans.clear()
         m = Keep(other)
