@@ -135,3 +135,83 @@ def test_the_module_scan_runs_only_where_a_lazy_value_can_be_held_elsewhere(core
         torch.testing.assert_close(kept, m.lin(xs[-1]) + (1 if other else 0))  # the last instance's
         if not other:
             torch.testing.assert_close(out[-1], kept)
+
+
+class _Pair(tuple):
+    """A tuple whose iteration yields its first item twice (a hostile helper's find, stop 45)."""
+
+    def __iter__(self):
+        yield self[0]
+        yield self[0]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_tuple_subclass_that_iterates_oddly_does_not_hide_a_stored_value(core):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            self.last = h
+            return _Pair((h,))
+
+    m = M()
+    xs = [torch.randn(3) for _ in range(4)]
+    autobatch(m, core=core)(xs)
+    assert type(m.last) is torch.Tensor
+    torch.testing.assert_close(m.last, m.lin(xs[-1]))
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("kind", ["ordered", "default", "list_sub"])
+def test_outputs_in_dict_and_list_subclasses_come_back_concrete(core, kind):
+    import collections
+
+    class L(list):
+        pass
+
+    lin = nn.Linear(3, 3)
+    make = {"ordered": lambda h: collections.OrderedDict(a=h, b=h * 2),
+            "default": lambda h: collections.defaultdict(int, a=h),
+            "list_sub": lambda h: L([h, h + 1])}[kind]
+    xs = [torch.randn(3) for _ in range(4)]
+    outs = autobatch(lambda x: make(lin(x)), core=core)(xs)
+    for o, x in zip(outs, xs):
+        ref = make(lin(x))
+        assert type(o) is type(ref)
+        vals = list(o.values()) if isinstance(o, dict) else list(o)
+        refs = list(ref.values()) if isinstance(ref, dict) else list(ref)
+        assert all(type(v) is torch.Tensor for v in vals)
+        for v, r in zip(vals, refs):
+            torch.testing.assert_close(v, r)
+    if kind == "default":
+        assert outs[0]["missing"] == 0  # the factory came along
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_tuples_and_namedtuples_on_a_module_come_back_concrete(core):
+    import collections
+
+    State = collections.namedtuple("State", "h c")
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            self.pair = (h, 3)
+            self.state = State(h, h * 2)
+            return h.sum()
+
+    m = M()
+    xs = [torch.randn(3) for _ in range(4)]
+    autobatch(m, core=core)(xs)
+    h = m.lin(xs[-1])
+    assert type(m.pair) is tuple and type(m.pair[0]) is torch.Tensor and m.pair[1] == 3
+    assert type(m.state) is State and type(m.state.c) is torch.Tensor
+    torch.testing.assert_close(m.pair[0], h)
+    torch.testing.assert_close(m.state.c, h * 2)

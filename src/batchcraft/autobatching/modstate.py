@@ -69,17 +69,25 @@ _PLAIN_MODULES = ("builtins", "torch")
 
 
 def _resolve_inside(m, name: str, v, rec, lazy_type, replaced: list) -> None:
-    """The lazy values of ``rec`` in a list, dict or plain object held by attribute ``name`` of
-    module ``m`` (``self.history.append(h)``, ``self.log.last = h``): one level deep."""
+    """The lazy values of ``rec`` in a list, dict (subclasses too), tuple, namedtuple or plain
+    object held by attribute ``name`` of module ``m`` (``self.history.append(h)``,
+    ``self.log.last = h``, ``self.state = (h, c)``): one level deep."""
     t = type(v)
-    if t is list:
+    if isinstance(v, list):  # (subclasses too: their items are set in place)
         # appends land at the end: a long list (a vocabulary) is looked at in its last entries
         start = max(0, len(v) - MAX_SCANNED)
         items = zip(range(start, len(v)), v[start:])
-    elif t is dict:
+    elif isinstance(v, dict):  # (OrderedDict, defaultdict)
         if len(v) > MAX_SCANNED:
             return
         items = list(v.items())
+    elif (t is tuple or hasattr(t, "_make")) and len(v) <= MAX_SCANNED:
+        # a tuple (a namedtuple) cannot change in place: the attribute gets a new one
+        if any(type(x) is lazy_type and x.rec is rec for x in tuple.__iter__(v)):
+            vals = [rec.resolve(x) if type(x) is lazy_type and x.rec is rec else x for x in tuple.__iter__(v)]
+            m.__dict__[name] = tuple(vals) if t is tuple else t._make(vals)
+            replaced.append(f"{type(m).__name__}.{name}")
+        return
     elif t.__module__ not in _PLAIN_MODULES and not isinstance(v, (nn.Module, type)) \
             and isinstance(getattr(v, "__dict__", None), dict):
         v = vars(v)

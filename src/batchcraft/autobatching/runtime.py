@@ -20,6 +20,7 @@ Source: ACRoBat (Fegade et al. 2024) §5, fibers for tensor-dependent control fl
 from __future__ import annotations
 
 import contextvars
+import copy as _copy
 import warnings
 import gc
 import time
@@ -83,7 +84,8 @@ def _lazies_beyond(rec, outputs) -> bool:
     stack = [outputs]
     while stack:
         c = stack.pop()
-        for x in (c.values() if type(c) is dict else c):
+        # (a tuple subclass's own __iter__ may yield other than what it holds: its items, as stored)
+        for x in (c.values() if type(c) is dict else tuple.__iter__(c) if isinstance(c, tuple) else c):
             t = type(x)
             if t is LazyTensor:
                 if x.rec is not rec:
@@ -522,6 +524,21 @@ class Runtime:
             if t is tuple:
                 return tuple(items)
             return t(*items) if hasattr(t, "_fields") else t(items)  # namedtuple / structseq
+        if isinstance(out, (dict, list)):  # OrderedDict, defaultdict, a list subclass: a copy of it
+            try:
+                new = _copy.copy(out)
+                if isinstance(out, dict):
+                    for k, v in out.items():
+                        new[k] = self._resolve(v, i)
+                else:
+                    new[:] = [self._resolve(o, i) for o in out]
+            except BatchcraftError:
+                raise
+            except Exception as exc:
+                raise InstanceError(i, f"the output is a {t.__name__} holding values batchcraft could not "
+                                       f"resolve into a copy of it ({type(exc).__name__}: {exc})",
+                                    hint="return a plain dict, list or tuple of the tensors") from exc
+            return new
         attrs = getattr(out, "__dict__", None)
         if attrs and any(type(v) is LazyTensor for v in attrs.values()):
             raise InstanceError(i, f"the output is a {t.__name__} object holding a lazy tensor; "
