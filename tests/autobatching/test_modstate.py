@@ -81,6 +81,14 @@ def test_values_stored_on_a_module_reached_through_globals_are_concrete(core):
     torch.testing.assert_close(_GLOBAL_EMA.last, _GLOBAL_EMA.lin(xs[-1]))
 
 
+class _WithLinear(nn.Module):
+    """A module with one ``nn.Linear(3, 3)``; the tests below give it a ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+
 @pytest.mark.parametrize("core", CORES)
 def test_the_module_scan_runs_only_where_a_lazy_value_can_be_held_elsewhere(core, monkeypatch):
     # the C core counts its live lazy values: a call whose only lazy values are its outputs, each
@@ -111,11 +119,7 @@ def test_the_module_scan_runs_only_where_a_lazy_value_can_be_held_elsewhere(core
                 self.last = h       # the output itself
             return h
 
-    class KeepList(nn.Module):  # the output list itself kept on the module
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 3)
-
+    class KeepList(_WithLinear):  # the output list itself kept on the module
         def forward(self, x):
             self.hist = [self.lin(x)]
             return self.hist
@@ -147,11 +151,7 @@ class _Pair(tuple):
 
 @pytest.mark.parametrize("core", CORES)
 def test_a_tuple_subclass_that_iterates_oddly_does_not_hide_a_stored_value(core):
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 3)
-
+    class M(_WithLinear):
         def forward(self, x):
             h = self.lin(x)
             self.last = h
@@ -196,11 +196,7 @@ def test_tuples_and_namedtuples_on_a_module_come_back_concrete(core):
 
     State = collections.namedtuple("State", "h c")
 
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 3)
-
+    class M(_WithLinear):
         def forward(self, x):
             h = self.lin(x)
             self.pair = (h, 3)
