@@ -83,8 +83,11 @@ def _resolve_inside(m, name: str, v, rec, lazy_type, replaced: list) -> None:
         items = list(v.items())
     elif (t is tuple or hasattr(t, "_make")) and len(v) <= MAX_SCANNED:
         # a tuple (a namedtuple) cannot change in place: the attribute gets a new one
-        if any(type(x) is lazy_type and x.rec is rec for x in tuple.__iter__(v)):
-            vals = [rec.resolve(x) if type(x) is lazy_type and x.rec is rec else x for x in tuple.__iter__(v)]
+        vals = list(tuple.__iter__(v))
+        lazy = [k for k, x in enumerate(vals) if type(x) is lazy_type and x.rec is rec]
+        if lazy:
+            for k in lazy:
+                vals[k] = rec.resolve(vals[k])
             m.__dict__[name] = tuple(vals) if t is tuple else t._make(vals)
             replaced.append(f"{type(m).__name__}.{name}")
         return
