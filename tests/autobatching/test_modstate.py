@@ -211,3 +211,106 @@ def test_tuples_and_namedtuples_on_a_module_come_back_concrete(core):
     assert type(m.state) is State and type(m.state.c) is torch.Tensor
     torch.testing.assert_close(m.pair[0], h)
     torch.testing.assert_close(m.state.c, h * 2)
+
+
+class _StoresThenRaises(nn.Module):
+    """Per instance ``(x, bad)``: stores ``self.last``, re-assigns a buffer and writes ``x`` in
+    place; an instance with ``bad`` set raises after all that."""
+
+    def __init__(self, wait=False):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("seen", torch.zeros(3))
+        self.wait = wait
+
+    def forward(self, inst):
+        x, bad = inst
+        h = self.lin(x)
+        if self.wait and h.sum() > 1e6:  # a value wait (never true): the instances interleave
+            h = h * 2
+        self.last = h
+        with torch.no_grad():
+            self.seen = self.seen + h
+            x.mul_(2)
+        if bad:
+            raise ValueError("bad instance")
+        return h
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["no-wait", "wait"])
+@pytest.mark.parametrize("core", CORES)
+def test_values_stored_before_an_instance_raises_are_concrete(core, wait):
+    # reliability #229: the error path ran no pending work, so `m.last` and the buffer stayed lazy
+    # values and the in-place writes of the inputs were lost; eager leaves each as the instances
+    # before the error (and the failing one, up to its raise) left it
+    torch.manual_seed(0)
+    xs = [torch.randn(3) for _ in range(4)]
+    eager = _StoresThenRaises(wait)
+    m = _StoresThenRaises(wait)
+    m.load_state_dict(eager.state_dict())
+    xe = [x.clone() for x in xs]
+    with torch.no_grad(), pytest.raises(ValueError):
+        for k, x in enumerate(xe):
+            eager((x, k == 2))
+    with torch.no_grad(), warnings.catch_warnings(), pytest.raises(Exception, match="bad instance") as info:
+        warnings.simplefilter("ignore" if wait else "error")  # (with waits: the fiber-order warning)
+        autobatch(m, core=core)([(x, k == 2) for k, x in enumerate(xs)])
+    assert getattr(info.value, "instance", None) == 2
+    assert type(m.last) is torch.Tensor and type(m.seen) is torch.Tensor
+    torch.testing.assert_close(m.seen, eager.seen)
+    if not wait:  # (with waits, instance 3 ran up to its wait too: the last store is its own)
+        torch.testing.assert_close(m.last, eager.last)
+        for x, x_e in zip(xs, xe):
+            torch.testing.assert_close(x, x_e)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = autobatch(m, core=core)([(x, False) for x in xs])  # the module still works in a later call
+    assert all(type(o) is torch.Tensor for o in out)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_an_error_after_work_that_cannot_run_says_what_was_left(core):
+    # instance 0 records a lookup past the table's end (it fails only when the batched work runs),
+    # instance 1 raises: its error is the one raised, with a note that the recorded work failed
+    emb = nn.Embedding(4, 3)
+    m = _WithLinear()
+
+    def fn(k):
+        m.last = emb(torch.tensor(9 if k == 0 else 1))
+        if k == 1:
+            raise ValueError("instance one")
+        return m.last
+
+    with pytest.raises(Exception, match="instance one") as info:
+        autobatch(fn, core=core)([0, 1])
+    assert any("could not run" in n for n in getattr(info.value, "__notes__", []))
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        self.last = h
+        return h
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_values_stored_by_a_nested_autobatch_call_are_concrete(core):
+    # reliability #230: an auto-batched function that calls another autobatch(inner) whose forward
+    # stores `self.last`: the inner call's scan resolved its own recorder's values only, and the
+    # outer call did not look at the inner module
+    torch.manual_seed(0)
+    inner = _Inner()
+    inner_b = autobatch(inner, core=core)
+
+    def outer(x):
+        return inner_b([x, 2 * x])[1].sum()
+
+    xs = [torch.randn(3) for _ in range(3)]
+    out = autobatch(outer, core=core)(xs)
+    assert type(inner.last) is torch.Tensor
+    torch.testing.assert_close(inner.last, torch.tanh(inner.lin(2 * xs[-1])))
+    torch.testing.assert_close(torch.stack(out), torch.stack([torch.tanh(inner.lin(2 * x)).sum() for x in xs]))

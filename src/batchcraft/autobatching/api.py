@@ -62,9 +62,14 @@ class AutoBatched:
                 f"for a single instance)")
         if isinstance(instances, (str, bytes)) or not hasattr(instances, "__len__"):
             instances = list(instances)
-        if stack.current() is not None:
+        outer = stack.current()
+        if outer is not None:
             # called from inside instance code of another autobatch call: run inline, so the
-            # outer call records (and batches) this work with everything else
+            # outer call records (and batches) this work with everything else; the outer call
+            # also resolves what this function's modules keep (reliability #230)
+            nested = getattr(getattr(outer, "runtime", None), "nested_fns", None)
+            if nested is not None and not any(f is self.fn for f in nested):
+                nested.append(self.fn)
             self.stats = RunStats(instances=len(instances))
             return [self.fn(x) for x in instances]
         modes = caller_modes()
@@ -222,7 +227,8 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "a
         ValueError: unknown option value.
         TypeError: ``instances`` is one Tensor (pass a list of instances).
         InstanceError: ``fn`` raised for an instance (``.instance`` is its index); the whole
-            call fails and returns nothing.
+            call fails and returns nothing. The work recorded before the error runs first, so
+            modules, buffers and inputs written in place are left as eager leaves them.
     Differences from eager:
         The outputs of one call share one autograd graph (that is what batching means): sum
         the losses and call ``backward()`` once, or pass ``retain_graph=True`` to backward

@@ -103,11 +103,13 @@ def _resolve_inside(m, name: str, v, rec, lazy_type, replaced: list) -> None:
             replaced.append(f"{type(m).__name__}.{name}[{k!r}]")
 
 
-def resolve_module_state(fn, rec, lazy_type, interleaved: bool) -> list[str]:
+def resolve_module_state(fn, rec, lazy_type, interleaved: bool, nested=()) -> list[str]:
     """Replace the lazy values of recorder ``rec`` on ``fn``'s modules by ``rec.resolve(value)``;
-    return what was replaced (``"Type.name"``). ``interleaved``: the call had value waits."""
+    return what was replaced (``"Type.name"``). ``interleaved``: the call had value waits.
+    ``nested``: functions of ``autobatch`` calls that instance code made (they ran inline, and
+    what they stored is ``rec``'s too), whose modules are looked at as well."""
     replaced, seen = [], set()
-    for root in roots(fn):
+    for root in [r for start in (fn, *nested) for r in roots(start)]:
         for m in root.modules():
             if id(m) in seen:
                 continue

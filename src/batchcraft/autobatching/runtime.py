@@ -180,6 +180,8 @@ class Runtime:
         self.exec_time = 0.0
         self.waiter = None  # the greenlet whose value request switched to the scheduler last
         self.main_state: FiberState | None = None
+        self.instance_failed = False  # instance code raised (not batched work): see _settle
+        self.nested_fns: list = []  # functions of autobatch calls made inline by instance code
 
     # -- execution of pending work ------------------------------------------------------------
     def flush(self) -> None:
@@ -299,20 +301,25 @@ class Runtime:
         mode.__enter__()
         dtypes = autocast_dtypes()  # kept while autocast is off, so not in the fiber state
         try:
-            self.main_state = FiberState.capture()
-            with fast or nullcontext():
-                if self.fibers:
-                    outputs = self._run_fibers(instances)
-                else:
-                    outputs = self._run_sequential(instances)
-        finally:
             try:
-                if self.main_state is not None:
-                    self.main_state._apply(True)
-                set_autocast_dtypes(dtypes)  # as eager's autocast exit restores them
+                self.main_state = FiberState.capture()
+                with fast or nullcontext():
+                    if self.fibers:
+                        outputs = self._run_fibers(instances)
+                    else:
+                        outputs = self._run_sequential(instances)
             finally:
-                mode.__exit__(None, None, None)
-                stack.pop()
+                try:
+                    if self.main_state is not None:
+                        self.main_state._apply(True)
+                    set_autocast_dtypes(dtypes)  # as eager's autocast exit restores them
+                finally:
+                    mode.__exit__(None, None, None)
+                    stack.pop()
+        except Exception as exc:
+            if self.instance_failed:
+                self._settle(exc)
+            raise
         self.flush()
         st.record_s = _perf() - t_start - self.exec_time
         st.ops_recorded = rec.ops_recorded
@@ -322,8 +329,27 @@ class Runtime:
             self._write_back()
             _buffers.apply_deferred(rec)
             if _lazies_beyond(rec, outputs):  # (else no lazy value can be on a module: nothing to scan)
-                resolve_module_state(self.fn, rec, LazyTensor, st.syncs > 0)
+                resolve_module_state(self.fn, rec, LazyTensor, st.syncs > 0, self.nested_fns)
         return results
+
+    def _settle(self, exc: Exception) -> None:
+        """After instance code raised ``exc``: run the work recorded before it, so that what
+        the instances left behind is what eager leaves (reliability #229): values stored on
+        modules, buffers re-assigned, inputs written in place. Eager ran the earlier instances,
+        and the failing one up to its raise; their recorded work is that. Where that work fails
+        too, ``exc`` (still the error raised) gets a note saying what was left unfinished."""
+        rec = self.rec
+        try:
+            self.flush()
+            with torch._C.DisableTorchFunction():
+                self._write_back()
+                _buffers.apply_deferred(rec)
+                if _lazies_beyond(rec, ()):
+                    resolve_module_state(self.fn, rec, LazyTensor, self.stats.syncs > 0, self.nested_fns)
+        except Exception as err:
+            exc.add_note(f"batchcraft.autobatch: the work recorded before this error could not run "
+                         f"({type(err).__name__}: {err}); values the instances stored on modules, buffers "
+                         f"they updated and inputs they wrote in place may be left unfinished")
 
     def _write_back(self) -> None:
         """Copy in-place updates of instance inputs back into the caller's tensors (as eager).
@@ -372,9 +398,11 @@ class Runtime:
             except _FlushFailed as exc:  # another instance's work, run at this one's value request
                 raise exc.error from None
             except BatchcraftError as exc:
+                self.instance_failed = True
                 _tag(exc, i)
                 raise
             except Exception as exc:
+                self.instance_failed = True
                 raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
             finally:
                 if not main_state.is_current():  # the instance left the thread state changed
@@ -447,10 +475,12 @@ class Runtime:
                             res = g.switch(i, instances[i])
                     except BatchcraftError as exc:
                         fs.leave(main_state)
+                        self.instance_failed = True
                         _tag(exc, i)
                         raise
                     except Exception as exc:
                         fs.leave(main_state)
+                        self.instance_failed = True
                         raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
                     except BaseException:
                         fs.leave(main_state)
