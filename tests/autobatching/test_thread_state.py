@@ -764,3 +764,19 @@ def test_disabled_saved_tensor_hooks_stay_with_their_instance(core, fibers):
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r, atol=1e-6, rtol=1e-5)
     assert torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is None
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_grad_mode_turned_off_by_an_instance_that_raises_is_confined_to_it(core):
+    # reliability #237 (documented): eager leaves grad mode off after such an instance; batchcraft
+    # confines thread state an instance changes to that instance, on the error path too
+    def fn(k):
+        torch.set_grad_enabled(False)
+        if k == 1:
+            raise ValueError("stop")
+        return torch.ones(2) * k
+
+    assert torch.is_grad_enabled()
+    with pytest.raises(Exception, match="stop"):
+        autobatch(fn, core=core)([0, 1, 2])
+    assert torch.is_grad_enabled()

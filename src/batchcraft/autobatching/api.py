@@ -71,7 +71,17 @@ class AutoBatched:
             if nested is not None and not any(f is self.fn for f in nested):
                 nested.append(self.fn)
             self.stats = RunStats(instances=len(instances))
-            return [self.fn(x) for x in instances]
+            out = []
+            for i, x in enumerate(instances):
+                try:
+                    out.append(self.fn(x))
+                except BatchcraftError as exc:  # (as a call of its own raises them: catchable alike)
+                    if getattr(exc, "instance", None) is None:
+                        exc.instance = i
+                    raise
+                except Exception as exc:
+                    raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
+            return out
         modes = caller_modes()
         if modes:
             return self._eager(instances, modes)

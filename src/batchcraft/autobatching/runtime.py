@@ -68,6 +68,20 @@ except ImportError:  # not Unix
         return 0
 
 
+def _instance_error(exc: BaseException, i: int) -> BaseException:
+    """What a call raises when instance ``i``'s code raised ``exc``: a ``BatchcraftError`` (with
+    ``.instance`` set) or a ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``)
+    as it is; any other exception as an ``InstanceError`` naming it (its ``__cause__``)."""
+    if isinstance(exc, BatchcraftError):
+        _tag(exc, i)
+        return exc
+    if not isinstance(exc, Exception):
+        return exc
+    err = InstanceError(i, f"{type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
 def _lazies_beyond(rec, outputs) -> bool:
     """Can a lazy value of ``rec`` be held anywhere but in ``outputs`` (lists, tuples and dicts of
     them)? The C core counts its live lazy values (``n_lazies``). Where every one of them is in the
@@ -180,7 +194,7 @@ class Runtime:
         self.exec_time = 0.0
         self.waiter = None  # the greenlet whose value request switched to the scheduler last
         self.main_state: FiberState | None = None
-        self.instance_failed = False  # instance code raised (not batched work): see _settle
+        self.failed_at: int | None = None  # the instance whose code raised (not batched work): _settle
         self.nested_fns: list = []  # functions of autobatch calls made inline by instance code
 
     # -- execution of pending work ------------------------------------------------------------
@@ -316,8 +330,8 @@ class Runtime:
                 finally:
                     mode.__exit__(None, None, None)
                     stack.pop()
-        except Exception as exc:
-            if self.instance_failed:
+        except BaseException as exc:
+            if self.failed_at is not None:
                 self._settle(exc)
             raise
         self.flush()
@@ -339,6 +353,10 @@ class Runtime:
         and the failing one up to its raise; their recorded work is that. Where that work fails
         too, ``exc`` (still the error raised) gets a note saying what was left unfinished."""
         rec = self.rec
+        last = self.failed_at
+        # (with fibers, later instances may have recorded writes before the error: eager ran none)
+        rec.writebacks[:] = [w for w in rec.writebacks if w[0] <= last]
+        rec.deferred[:] = [d for d in rec.deferred if d[0] <= last]
         try:
             self.flush()
             with torch._C.DisableTorchFunction():
@@ -347,9 +365,13 @@ class Runtime:
                 if _lazies_beyond(rec, ()):
                     resolve_module_state(self.fn, rec, LazyTensor, self.stats.syncs > 0, self.nested_fns)
         except Exception as err:
-            exc.add_note(f"batchcraft.autobatch: the work recorded before this error could not run "
-                         f"({type(err).__name__}: {err}); values the instances stored on modules, buffers "
-                         f"they updated and inputs they wrote in place may be left unfinished")
+            note = (f"batchcraft.autobatch: the work recorded before this error could not run "
+                    f"({type(err).__name__}: {err}); values the instances stored on modules, buffers "
+                    f"they updated and inputs they wrote in place may be left unfinished")
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            else:  # Python 3.10: kept where 3.11's traceback would show it
+                exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
 
     def _write_back(self) -> None:
         """Copy in-place updates of instance inputs back into the caller's tensors (as eager).
@@ -397,13 +419,12 @@ class Runtime:
                 outputs.append(ctx.copy().run(self._body, i, inst))
             except _FlushFailed as exc:  # another instance's work, run at this one's value request
                 raise exc.error from None
-            except BatchcraftError as exc:
-                self.instance_failed = True
-                _tag(exc, i)
-                raise
-            except Exception as exc:
-                self.instance_failed = True
-                raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
+            except BaseException as exc:
+                self.failed_at = i
+                err = _instance_error(exc, i)
+                if err is exc:
+                    raise
+                raise err from exc
             finally:
                 if not main_state.is_current():  # the instance left the thread state changed
                     fs = main_state.copy()  # (its state as it began; leave() captures what it left)
@@ -446,10 +467,13 @@ class Runtime:
         max_pending = self.options.max_pending
         m_grad, m_inf, m_dtype = main_state.grad, main_state.inference, main_state.dtype
         m_ac, m_modes, m_po = main_state.autocast, main_state.modes, main_state.printopts
+        failure = None  # the error of the earliest instance that raised (failed_at)
         try:
             while ready:
                 waiting = []
                 for i in ready:
+                    if failure is not None and i > self.failed_at:
+                        continue
                     rec.instance, rec.phase, rec.inst_steps = i, phases[i], steps[i]
                     fs = states[i]
                     # FiberState.enter's own test, inlined (per instance and wait: the hot loop of
@@ -473,18 +497,18 @@ class Runtime:
                             g.gr_context = ctx.copy()  # instances see the caller's context variables
                             fiber_of[i] = g
                             res = g.switch(i, instances[i])
-                    except BatchcraftError as exc:
+                    except BaseException as exc:
                         fs.leave(main_state)
-                        self.instance_failed = True
-                        _tag(exc, i)
-                        raise
-                    except Exception as exc:
-                        fs.leave(main_state)
-                        self.instance_failed = True
-                        raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
-                    except BaseException:
-                        fs.leave(main_state)
-                        raise
+                        if isinstance(exc, _FlushFailed):  # (batched work's error: not the instance's)
+                            raise exc.error from None
+                        self.failed_at = i
+                        if not isinstance(exc, Exception):  # KeyboardInterrupt and the like: at once
+                            raise
+                        # as eager, which ran the instances in order: the earlier ones, waiting
+                        # for values now, run to their end (their error, if one raises, is the
+                        # call's); the later ones are not resumed
+                        failure = _instance_error(exc, i)
+                        continue
                     fs.leave(main_state)
                     if rec.device_changed:
                         dctx[i] = global_context()
@@ -510,6 +534,8 @@ class Runtime:
                     self.stats.syncs += 1
                     self.flush()
                 ready = waiting
+            if failure is not None:
+                raise failure
         finally:
             self.main = None
             for j in range(n):  # unwind instances left suspended by an error
