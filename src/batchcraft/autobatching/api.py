@@ -36,6 +36,22 @@ def caller_modes() -> list:
     return found
 
 
+def _one_by_one(fn, instances) -> list:
+    """``[fn(x) for x in instances]``; an instance's error as a batched call raises it: a
+    ``BatchcraftError`` with ``.instance`` set, any other exception as an ``InstanceError``."""
+    out = []
+    for i, x in enumerate(instances):
+        try:
+            out.append(fn(x))
+        except BatchcraftError as exc:
+            if getattr(exc, "instance", None) is None:
+                exc.instance = i
+            raise
+        except Exception as exc:
+            raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
+    return out
+
+
 class AutoBatched:
     """A per-instance function made to run over a sequence of instances; see :func:`autobatch`.
 
@@ -71,17 +87,7 @@ class AutoBatched:
             if nested is not None and not any(f is self.fn for f in nested):
                 nested.append(self.fn)
             self.stats = RunStats(instances=len(instances))
-            out = []
-            for i, x in enumerate(instances):
-                try:
-                    out.append(self.fn(x))
-                except BatchcraftError as exc:  # (as a call of its own raises them: catchable alike)
-                    if getattr(exc, "instance", None) is None:
-                        exc.instance = i
-                    raise
-                except Exception as exc:
-                    raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
-            return out
+            return _one_by_one(self.fn, instances)  # (its errors as a call of its own raises them)
         modes = caller_modes()
         if modes:
             return self._eager(instances, modes)
@@ -109,17 +115,7 @@ class AutoBatched:
             warnings.warn(f"{self.__name__}: {reason} (to batch the rest, enter a torch-function mode inside the "
                           f"per-instance function around only the code it must see: the calls under it run per "
                           f"instance, the others batch; see RunStats.fallback_reasons)", RuntimeWarning, stacklevel=3)
-        out = []
-        for i, x in enumerate(instances):
-            try:
-                out.append(self.fn(x))
-            except BatchcraftError as exc:
-                if getattr(exc, "instance", None) is None:
-                    exc.instance = i
-                raise
-            except Exception as exc:
-                raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
-        return out
+        return _one_by_one(self.fn, instances)
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.as_dict().items() if v != Options().as_dict()[k])
