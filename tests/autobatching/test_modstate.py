@@ -422,3 +422,26 @@ def test_an_error_of_a_nested_autobatch_call_can_be_caught_as_its_own(core):
     xs = [torch.tensor([1.0, 2.0]), torch.tensor([-1.0, 2.0])]
     out = autobatch(outer, core=core)(xs)
     torch.testing.assert_close(torch.stack(out), torch.stack([outer(x) for x in xs]))
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_step_limit_inside_a_nested_call_names_the_outer_instance(core):
+    # hostile pass (stop 46): a StepLimitError raised while a nested call ran inline was tagged with
+    # the inner call's instance index
+    from batchcraft.errors import StepLimitError
+
+    def inner(x):
+        h = x
+        while float(h.sum()) < 1e9:  # a value wait per step; never ends for positive x
+            h = h + 0 * h if float(x[0]) > 0 else h + 1e9
+        return h
+
+    inner_b = autobatch(inner, core=core)
+
+    def outer(x):
+        return inner_b([-x.abs(), -x.abs(), x])[0]
+
+    xs = [-torch.ones(2), torch.ones(2)]  # only outer instance 1's inner instance 2 loops
+    with pytest.raises(StepLimitError) as info:
+        autobatch(outer, core=core, max_steps=50)(xs)
+    assert info.value.instance == 1

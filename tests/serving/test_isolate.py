@@ -38,7 +38,9 @@ def test_each_request_gets_its_own_value_or_error():
         else:
             assert o.error is None
             torch.testing.assert_close(o.value, per_instance(x))
-    assert calls == [9, 8, 7, 6]   # k failures: k + 1 calls, each without the failed one
+    # k failures: at most k + 1 calls; the requests before a failing one ran to their end in
+    # that call (the error carries their results), so each call runs only those after it
+    assert calls == [9, 6, 3]
 
 
 def test_error_without_instance_fails_the_whole_batch():
@@ -60,3 +62,49 @@ def test_outputs_are_own_copies_without_grad():
 def test_wrong_number_of_results():
     out = run_isolated(lambda b: b[:-1], [1, 2])
     assert all("returned 1 results for 2" in str(o.error) for o in out)
+
+
+@pytest.mark.parametrize("fibers", [True, False])
+def test_requests_before_a_failing_one_run_once(fibers):
+    # hostile pass (stop 46): after #229's fix, a failed call leaves the in-place writes of the
+    # requests before the failing one done (as eager does); rerunning them wrote them twice
+    def fn(x):
+        with torch.no_grad():
+            x.add_(1)
+        if float(x.sum()) > 1e6 or float(x[0]) > 100:  # (a value wait, then a value-dependent raise)
+            raise ValueError("bad")
+        return x * 2
+
+    xs = [torch.zeros(2), torch.ones(2), torch.full((2,), 500.0), torch.ones(2) * 3]
+    before = [x.clone() for x in xs]
+    calls = []
+    f = batchcraft.autobatch(fn, fibers=fibers)
+
+    def counted(batch):
+        calls.append(len(batch))
+        return f(batch)
+
+    out = run_isolated(counted, xs)
+    for x, b in zip(xs, before):
+        torch.testing.assert_close(x, b + 1)  # each request's write once, the failing one's too
+    assert isinstance(out[2].error, ValueError)
+    for k in (0, 1, 3):
+        torch.testing.assert_close(out[k].value, 2 * (before[k] + 1))
+    assert calls == [4, 1]
+
+
+def test_a_nested_calls_error_names_the_outer_request():
+    # hostile pass (stop 46): an inline nested call's InstanceError named its inner instance, and
+    # run_isolated gave that error to the wrong request
+    inner = batchcraft.autobatch(per_instance)
+
+    def outer(x):
+        return inner([x, x + 1, x - 5])[0].sum()
+
+    xs = [torch.zeros(3), torch.full((3,), 200.0), torch.ones(3)]
+    with pytest.raises(batchcraft.errors.InstanceError) as info:
+        batchcraft.autobatch(outer)(xs)
+    assert info.value.instance == 1
+    out = run_isolated(batchcraft.autobatch(outer), xs)
+    assert out[0].error is None and out[2].error is None and out[1].error is not None
+    torch.testing.assert_close(out[2].value, per_instance(xs[2]).sum())

@@ -36,19 +36,24 @@ def caller_modes() -> list:
     return found
 
 
-def _one_by_one(fn, instances) -> list:
+def _one_by_one(fn, instances, inline: bool = False) -> list:
     """``[fn(x) for x in instances]``; an instance's error as a batched call raises it: a
-    ``BatchcraftError`` with ``.instance`` set, any other exception as an ``InstanceError``."""
+    ``BatchcraftError`` with ``.instance`` set, any other exception as an ``InstanceError``.
+    ``inline``: a call made inside another call's instance code. Its ``BatchcraftError`` may be
+    the outer call's (a step limit) and is left as it is; its ``InstanceError`` is marked
+    ``inline``, so that the outer call, if it gets it, names its own instance (reliability #236)."""
     out = []
     for i, x in enumerate(instances):
         try:
             out.append(fn(x))
         except BatchcraftError as exc:
-            if getattr(exc, "instance", None) is None:
+            if not inline and getattr(exc, "instance", None) is None:
                 exc.instance = i
             raise
         except Exception as exc:
-            raise InstanceError(i, f"{type(exc).__name__}: {exc}") from exc
+            err = InstanceError(i, f"{type(exc).__name__}: {exc}")
+            err.inline = inline
+            raise err from exc
     return out
 
 
@@ -87,7 +92,7 @@ class AutoBatched:
             if nested is not None and not any(f is self.fn for f in nested):
                 nested.append(self.fn)
             self.stats = RunStats(instances=len(instances))
-            return _one_by_one(self.fn, instances)  # (its errors as a call of its own raises them)
+            return _one_by_one(self.fn, instances, inline=True)  # (errors as a call of its own raises them)
         modes = caller_modes()
         if modes:
             return self._eager(instances, modes)
@@ -234,7 +239,9 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "a
         TypeError: ``instances`` is one Tensor (pass a list of instances).
         InstanceError: ``fn`` raised for an instance (``.instance`` is its index); the whole
             call fails and returns nothing. The work recorded before the error runs first, so
-            modules, buffers and inputs written in place are left as eager leaves them.
+            modules, buffers and inputs written in place are left as eager leaves them, and the
+            error's ``completed`` holds the results of the instances before the failing one
+            (None where that work failed too).
     Differences from eager:
         The outputs of one call share one autograd graph (that is what batching means): sum
         the losses and call ``backward()`` once, or pass ``retain_graph=True`` to backward

@@ -72,11 +72,12 @@ def _instance_error(exc: BaseException, i: int) -> BaseException:
     """What a call raises when instance ``i``'s code raised ``exc``: a ``BatchcraftError`` (with
     ``.instance`` set) or a ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``)
     as it is; any other exception as an ``InstanceError`` naming it (its ``__cause__``)."""
-    if isinstance(exc, BatchcraftError):
+    if isinstance(exc, BatchcraftError) and not getattr(exc, "inline", False):
         _tag(exc, i)
         return exc
     if not isinstance(exc, Exception):
         return exc
+    # (an inline nested call's InstanceError names the inner instance: wrapped, it names this one)
     err = InstanceError(i, f"{type(exc).__name__}: {exc}")
     err.__cause__ = exc
     return err
@@ -195,6 +196,7 @@ class Runtime:
         self.waiter = None  # the greenlet whose value request switched to the scheduler last
         self.main_state: FiberState | None = None
         self.failed_at: int | None = None  # the instance whose code raised (not batched work): _settle
+        self.completed: list = []  # then: the outputs of the instances before it (all finished)
         self.nested_fns: list = []  # functions of autobatch calls made inline by instance code
 
     # -- execution of pending work ------------------------------------------------------------
@@ -332,6 +334,7 @@ class Runtime:
                     stack.pop()
         except BaseException as exc:
             if self.failed_at is not None:
+                exc.completed = None  # (set by _settle; never another call's)
                 self._settle(exc)
             raise
         self.flush()
@@ -362,8 +365,10 @@ class Runtime:
             with torch._C.DisableTorchFunction():
                 self._write_back()
                 _buffers.apply_deferred(rec)
+                done = [self._resolve(o, k) for k, o in enumerate(self.completed)]
                 if _lazies_beyond(rec, ()):
                     resolve_module_state(self.fn, rec, LazyTensor, self.stats.syncs > 0, self.nested_fns)
+            exc.completed = done
         except Exception as err:
             note = (f"batchcraft.autobatch: the work recorded before this error could not run "
                     f"({type(err).__name__}: {err}); values the instances stored on modules, buffers "
@@ -421,6 +426,7 @@ class Runtime:
                 raise exc.error from None
             except BaseException as exc:
                 self.failed_at = i
+                self.completed = outputs
                 err = _instance_error(exc, i)
                 if err is exc:
                     raise
@@ -535,6 +541,7 @@ class Runtime:
                     self.flush()
                 ready = waiting
             if failure is not None:
+                self.completed = outputs[:self.failed_at]  # (each finished: the drain above)
                 raise failure
         finally:
             self.main = None

@@ -2,9 +2,12 @@
 
 An ``autobatch`` call is all or nothing: when instance code raises, the call raises
 :class:`~batchcraft.errors.InstanceError` (or the instance's own batchcraft error) with
-``.instance`` set to the first failing instance and returns nothing. A server must still answer
-the other requests, so the failing instance gets its error and the rest run again as one call,
-until a call succeeds. ``k`` failing requests in a batch cost at most ``k + 1`` calls; an error
+``.instance`` set to the first failing instance and returns no outputs; the instances before it
+ran to their end, as eager's loop runs them, and the error carries their results
+(``.completed``). A server must still answer the other requests: those before the failing one get
+their results, the failing one its error, and the rest run again as one call, until a call
+succeeds (an error without ``.completed``, from another batched function, reruns those before it
+too). ``k`` failing requests in a batch cost at most ``k + 1`` calls; an error
 that names no instance (the batched kernels themselves failed) goes to every request of the call.
 """
 
@@ -71,8 +74,15 @@ def run_isolated(batched: Callable[[list], list], instances: Sequence, *, copy: 
                 for i in todo:
                     outcomes[i] = Outcome(error=exc)
                 return outcomes  # type: ignore[return-value]
+            # the instances before it ran to their end, as they would have alone (an autobatch
+            # call's error carries their results): they are not run again
+            done = getattr(exc, "completed", None)
+            if type(done) is not list or len(done) != j:
+                done = []
+            for i, v in zip(todo, done):
+                outcomes[i] = Outcome(_own(v) if copy else v)
             outcomes[todo[j]] = Outcome(error=_renumbered(exc))
-            del todo[j]
+            todo = todo[len(done):j] + todo[j + 1:]
             continue
         if len(values) != len(todo):
             err = RuntimeError(f"run_isolated: the batched function returned {len(values)} results "
