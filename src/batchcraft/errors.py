@@ -73,9 +73,15 @@ class UnsupportedOperationError(AutobatchError):
 
 
 class InstanceError(AutobatchError):
-    """Instance code raised; ``instance`` is its index in the input sequence."""
+    """Instance code raised; ``instance`` is its index in the input sequence.
+
+    ``completed``: where an ``autobatch`` call raised it, the results of the instances before
+    that one (they ran to their end, as in eager's loop), or None where they could not be
+    computed (the error then has a note saying so).
+    """
 
     code = "instance-error"
+    completed: list | None = None
 
     def __init__(self, instance: int, message: str, *, hint: str | None = None):
         super().__init__(f"instance {instance}: {message}", hint=hint)
