@@ -343,13 +343,20 @@ class Runtime:
         st.eager_ops = rec.eager_ops
         with torch._C.DisableTorchFunction():
             results = [self._resolve(o, i) for i, o in enumerate(outputs)]
-            self._write_back()
-            _buffers.apply_deferred(rec)
-            if _lazies_beyond(rec, outputs):  # (else no lazy value can be on a module: nothing to scan)
-                resolve_module_state(self.fn, rec, LazyTensor, st.syncs > 0, self.nested_fns)
+            self._leave_state(outputs)
         return results
 
-    def _settle(self, exc: Exception) -> None:
+    def _leave_state(self, outputs) -> None:
+        """What the instances changed outside their outputs, made eager's once their work ran:
+        inputs written in place, running statistics, lazy values stored on modules (scanned for
+        only where one can be held beside ``outputs``). Called without torch-function handling."""
+        rec = self.rec
+        self._write_back()
+        _buffers.apply_deferred(rec)
+        if _lazies_beyond(rec, outputs):  # (else no lazy value can be on a module: nothing to scan)
+            resolve_module_state(self.fn, rec, LazyTensor, self.stats.syncs > 0, self.nested_fns)
+
+    def _settle(self, exc: BaseException) -> None:
         """After instance code raised ``exc``: run the work recorded before it, so that what
         the instances left behind is what eager leaves (reliability #229): values stored on
         modules, buffers re-assigned, inputs written in place. Eager ran the earlier instances,
@@ -363,11 +370,8 @@ class Runtime:
         try:
             self.flush()
             with torch._C.DisableTorchFunction():
-                self._write_back()
-                _buffers.apply_deferred(rec)
                 done = [self._resolve(o, k) for k, o in enumerate(self.completed)]
-                if _lazies_beyond(rec, ()):
-                    resolve_module_state(self.fn, rec, LazyTensor, self.stats.syncs > 0, self.nested_fns)
+                self._leave_state(())
             exc.completed = done
         except Exception as err:
             note = (f"batchcraft.autobatch: the work recorded before this error could not run "
