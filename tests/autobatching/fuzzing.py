@@ -58,7 +58,7 @@ class Margin:
     @classmethod
     def see(cls, t):
         if cls.tracking:
-            cls.smallest = min(cls.smallest, abs(float(t)))
+            cls.smallest = min(cls.smallest, abs(float(t.detach() if isinstance(t, torch.Tensor) else t)))
 
 
 MARGIN = Margin
@@ -89,6 +89,7 @@ GRADCTX = ("no_grad", "enable_grad", "set_grad_false")
 INPLACE = ("setitem", "mask_fill", "add_chain", "iadd", "view_write", "clamp_relu_")
 HOOK = ("scale", "clip", "noop")
 TREE = ("childsum", "stack", "branchy", "ragged_block", "ragged_block_mean")
+VALDEP = ("mask_sum", "nonzero_n")
 
 
 def _statement(depth: int):
@@ -126,6 +127,8 @@ def _statement(depth: int):
         # writes inside a block make it run unblocked (blocks.py, reliability #82/#91)
         st.tuples(st.just("inplace"), st.sampled_from(INPLACE), st.integers(0, 4)),
         st.tuples(st.just("buffer"), st.sampled_from(("bn_train", "bn_eval"))),
+        # an output shape that depends on values makes a block run unblocked (#242)
+        st.tuples(st.just("valdep"), st.sampled_from(VALDEP)),
     ), min_size=1, max_size=4).map(tuple)
     return st.one_of(
         simple,
@@ -800,6 +803,11 @@ def run_statement(stmt, h, inst, P):
         return _inplace(stmt[1], stmt[2], h, inst, P)
     if kind == "hook":
         return _hook(stmt[1], h)
+    if kind == "valdep":
+        MARGIN.see((h - 0.2).abs().min())  # (a value at the threshold could flip between the runs)
+        if stmt[1] == "mask_sum":
+            return h + h[h > 0.2].sum() * 0.1
+        return h * (1.0 + 0.1 * (h > 0.2).nonzero().shape[0])
     if kind == "buffer":
         if stmt[1] == "bn_train":
             return P.bn(torch.stack([h, h * 0.5 + 1.0, torch.tanh(h)]))[0]  # (the sum over rows is ~0: a kink)

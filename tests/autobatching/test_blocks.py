@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from batchcraft import autobatch, static_block
+from batchcraft.errors import InstanceError
 
 from equivalence import CORES, assert_matches_eager
 
@@ -541,3 +542,63 @@ def test_a_block_returning_facts_of_a_captured_tensor_returns_the_tensors_facts(
         ey, eshape, edevice, edtype, erg = blk.fn(x) if hasattr(blk, "fn") else blk(x)
         assert (shape, device, dtype, rg) == (eshape, edevice, edtype, erg)
         torch.testing.assert_close(y, ey)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("op", ["mask", "nonzero", "unique"])
+def test_a_block_whose_output_shape_depends_on_values_runs_unblocked_as_eager(core, op):
+    # before, such a block raised AutobatchError ("cannot be traced at per-instance shapes"):
+    # an unsupported operation must fall back to eager execution, counted, not crash
+    torch.manual_seed(2)
+    lin = nn.Linear(5, 5)
+    body = {"mask": lambda h: h[h > 0].sum(),
+            "nonzero": lambda h: (h * h.gt(0).nonzero().float().mean()).sum(),
+            "unique": lambda h: h.sum() * torch.unique(h.gt(0).long()).numel()}[op]
+
+    @static_block
+    def blk(x):
+        return body(torch.tanh(lin(x)))
+
+    xs = [torch.randn(5) for _ in range(6)]
+    assert_matches_eager(lambda x: blk(x) * 2, xs, list(lin.parameters()), core=core)
+    f = autobatch(lambda x: blk(x) * 2, core=core)
+    f(xs)
+    (reason,) = f.stats.fallback_reasons
+    assert "blk" in reason and "runs unblocked" in reason and "placeholders" in reason
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_an_operation_failing_in_a_block_raises_as_outside_a_block_and_the_next_call_is_batched(core):
+    # reliability #242: the error was AutobatchError "cannot be traced"; eager raises torch's
+    # RuntimeError, which batchcraft reports as for any instance code (InstanceError, its cause)
+    w = torch.randn(4, 4)
+    blk = static_block(lambda x: torch.tanh(x @ w))
+    good = [torch.randn(4) for _ in range(3)]
+    bad = good[:2] + [torch.randn(3)] + good[2:]
+    with pytest.raises(RuntimeError) as eager_err:
+        [torch.tanh(x @ w) for x in bad]
+    errors = []
+    for fn in (lambda x: blk(x), lambda x: torch.tanh(x @ w)):
+        f = autobatch(fn, core=core)
+        with pytest.raises(InstanceError) as err:
+            f(bad)
+        assert err.value.instance == 2
+        assert type(err.value.__cause__) is type(eager_err.value)
+        errors.append(str(err.value.__cause__))
+    assert errors[0] == errors[1] == str(eager_err.value)
+    # the failure was one input's: the block is traced again and batched at the next call
+    f = autobatch(lambda x: blk(x), core=core)
+    with pytest.raises(InstanceError):
+        f(bad)
+    _close(f(good), [torch.tanh(x @ w) for x in good])
+    assert not f.stats.fallback_reasons
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_value_dependent_block_inside_another_block(core):
+    torch.manual_seed(3)
+    lin = nn.Linear(4, 4)
+    inner = static_block(lambda h: h[h > 0].sum() + h.sum())
+    outer = static_block(lambda x: inner(torch.tanh(lin(x))) * x.sum())
+    xs = [torch.randn(4) for _ in range(5)]
+    assert_matches_eager(lambda x: outer(x), xs, list(lin.parameters()), core=core)

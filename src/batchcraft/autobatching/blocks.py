@@ -20,6 +20,8 @@ buffer updated in place) or updates one of its values in place cannot be a progr
 per group: such writes must happen once per instance, in instance order. Its trace stops at the
 first such call (:class:`_SharedWrite`, before the write runs) and the block then runs unblocked,
 as ordinary instance code, until its fingerprint changes (counted in ``stats.fallback_reasons``).
+A body whose trace fails on placeholders (an output shape that depends on values, or an operation
+that fails at these shapes: :class:`_ValuesNeeded`) runs unblocked too, until the next call.
 """
 
 from __future__ import annotations
@@ -61,6 +63,19 @@ class _SharedWrite(Exception):
     running statistics, a counter buffer) or updates a value in place. A program replayed once
     per group would apply such writes once per group, not once per instance in instance order,
     so the block runs unblocked instead (:meth:`StaticBlock.run_unblocked`)."""
+
+
+class _ValuesNeeded(_SharedWrite):
+    """Raised while a block is traced: an operation cannot run on placeholders (an output shape
+    that depends on values, ``x[x > 0]``, or an operation that fails at the instance's shapes).
+    Unlike other writes, this one is retried at the next call (the failure may be one bad input's)."""
+
+
+def _first_line(exc, limit: int = 160) -> str:
+    """The first line of ``exc``'s message, at most ``limit`` characters (for a fallback reason)."""
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _shared_write(func, args, kwargs):
@@ -355,11 +370,11 @@ class BlockTracer:
             try:
                 out_struct, out_dids, out_rg = infer_outputs(func, struct, specs, state, _Lazy)
             except NeedsValues as exc:
-                raise AutobatchError(
-                    f"static block {self.block.name!r}: {getattr(func, '__name__', func)} cannot be traced at "
-                    f"per-instance shapes ({exc})",
-                    hint="operations whose output shape depends on tensor values cannot be in a static block",
-                ) from exc
+                # an output shape that depends on values (``x[x > 0]``), or an operation that fails
+                # at these shapes: placeholders cannot tell which. Run unblocked, the operation
+                # runs on the instance's values: it works, or raises torch's own error (#242)
+                raise _ValuesNeeded(f"{getattr(func, '__name__', func)} cannot run on placeholders of the "
+                                   f"per-instance shapes: {_first_line(exc)}") from exc
         if not out_dids:
             return rebuild(out_struct, iter(()))
         k = len(self.steps)
@@ -381,6 +396,7 @@ class StaticBlock:
         self._fingerprint = None
         self.ragged_ok: dict = {}   # list-argument pattern -> bool (None: not traced yet)
         self.unblocked: str | None = None  # why the body runs unblocked (_SharedWrite), None: it does not
+        self.retrace = False  # unblocked by _ValuesNeeded: traced again at the next call's first use
         self.nested: set = set()  # blocks its traces called (their changes trace this block again)
         self.const_ids: set = set()  # ids of module buffers its traces read (held by the traces)
         self.arg_modules: dict = {}  # id -> weakref: modules its traces got as arguments (a method's self)
@@ -415,6 +431,8 @@ class StaticBlock:
                                       "autobatched call (the instances then run one at a time)")
         if self not in rec.blocks_checked:
             self._check_fingerprint()
+            if self.retrace:  # (a shape error of one call's input must not slow every later call)
+                self.unblocked, self.retrace = None, False
             rec.blocks_checked.add(self)
         if getattr(rec, "is_tracer", False):
             rec.nested_blocks.add(self)
@@ -437,6 +455,7 @@ class StaticBlock:
                 return out, info, (False if info is not None else None)
             except _SharedWrite as exc:
                 self.unblocked = str(exc)
+                self.retrace = isinstance(exc, _ValuesNeeded)
         return self.run_unblocked(rec, args, kwargs), None, None
 
     def run_unblocked(self, rec, args, kwargs):
@@ -769,7 +788,11 @@ def static_block(obj):
     A static block contains no control flow that depends on tensor values. Inside
     :func:`batchcraft.autobatch` each call is one scheduled node, and the calls of all
     instances with the same signature run as one batched program (ACRoBat §4.1, grain-size
-    coarsening). Outside ``autobatch`` the block runs as usual.
+    coarsening). Outside ``autobatch`` the block runs as usual. A body that cannot be traced on
+    placeholders of the per-instance shapes (an output shape that depends on values, ``x[x > 0]``;
+    an operation that fails at these shapes) runs unblocked for that call, operation by operation,
+    with eager's values or eager's error (counted in ``stats.fallback_reasons``); a branch on a
+    tensor value raises :class:`~batchcraft.errors.AutobatchError`.
 
     Args:
         obj: a function, a module instance, or a module class (decorator use).
