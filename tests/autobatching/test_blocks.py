@@ -602,3 +602,25 @@ def test_a_value_dependent_block_inside_another_block(core):
     outer = static_block(lambda x: inner(torch.tanh(lin(x))) * x.sum())
     xs = [torch.randn(4) for _ in range(5)]
     assert_matches_eager(lambda x: outer(x), xs, list(lin.parameters()), core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_block_over_children_with_a_value_dependent_reduction_runs_as_eager(core):
+    torch.manual_seed(4)
+    lin = nn.Linear(4, 4)
+
+    @static_block
+    def cell(x, kids):  # a list argument: keyed ragged (empty / non-empty) where the trace allows
+        h = torch.tanh(lin(x))
+        if kids:
+            s = torch.stack(kids, -2).sum(-2)
+            h = h + s[s > 0].sum()
+        return h
+
+    def tree(t):
+        return cell(t[0], [tree(k) for k in t[1]])
+
+    def make(d):
+        return (torch.randn(4), [make(d - 1) for _ in range(d % 3)] if d > 0 else [])
+
+    assert_matches_eager(tree, [make(3), make(4), make(2), make(5)], list(lin.parameters()), core=core)

@@ -374,7 +374,8 @@ class BlockTracer:
                 # at these shapes: placeholders cannot tell which. Run unblocked, the operation
                 # runs on the instance's values: it works, or raises torch's own error (#242)
                 raise _ValuesNeeded(f"{getattr(func, '__name__', func)} cannot run on placeholders of the "
-                                   f"per-instance shapes: {_first_line(exc)}") from exc
+                                   f"per-instance shapes: its output shape depends on values, or it fails at "
+                                   f"these shapes; torch says: {_first_line(exc, 100)}") from exc
         if not out_dids:
             return rebuild(out_struct, iter(()))
         k = len(self.steps)
