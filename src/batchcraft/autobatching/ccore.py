@@ -20,6 +20,7 @@ from batchcraft.autobatching import _native, statereaders
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.devices import device_constructors
 from batchcraft.autobatching.gather import stack_leaves, to_device
+from batchcraft.autobatching.lazy import ESCAPE_HINT
 from batchcraft.autobatching.patches import ModuleClassPatch
 from batchcraft.autobatching.recorder import RecorderBase, scalar_spec
 from batchcraft.autobatching.signature import SIGNATURES, rebuild
@@ -31,7 +32,7 @@ _c = _native.core
 def _escape(func):
     raise AutobatchError(
         f"a lazy value was used outside batchcraft.autobatch (in {getattr(func, '__name__', func)})",
-        hint="return lazy values from the per-instance function; they come back as tensors")
+        hint=ESCAPE_HINT)
 
 
 def _setup() -> None:

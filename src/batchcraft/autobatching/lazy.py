@@ -73,6 +73,11 @@ def declined(func) -> TypeError:
                      "NotImplemented (a torch-function mode entered in instance code declined it)")
 
 
+#: the hint of every "lazy value used outside its call" error
+ESCAPE_HINT = ("return lazy values from the per-instance function; they come back as tensors. A value "
+               "stored on a module or elsewhere by a call that raised can be left lazy where the "
+               "call's batched work could not run: assign it again")
+
 def _call(func, args, kwargs):
     rec = _active()
     if user_mode_on_top(rec):
@@ -85,7 +90,7 @@ def _active():
     if rec is None:
         raise AutobatchError(
             "a lazy value was used outside batchcraft.autobatch",
-            hint="return lazy values from the per-instance function; they come back as tensors")
+            hint=ESCAPE_HINT)
     return rec
 
 

@@ -30,7 +30,7 @@ from batchcraft.autobatching import functional as _functional
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.devices import concrete_device, factory_device, with_factory_device
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
-from batchcraft.autobatching.lazy import LazyTensor
+from batchcraft.autobatching.lazy import ESCAPE_HINT, LazyTensor
 from batchcraft.autobatching.mode import outside_mode as _outside_mode
 from batchcraft.autobatching.plan import plan_rows
 from batchcraft.autobatching.signature import (SCALAR_TYPES, SIGNATURES, SigInfo, flatten, rebuild,
@@ -475,7 +475,7 @@ class RecorderBase:
                     f"argument (in {name})",
                     hint="pass every per-instance tensor the block reads as an argument of the block call")
             raise AutobatchError(f"a lazy value escaped its batchcraft.autobatch call (in {name})",
-                                 hint="return lazy values from the per-instance function; they come back as tensors")
+                                 hint=ESCAPE_HINT)
 
     def record_general(self, func, args, kwargs):
         """Record any call: flatten the arguments, build the full signature, infer outputs."""

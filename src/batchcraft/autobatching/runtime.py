@@ -48,7 +48,7 @@ from batchcraft.autobatching import kernels as _kernels
 from batchcraft.autobatching import ragged as _ragged  # noqa: F401
 from batchcraft.autobatching import views as _views  # noqa: F401
 from batchcraft.autobatching.execute import Executor
-from batchcraft.autobatching.lazy import ATOMIC_PRINT, LazyTensor
+from batchcraft.autobatching.lazy import ATOMIC_PRINT, ESCAPE_HINT, LazyTensor
 from batchcraft.autobatching.schedule import make_scheduler
 from batchcraft.autobatching.signature import SIGNATURES, flatten, rebuild
 from batchcraft.autobatching.stats import RunStats
@@ -173,7 +173,7 @@ class _Finished:
 
     def _gone(self, *args):
         raise AutobatchError("a lazy value of a finished batchcraft.autobatch call needed pending work",
-                             hint="return lazy values from the per-instance function; they come back as tensors")
+                             hint=ESCAPE_HINT)
 
     wait_for = flush = pending_limit = _gone
 
