@@ -89,7 +89,7 @@ GRADCTX = ("no_grad", "enable_grad", "set_grad_false")
 INPLACE = ("setitem", "mask_fill", "add_chain", "iadd", "view_write", "clamp_relu_")
 HOOK = ("scale", "clip", "noop")
 TREE = ("childsum", "stack", "branchy", "ragged_block", "ragged_block_mean")
-VALDEP = ("mask_sum", "nonzero_n")
+VALDEP = ("mask_sum", "nonzero_n", "branch_sum")
 
 
 def _statement(depth: int):
@@ -804,6 +804,9 @@ def run_statement(stmt, h, inst, P):
     if kind == "hook":
         return _hook(stmt[1], h)
     if kind == "valdep":
+        if stmt[1] == "branch_sum":  # a branch on a value (inside a block: it runs unblocked)
+            MARGIN.see(h.sum())
+            return torch.tanh(h) * 2 if h.sum() > 0 else h - 0.5
         MARGIN.see((h - 0.2).abs().min())  # (a value at the threshold could flip between the runs)
         if stmt[1] == "mask_sum":
             return h + h[h > 0.2].sum() * 0.1

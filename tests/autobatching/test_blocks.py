@@ -568,13 +568,16 @@ def test_a_block_whose_output_shape_depends_on_values_runs_unblocked_as_eager(co
 
 
 @pytest.mark.parametrize("core", CORES)
-def test_an_operation_failing_in_a_block_raises_as_outside_a_block_and_the_next_call_is_batched(core):
+@pytest.mark.parametrize("bad_at", [0, 2])
+def test_an_operation_failing_in_a_block_raises_as_outside_a_block_and_the_next_call_is_batched(core, bad_at):
     # reliability #242: the error was AutobatchError "cannot be traced"; eager raises torch's
-    # RuntimeError, which batchcraft reports as for any instance code (InstanceError, its cause)
+    # RuntimeError, which batchcraft reports as for any instance code (InstanceError, its cause).
+    # bad_at=0: no good signature is cached before the failure (the C core kept the block
+    # unblocked in later calls: a helper's find, stop 47)
     w = torch.randn(4, 4)
     blk = static_block(lambda x: torch.tanh(x @ w))
     good = [torch.randn(4) for _ in range(3)]
-    bad = good[:2] + [torch.randn(3)] + good[2:]
+    bad = good[:bad_at] + [torch.randn(3)] + good[bad_at:]
     with pytest.raises(RuntimeError) as eager_err:
         [torch.tanh(x @ w) for x in bad]
     errors = []
@@ -582,7 +585,7 @@ def test_an_operation_failing_in_a_block_raises_as_outside_a_block_and_the_next_
         f = autobatch(fn, core=core)
         with pytest.raises(InstanceError) as err:
             f(bad)
-        assert err.value.instance == 2
+        assert err.value.instance == bad_at
         assert type(err.value.__cause__) is type(eager_err.value)
         errors.append(str(err.value.__cause__))
     assert errors[0] == errors[1] == str(eager_err.value)
@@ -624,3 +627,28 @@ def test_a_block_over_children_with_a_value_dependent_reduction_runs_as_eager(co
         return (torch.randn(4), [make(d - 1) for _ in range(d % 3)] if d > 0 else [])
 
     assert_matches_eager(tree, [make(3), make(4), make(2), make(5)], list(lin.parameters()), core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_list_block_that_traces_only_at_its_real_lengths_stays_batched(core):
+    # the ragged trace (two-member placeholder lists) fails where the body needs the real length
+    # (``torch.cat(kids) @ W``); the per-length traces work: the block must stay batched, not run
+    # unblocked (a helper's find on e9f5149, stop 47)
+    torch.manual_seed(5)
+    w = torch.randn(4, 4)
+
+    @static_block
+    def node(x, kids):
+        return torch.tanh(x + torch.cat(kids) @ w) if kids else torch.tanh(x)
+
+    def chain(xs):
+        h = node(xs[0], [])
+        for x in xs[1:]:
+            h = node(x, [h])
+        return h
+
+    data = [[torch.randn(4) for _ in range(n)] for n in (3, 5, 4, 2)]
+    f = autobatch(chain, core=core)
+    for _ in range(2):
+        _close(f(data), [chain(d) for d in data])
+        assert not f.stats.fallback_reasons

@@ -473,3 +473,22 @@ def test_a_captured_subclass_that_is_not_the_first_argument_keeps_its_handler(co
     out = autobatch(fn, core=core)([torch.randn(3), torch.randn(3)])
     for o in out:
         assert [type(t) for t in o[1:]] == [type(t) for t in fn(torch.randn(3))[1:]] == [_Tagged] * 3
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("fibers", [True, False])
+@pytest.mark.parametrize("block", [False, True])
+def test_an_error_of_batched_work_has_torchs_error_as_its_cause(core, fibers, block):
+    # with fibers=False the InstanceError's __cause__ was None (a helper's find, stop 47)
+    def body(x):
+        return x[x > 0].max()  # instance 2 selects nothing: max() of an empty tensor raises
+
+    fn = static_block(body) if block else body
+    xs = [torch.randn(5).abs() + 0.1, torch.randn(5).abs() + 0.1, -torch.ones(5), torch.randn(5).abs() + 0.1]
+    with pytest.raises(RuntimeError) as eager:
+        [body(x) for x in xs]
+    f = autobatch(lambda x: fn(x) * 2, core=core, fibers=fibers)
+    with pytest.raises(InstanceError) as err:
+        f(xs)
+    assert err.value.instance == 2
+    assert type(err.value.__cause__) is type(eager.value) and str(err.value.__cause__) == str(eager.value)

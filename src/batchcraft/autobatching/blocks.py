@@ -9,8 +9,8 @@ block nodes then runs that program on batched values as one lowered function (:m
 List arguments (a node's children) are keyed as *empty* or *non-empty* when the block's trace
 is ragged-safe (:mod:`ragged`): nodes with any number of children then run as one group.
 Otherwise a list's length is part of the signature. Rules for block code: no branching on
-tensor values (a clear error); Python control flow on shapes or non-tensor arguments is fine,
-because those are part of the signature. A block re-traces when its fingerprint changes: the
+tensor values (such a block runs unblocked, counted); Python control flow on shapes or non-tensor
+arguments is fine, because those are part of the signature. A block re-traces when its fingerprint changes: the
 parameters, buffers and ``training`` flags of its module (a function block: of the modules it
 reaches, ``reach.py``), the tensors it captures outside modules, and the fingerprints of the
 blocks its traces called.
@@ -20,8 +20,9 @@ buffer updated in place) or updates one of its values in place cannot be a progr
 per group: such writes must happen once per instance, in instance order. Its trace stops at the
 first such call (:class:`_SharedWrite`, before the write runs) and the block then runs unblocked,
 as ordinary instance code, until its fingerprint changes (counted in ``stats.fallback_reasons``).
-A body whose trace fails on placeholders (an output shape that depends on values, or an operation
-that fails at these shapes: :class:`_ValuesNeeded`) runs unblocked too, until the next call.
+A body whose trace fails on placeholders (a branch on a value, an output shape that depends on
+values, or an operation that fails at these shapes: :class:`_ValuesNeeded`) runs unblocked too,
+until the next call.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ class _SharedWrite(Exception):
 
 
 class _ValuesNeeded(_SharedWrite):
-    """Raised while a block is traced: an operation cannot run on placeholders (an output shape
-    that depends on values, ``x[x > 0]``, or an operation that fails at the instance's shapes).
+    """Raised while a block is traced: the body needs values the placeholders do not have (a
+    branch on a tensor value, an output shape that depends on values, ``x[x > 0]``), or an
+    operation fails at the instance's shapes.
     Unlike other writes, this one is retried at the next call (the failure may be one bad input's)."""
 
 
@@ -259,9 +261,10 @@ class BlockTracer:
         return self.materialize(x, why)
 
     def materialize(self, x, why):
-        raise AutobatchError(
-            f"static block {self.block.name!r} tried to {why}; static blocks must not branch on tensor values",
-            hint="move the value-dependent branch out of the block, or do not mark this code static_block")
+        # a branch on a value (``if x.sum() > 0``), ``.item()``: the trace has no values. Run
+        # unblocked, the body gets the instance's values and works as in eager (counted)
+        raise _ValuesNeeded(f"it needs a tensor's value to {why} (move value-dependent branches out of the "
+                            f"block to keep it batched)")
 
     def mode_call(self, func, args, kwargs):
         kwargs = kwargs or {}
@@ -432,8 +435,6 @@ class StaticBlock:
                                       "autobatched call (the instances then run one at a time)")
         if self not in rec.blocks_checked:
             self._check_fingerprint()
-            if self.retrace:  # (a shape error of one call's input must not slow every later call)
-                self.unblocked, self.retrace = None, False
             rec.blocks_checked.add(self)
         if getattr(rec, "is_tracer", False):
             rec.nested_blocks.add(self)
@@ -538,6 +539,11 @@ class StaticBlock:
         return info
 
     def _check_fingerprint(self) -> None:
+        """At the block's first call in a recording (both cores): its traces are dropped when what
+        they depend on changed, and a body unblocked by a trace that needed values is traced again
+        (the failure may have been one call's input: it must not slow every later call)."""
+        if self.retrace:
+            self.unblocked, self.retrace = None, False
         with torch._C.DisableTorchFunction():  # plain reads of parameters: not through the recorder's mode
             fp = self._fingerprint_now()
         if fp != self._fingerprint:
@@ -720,8 +726,9 @@ class StaticBlock:
                 new_args.append(a)
         try:
             out = self._run_body(tracer, new_args, {})
-        except AutobatchError as exc:
-            # e.g. the body indexes the list: per-length tracing will say what is wrong
+        except (AutobatchError, _ValuesNeeded) as exc:
+            # e.g. the body indexes the list, or an operation fails at the two-member placeholder
+            # lists: per-length tracing, at the real lengths, will work or say what is wrong
             return self._ragged_declined(rec, f"its trace over the list failed ({exc.args[0] if exc.args else exc})")
         if tracer.ragged_unsafe is not None:
             return self._ragged_declined(rec, tracer.ragged_unsafe)
@@ -790,10 +797,10 @@ def static_block(obj):
     :func:`batchcraft.autobatch` each call is one scheduled node, and the calls of all
     instances with the same signature run as one batched program (ACRoBat §4.1, grain-size
     coarsening). Outside ``autobatch`` the block runs as usual. A body that cannot be traced on
-    placeholders of the per-instance shapes (an output shape that depends on values, ``x[x > 0]``;
-    an operation that fails at these shapes) runs unblocked for that call, operation by operation,
-    with eager's values or eager's error (counted in ``stats.fallback_reasons``); a branch on a
-    tensor value raises :class:`~batchcraft.errors.AutobatchError`.
+    placeholders of the per-instance shapes (a branch on a tensor value, ``.item()``; an output
+    shape that depends on values, ``x[x > 0]``; an operation that fails at these shapes) runs
+    unblocked for that call, operation by operation, with eager's values or eager's error
+    (counted in ``stats.fallback_reasons``), and is traced again at the next call.
 
     Args:
         obj: a function, a module instance, or a module class (decorator use).

@@ -68,7 +68,16 @@ MAX_SCANNED = 1024
 _PLAIN_MODULES = ("builtins", "torch")
 
 
-def _resolve_inside(m, name: str, v, rec, lazy_type, replaced: list) -> None:
+def _take(rec, x, left: list | None, where: str):
+    """``rec.resolve(x)``; with ``left`` (after batched work failed), a value whose work did not
+    run stays as it is and ``where`` goes into ``left``."""
+    if left is not None and rec.node_sid(x.node) != 0 and not rec.is_done(x.node):
+        left.append(where)
+        return x
+    return rec.resolve(x)
+
+
+def _resolve_inside(m, name: str, v, rec, lazy_type, replaced: list, left: list | None = None) -> None:
     """The lazy values of ``rec`` in a list, dict (subclasses too), tuple, namedtuple or plain
     object held by attribute ``name`` of module ``m`` (``self.history.append(h)``,
     ``self.log.last = h``, ``self.state = (h, c)``): one level deep."""
@@ -87,7 +96,7 @@ def _resolve_inside(m, name: str, v, rec, lazy_type, replaced: list) -> None:
         lazy = [k for k, x in enumerate(vals) if type(x) is lazy_type and x.rec is rec]
         if lazy:
             for k in lazy:
-                vals[k] = rec.resolve(vals[k])
+                vals[k] = _take(rec, vals[k], left, f"{type(m).__name__}.{name}[{k}]")
             m.__dict__[name] = tuple(vals) if t is tuple else t._make(vals)
             replaced.append(f"{type(m).__name__}.{name}")
         return
@@ -99,15 +108,16 @@ def _resolve_inside(m, name: str, v, rec, lazy_type, replaced: list) -> None:
         return
     for k, x in list(items):
         if type(x) is lazy_type and x.rec is rec:
-            v[k] = rec.resolve(x)
+            v[k] = _take(rec, x, left, f"{type(m).__name__}.{name}[{k!r}]")
             replaced.append(f"{type(m).__name__}.{name}[{k!r}]")
 
 
-def resolve_module_state(fn, rec, lazy_type, interleaved: bool, nested=()) -> list[str]:
+def resolve_module_state(fn, rec, lazy_type, interleaved: bool, nested=(), left: list | None = None) -> list[str]:
     """Replace the lazy values of recorder ``rec`` on ``fn``'s modules by ``rec.resolve(value)``;
     return what was replaced (``"Type.name"``). ``interleaved``: the call had value waits.
     ``nested``: functions of ``autobatch`` calls that instance code made (they ran inline, and
-    what they stored is ``rec``'s too), whose modules are looked at as well."""
+    what they stored is ``rec``'s too), whose modules are looked at as well. ``left`` (a list):
+    batched work failed, values whose work did not run stay lazy and are named in ``left``."""
     replaced, seen = [], set()
     for root in [r for start in (fn, *nested) for r in roots(start)]:
         for m in root.modules():
@@ -123,10 +133,10 @@ def resolve_module_state(fn, rec, lazy_type, interleaved: bool, nested=()) -> li
                     t = type(v)
                     if t is lazy_type:
                         if v.rec is rec:
-                            table[name] = rec.resolve(v)
+                            table[name] = _take(rec, v, left, f"{type(m).__name__}.{name}")
                             replaced.append(f"{type(m).__name__}.{name}")
                     elif table is d and t not in _SCALARS:
-                        _resolve_inside(m, name, v, rec, lazy_type, replaced)
+                        _resolve_inside(m, name, v, rec, lazy_type, replaced, left)
     if replaced and interleaved:
         warnings.warn(f"batchcraft.autobatch: instance code stored per-instance values on modules "
                       f"({', '.join(sorted(set(replaced)))}) in a call whose instances waited for values: "

@@ -178,6 +178,21 @@ class _Finished:
     wait_for = flush = pending_limit = _gone
 
 
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: kept where 3.11's traceback would show it
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
+
+
+def _left_text(left: list) -> str:
+    if not left:
+        return ""
+    shown = ", ".join(dict.fromkeys(left[:8]))
+    return (f"; left unfinished: {shown}{', ...' if len(left) > 8 else ''} (values stored on modules stay "
+            f"lazy until assigned again)")
+
+
 class Runtime:
     """State of one call of an auto-batched function over a sequence of instances."""
 
@@ -198,6 +213,7 @@ class Runtime:
         self.failed_at: int | None = None  # the instance whose code raised (not batched work): _settle
         self.completed: list = []  # then: the outputs of the instances before it (all finished)
         self.nested_fns: list = []  # functions of autobatch calls made inline by instance code
+        self.work_error: BaseException | None = None  # the error of batched work (a flush), if one failed
 
     # -- execution of pending work ------------------------------------------------------------
     def flush(self) -> None:
@@ -218,6 +234,9 @@ class Runtime:
             with torch._C.DisableTorchFunction(), (
                     torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext()):
                 self.scheduler.run(rec, self.executor, self.stats)
+        except BaseException as err:
+            self.work_error = err
+            raise
         finally:
             stack.pop()
         self.exec_time += _perf() - t0
@@ -335,9 +354,17 @@ class Runtime:
         except BaseException as exc:
             if self.failed_at is not None:
                 exc.completed = None  # (set by _settle; never another call's)
-                self._settle(exc)
+                err = self._settle(exc)
+                if err is not exc:
+                    raise err from err.__cause__
+            elif exc is self.work_error:
+                self._after_failed_work(exc)
             raise
-        self.flush()
+        try:
+            self.flush()
+        except BaseException as exc:
+            self._after_failed_work(exc)
+            raise
         st.record_s = _perf() - t_start - self.exec_time
         st.ops_recorded = rec.ops_recorded
         st.eager_ops = rec.eager_ops
@@ -356,12 +383,14 @@ class Runtime:
         if _lazies_beyond(rec, outputs):  # (else no lazy value can be on a module: nothing to scan)
             resolve_module_state(self.fn, rec, LazyTensor, self.stats.syncs > 0, self.nested_fns)
 
-    def _settle(self, exc: BaseException) -> None:
+    def _settle(self, exc: BaseException) -> BaseException:
         """After instance code raised ``exc``: run the work recorded before it, so that what
         the instances left behind is what eager leaves (reliability #229): values stored on
         modules, buffers re-assigned, inputs written in place. Eager ran the earlier instances,
-        and the failing one up to its raise; their recorded work is that. Where that work fails
-        too, ``exc`` (still the error raised) gets a note saying what was left unfinished."""
+        and the failing one up to its raise; their recorded work is that. Returns the error to
+        raise: ``exc``, or that work's own error where it failed at an earlier instance (eager
+        stops there first, #235). Where the work fails at a later instance, ``exc`` gets a note
+        naming what was left unfinished (:meth:`_leave_what_ran`)."""
         rec = self.rec
         last = self.failed_at
         # (with fibers, later instances may have recorded writes before the error: eager ran none)
@@ -373,14 +402,53 @@ class Runtime:
                 done = [self._resolve(o, k) for k, o in enumerate(self.completed)]
                 self._leave_state(())
             exc.completed = done
+            return exc
         except Exception as err:
-            note = (f"batchcraft.autobatch: the work recorded before this error could not run "
-                    f"({type(err).__name__}: {err}); values the instances stored on modules, buffers "
-                    f"they updated and inputs they wrote in place may be left unfinished")
-            if hasattr(exc, "add_note"):
-                exc.add_note(note)
-            else:  # Python 3.10: kept where 3.11's traceback would show it
-                exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
+            k = err.instance if isinstance(err, InstanceError) and err is self.work_error else None
+            if k is not None and k < last:
+                self._after_failed_work(err)
+                return err
+            left = self._leave_what_ran(last)
+            _add_note(exc, f"batchcraft.autobatch: the work recorded before this error could not run "
+                           f"({type(err).__name__}: {err})" + _left_text(left))
+            return exc
+
+    def _after_failed_work(self, err: BaseException) -> None:
+        """Batched work failed with ``err`` (an :class:`InstanceError` naming the instance whose
+        operation failed): the end-of-call steps for what ran (:meth:`_leave_what_ran`), a note on
+        ``err`` naming what could not be finished."""
+        if err is not self.work_error or not isinstance(err, InstanceError) or err.instance is None:
+            return
+        left = self._leave_what_ran(err.instance)
+        if left:
+            _add_note(err, "batchcraft.autobatch: the batched work stopped at this error" + _left_text(left))
+
+    def _leave_what_ran(self, last: int) -> list:
+        """After batched work failed: the end-of-call steps (:meth:`_leave_state`) for the work
+        of instances up to ``last`` that ran (eager ran them, and instance ``last`` up to its
+        error): their inputs written in place, their running statistics, the values they stored
+        on modules. Returns what stays unfinished because its work did not run (a value stored
+        on a module stays lazy until assigned again)."""
+        rec = self.rec
+
+        def ran(x) -> bool:
+            return rec.node_sid(x.node) == 0 or rec.is_done(x.node)
+
+        left: list = []
+        try:
+            writes = [w for w in rec.writebacks if w[0] <= last]
+            stats = [d for d in rec.deferred if d[0] <= last]
+            rec.writebacks[:] = [w for w in writes if ran(w[2])]
+            rec.deferred[:] = [d for d in stats if ran(d[2])]
+            left += [f"an input of instance {w[0]} written in place" for w in writes if not ran(w[2])]
+            left += [f"a running statistic of instance {d[0]}" for d in stats if not ran(d[2])]
+            with torch._C.DisableTorchFunction():
+                self._write_back()
+                _buffers.apply_deferred(rec)
+                resolve_module_state(self.fn, rec, LazyTensor, self.stats.syncs > 0, self.nested_fns, left=left)
+        except Exception as err:  # (what could be finished was; the caller's error is what matters)
+            left.append(f"the rest ({type(err).__name__}: {err})")
+        return left
 
     def _write_back(self) -> None:
         """Copy in-place updates of instance inputs back into the caller's tensors (as eager).
@@ -427,7 +495,7 @@ class Runtime:
             try:  # (the instance starts in main_state, current already: the caller's state)
                 outputs.append(ctx.copy().run(self._body, i, inst))
             except _FlushFailed as exc:  # another instance's work, run at this one's value request
-                raise exc.error from None
+                raise exc.error  # (its own __cause__ kept: torch's error, as with fibers)
             except BaseException as exc:
                 self.failed_at = i
                 self.completed = outputs
