@@ -40,7 +40,7 @@ def test_a_module_built_inside_instance_code_is_a_clear_error(core):
         lin = torch.nn.Linear(4, 4)  # nn.Parameter(lazy value): the module would keep a lazy value
         return lin(x)
 
-    with pytest.raises(UnsupportedOperationError, match=r"nn\.Parameter made from a per-instance value"):
+    with pytest.raises(UnsupportedOperationError, match=r"nn\.Parameter made inside instance code"):
         autobatch(f, core=core)([torch.randn(4) for _ in range(2)])
 
 

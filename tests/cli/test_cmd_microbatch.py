@@ -135,3 +135,10 @@ def test_float64_runs(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["dtype"] == "float64" and result["plan"]["inputs"][0]["input"]["dtype"] == "float64"
     assert "nnpack forward" in result["plan"]["inputs"][0]["unsupported"]
+
+
+def test_a_missing_plan_file_is_a_clear_error(tmp_path, capsys):
+    # a raw FileNotFoundError traceback before (a new user's find, stop 47)
+    assert main(ARGS + ["--load-plan", str(tmp_path / "none.json")]) == 1
+    err = capsys.readouterr().err
+    assert "none.json: cannot read file" in err and "Traceback" not in err

@@ -74,3 +74,21 @@ def test_busy_cpus_reads_a_fraction_of_the_machine():
     import os
 
     assert 0.0 <= cmd_run._busy_cpus(0.05) <= (os.cpu_count() or 1) + 1e-9
+
+
+def test_more_threads_than_cores_are_run_with_a_note(capsys):
+    # a new user's find (stop 47): --threads 99 on 2 cores ran without a word
+    import torch
+
+    from batchcraft.parallel.config import usable_cpus
+
+    before = torch.get_num_threads()
+    try:
+        n = len(usable_cpus()) + 1
+        assert main(["run", "treelstm", "--limit", "4", "--batch-size", "4", "--hidden", "8", "--threads", str(n),
+                     "--json"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    captured = capsys.readouterr()
+    assert f"--threads {n} on {n - 1} usable core" in captured.err
+    json.loads(captured.out)  # the JSON on stdout stays one object

@@ -57,6 +57,14 @@ def test_load_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigurationError, match="cannot read"):
         ParallelConfig.load(tmp_path / "bad.json")
+    # a misspelled key or a file without a configuration ran with the defaults, silently (a new
+    # user's find, stop 47)
+    (tmp_path / "typo.json").write_text(json.dumps({"parallel_config": {"instanses": 2}}))
+    with pytest.raises(ConfigurationError, match="'instanses' \\(did you mean 'instances'\\?\\)"):
+        ParallelConfig.load(tmp_path / "typo.json")
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(ConfigurationError, match="no configuration object"):
+        ParallelConfig.load(tmp_path / "empty.json")
 
 
 def _in_thread_with_affinity(cpus, fn):

@@ -250,8 +250,8 @@ class LazyTensor(_Base):
         # nn.Parameter(per-instance value): a module built inside instance code would keep a
         # lazy value after the call, and its parameters would get no .grad
         raise UnsupportedOperationError(
-            "nn.Parameter made from a per-instance value inside batchcraft.autobatch (a module built, "
-            "or a lazy module initialised, inside instance code)",
+            "nn.Parameter made inside instance code under batchcraft.autobatch (a module built, or a "
+            "lazy module initialised, there: its parameters would be per-instance values)",
             hint="build the module before the autobatch call (for nn.Lazy* modules, run one eager "
                  "forward first) and call it inside the instance code")
 

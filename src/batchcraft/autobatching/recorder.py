@@ -683,7 +683,7 @@ class RecorderBase:
         return rebuild(st, iter([self.leaf(t) if isinstance(t, _Tensor) else t for t in out_leaves]))
 
     def step_limit(self):
-        raise StepLimitError(f"instance {self.instance} exceeded max_steps={self.max_steps} "
+        raise StepLimitError(f"exceeded max_steps={self.max_steps} "
                              f"(operations + synchronisations) without finishing",
                              hint="raise max_steps, or check the instance's loop condition")
 

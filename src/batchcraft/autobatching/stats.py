@@ -50,6 +50,11 @@ class RunStats:
             (``gather.Rows``), read through their row index instead of a gather's copy, or to
             batched matrix products as their rows' addresses (``gather.RowRefs``, ``rowmm.py``);
             where a kernel declined at run time (``fused_declined``), its unfused branch copied them.
+        recurrences_unpacked (dict[str, int]): why the steps of a recurrent cell (``GRUCell``,
+            ``LSTMCell``, ``RNNCell``, a static block around one) ran step by step rather than as
+            one layer call (``chains.py``): a bare cell (wrap it in ``static_block``), value
+            requests between the steps, an unpackable form; with the node-steps noted at each
+            flush (a diagnostic count: flushes can split the steps differently between calls).
         ragged_declined (dict[str, int]): static blocks whose list arguments could not run as
             ragged groups (their nodes then group by list length), with the operation or use that
             prevented it; noted when a block is traced for a new list pattern.
@@ -136,7 +141,8 @@ class RunStats:
                      + ("" if self.memory_retained else " (memory retention off or unavailable: memory.py)"))
         if self.fused_kernels or self.fused_declined:
             text += (f"; {self.steps_fused} elementwise steps in {self.fused_kernels} fused kernels"
-                     + (f" ({self.fused_declined} declined)" if self.fused_declined else "")
+                     + (f" ({self.fused_declined} declined at run time: autograd on, forward AD, or an "
+                        f"operand's device or layout)" if self.fused_declined else "")
                      + (f", {self.rows_in_place} gathered inputs passed as rows of their buffers" if self.rows_in_place else ""))
         if self.groups_deduplicated:
             text += (f"; {self.groups_deduplicated} groups run once per distinct input "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 NAME = "microbatch"
@@ -111,6 +112,11 @@ def run(args) -> int:
         raise ConfigurationError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.threads is not None and args.threads < 1:
         raise ConfigurationError(f"--threads must be >= 1, got {args.threads}")
+    if args.load_plan and not os.path.isfile(args.load_plan):
+        from batchcraft.errors import DataFormatError
+
+        raise DataFormatError(args.load_plan, None, "cannot read file: no such file",
+                              hint="give a plan written by --save-plan (or model.plan.save(path))")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -45,6 +45,13 @@ def _check(args) -> None:
         raise ConfigurationError(f"--hidden must be >= 1, got {args.hidden}")
     if args.threads is not None and args.threads < 1:
         raise ConfigurationError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads:
+        from batchcraft.parallel.config import usable_cpus
+
+        cpus = len(usable_cpus())
+        if args.threads > cpus:  # (allowed: the timings then show what oversubscription costs)
+            print(f"batchcraft run: note: --threads {args.threads} on {cpus} usable core{'s' * (cpus != 1)}: "
+                  f"the threads share cores, so the times include oversubscription", file=sys.stderr)
 
 
 def run(args) -> int:

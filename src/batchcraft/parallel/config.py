@@ -9,6 +9,7 @@ CPU quota sees fewer cores than ``os.cpu_count()`` reports (PyTorch #64864, #499
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -294,8 +295,8 @@ class ParallelConfig:
         Also reads an older tune output (the configuration under key ``best``).
 
         Raises:
-            ConfigurationError: missing or unreadable file, no configuration object in it, or
-                unknown knob values (the message names the file).
+            ConfigurationError: missing or unreadable file, no configuration object in it, unknown
+                keys (with the closest known one), or unknown knob values (the message names the file).
         """
         p = Path(path)
         try:
@@ -305,13 +306,23 @@ class ParallelConfig:
                                      hint="create one with `batchcraft tune --model NAME`") from None
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigurationError(f"ParallelConfig.load: cannot read {str(p)!r}: {exc}") from None
+        found = None
         for key in ("parallel_config", "best"):
             if isinstance(data, dict) and isinstance(data.get(key), dict):
-                data = data[key]
+                data, found = data[key], key
                 break
-        if not isinstance(data, dict):
-            raise ConfigurationError(f"ParallelConfig.load: {str(p)!r} holds no configuration object")
-        data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if not isinstance(data, dict) or found is None and not set(data) & set(cls.__dataclass_fields__):
+            raise ConfigurationError(f"ParallelConfig.load: {str(p)!r} holds no configuration object",
+                                     hint='write {"parallel_config": {"instances": 2, ...}}, or create one with '
+                                          '`batchcraft tune --model NAME`')
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown and found != "best":  # (an older tune output kept measurements beside the knobs)
+            close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+            said = ", ".join(f"{k!r} (did you mean {c[0]!r}?)" if c else repr(k) for k, c in close.items())
+            raise ConfigurationError(f"ParallelConfig.load: {str(p)!r}: unknown keys {said}",
+                                     hint=f"known keys: {', '.join(sorted(known))}")
+        data = {k: v for k, v in data.items() if k in known}
         cfg = cls.from_dict(data)
         for knob, values in KNOBS.items():
             if getattr(cfg, knob) not in values:

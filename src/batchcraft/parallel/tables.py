@@ -74,9 +74,11 @@ def comparison_table(result: dict, *, markdown: bool = False) -> str:
     Items/s are final-round medians (a "tuned + knob" row: the knob race's median of the change
     adopted at that batch size, with its interval against the tuned row); a ratio marked
     "(playoff)" comes from the playoff's longer trials (its two rows follow), which decided
-    between the choice and that baseline. The
-    interval column gives the deciding round's paired-ratio interval (within one set of worker
-    processes).
+    between the choice and that baseline. The ratio column divides the two rows' median items/s;
+    the last column gives the deciding round's paired ratios (each pass of the choice over the
+    same pass of the baseline, within one set of worker processes): their median, the interval
+    around it and that interval's confidence, which is lower where the budget allowed few passes.
+    The two can differ (a median of ratios is not a ratio of medians).
     """
     rows = []
     for pb in result["per_batch"]:
@@ -103,7 +105,7 @@ def comparison_table(result: dict, *, markdown: bool = False) -> str:
                          p["latency_p50_ms"], "-", "-"])
     ratio = "tuned/baseline" if result["objective"] == "throughput" else "tuned vs baseline"
     return format_table(["batch", "config", "instances", "inter-op", "intra-op", "knobs", "round", "items/s",
-                         "p50_ms", ratio, "interval"], rows, markdown=markdown)
+                         "p50_ms", ratio, "paired ratio [interval] confidence"], rows, markdown=markdown)
 
 
 def variant_table(result: dict, *, markdown: bool = False) -> str | None:
@@ -121,7 +123,7 @@ def variant_table(result: dict, *, markdown: bool = False) -> str | None:
                          r["throughput_items_per_s"], r["latency_p50_ms"],
                          interval_text(r["ratio_to_default"]) if r["ratio_to_default"] else "1 (reference)",
                          "chosen" if chosen else ""])
-    return format_table(["batch", "process", "matmul", "conv", "items/s", "p50_ms", "vs default", ""], rows,
+    return format_table(["batch", "process", "matmul", "conv", "items/s", "p50_ms", "vs default", "chosen"], rows,
                         markdown=markdown)
 
 
