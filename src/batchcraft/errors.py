@@ -82,6 +82,7 @@ class InstanceError(AutobatchError):
 
     code = "instance-error"
     completed: list | None = None
+    failed_node: int | None = None  # (internal: the recorded operation of batched work that failed)
 
     def __init__(self, instance: int, message: str, *, hint: str | None = None):
         super().__init__(f"instance {instance}: {message}", hint=hint)

@@ -492,3 +492,41 @@ def test_an_error_of_batched_work_has_torchs_error_as_its_cause(core, fibers, bl
         f(xs)
     assert err.value.instance == 2
     assert type(err.value.__cause__) is type(eager.value) and str(err.value.__cause__) == str(eager.value)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("hoist", [True, False])
+def test_a_failure_in_a_hoisted_prefix_names_its_instance(core, hoist):
+    # a recurrence over a block whose input projection is hoisted (run once for all its groups):
+    # a failing lookup there raised AutobatchError without the instance, and nothing the earlier
+    # instances wrote was finished (a helper's find, present before stop 47)
+    class Cell(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.emb = nn.Linear(3, 3), nn.Embedding(5, 3)
+
+        def forward(self, x, idx):
+            return torch.tanh(self.lin(x)) + self.emb(idx)
+
+    torch.manual_seed(0)
+    cell = static_block(Cell())
+
+    def f(inp):
+        x, ids = inp
+        x.add_(1)
+        for i in ids:
+            x = cell(x, torch.tensor(i))
+        return x.sum()
+
+    def make():
+        return [(torch.zeros(3), [1, 2, 7 if k == 2 else 3]) for k in range(4)]
+
+    eager = make()
+    with pytest.raises(IndexError):
+        [f(x) for x in eager]
+    inst = make()
+    with pytest.raises(InstanceError) as info:
+        autobatch(f, core=core, hoist=hoist)(inst)
+    assert info.value.instance == 2 and type(info.value.__cause__) is IndexError
+    for (x, _), (x_e, _) in zip(inst, eager):
+        torch.testing.assert_close(x, x_e)

@@ -67,6 +67,10 @@ def program_of(info) -> Program:
     return prog
 
 
+#: ``hoisted[2]`` of a signature whose shared prefix failed in this flush (``run_group``)
+_PREFIX_FAILED = object()
+
+
 class Executor:
     """Runs groups of pending nodes as batched programs and records statistics."""
 
@@ -244,6 +248,8 @@ class Executor:
         return out
 
     def run_group(self, key, nodes, hoisted=None) -> None:
+        if hoisted is not None and hoisted[2] is _PREFIX_FAILED:
+            hoisted = None  # (its signature's shared prefix failed: each group runs whole)
         rec = self.rec
         st = self.stats
         info = SIGNATURES.by_sid[key[2]]
@@ -285,7 +291,13 @@ class Executor:
                 got = iter(take_all(bufs, [p for p, r in zip(plans, reads) if r]))
                 ins = [next(got) if r else None for r in reads]
                 if hoisted[2] is None:  # first group of the signature: the prefix for all of them
-                    hoisted[2] = _hoist.run_prefix(self, sp, [nd for g in hoisted[1] for nd in g])
+                    try:
+                        hoisted[2] = _hoist.run_prefix(self, sp, [nd for g in hoisted[1] for nd in g])
+                    except Exception:
+                        # run whole, the groups fall back node by node where they fail, which
+                        # names the instance whose operation failed (as without hoisting)
+                        hoisted[2] = _PREFIX_FAILED
+                        return self.run_group(key, nodes, hoisted)
                     st.groups_by_rule["hoisted"] = st.groups_by_rule.get("hoisted", 0) + 1
                     st.batched_calls += 1
                 r0 = hoisted[3]
@@ -451,8 +463,9 @@ class Executor:
                         leaves = [next(lz) if k else sh for k, sh in zip(info.leaf_kinds, info.shared)]
                         out = call_with(func, info.struct, leaves)
             except Exception as exc:
-                inst = rec.node_inst(nd)
-                raise InstanceError(inst, f"{info.name} failed: {type(exc).__name__}: {exc}") from exc
+                err = InstanceError(rec.node_inst(nd), f"{info.name} failed: {type(exc).__name__}: {exc}")
+                err.failed_node = nd  # (the runtime finishes only what its instance recorded before it)
+                raise err from exc
             flat: list = []
             flatten(out, flat, _NoLazy)
             if per_slot is None:

@@ -352,12 +352,13 @@ class Runtime:
                     mode.__exit__(None, None, None)
                     stack.pop()
         except BaseException as exc:
-            if self.failed_at is not None:
+            work = exc is self.work_error and isinstance(exc, InstanceError)
+            if self.failed_at is not None and not (work and exc.instance < self.failed_at):
                 exc.completed = None  # (set by _settle; never another call's)
                 err = self._settle(exc)
                 if err is not exc:
                     raise err from err.__cause__
-            elif exc is self.work_error:
+            elif work:  # (batched work failed first, in eager's order: an instance's code raised later)
                 self._after_failed_work(exc)
             raise
         try:
@@ -419,25 +420,30 @@ class Runtime:
         ``err`` naming what could not be finished."""
         if err is not self.work_error or not isinstance(err, InstanceError) or err.instance is None:
             return
-        left = self._leave_what_ran(err.instance)
+        left = self._leave_what_ran(err.instance, err.failed_node)
         if left:
             _add_note(err, "batchcraft.autobatch: the batched work stopped at this error" + _left_text(left))
 
-    def _leave_what_ran(self, last: int) -> list:
+    def _leave_what_ran(self, last: int, failed_node: int | None = None) -> list:
         """After batched work failed: the end-of-call steps (:meth:`_leave_state`) for the work
         of instances up to ``last`` that ran (eager ran them, and instance ``last`` up to its
-        error): their inputs written in place, their running statistics, the values they stored
-        on modules. Returns what stays unfinished because its work did not run (a value stored
-        on a module stays lazy until assigned again)."""
+        error, ``failed_node``: what it recorded after that operation, such as the later
+        instances of a nested ``autobatch`` call, never ran in eager): their inputs written in
+        place, their running statistics, the values they stored on modules. Returns what stays
+        unfinished because its work did not run (a value stored on a module stays lazy until
+        assigned again)."""
         rec = self.rec
 
         def ran(x) -> bool:
             return rec.node_sid(x.node) == 0 or rec.is_done(x.node)
 
+        def reached(inst: int, x) -> bool:  # recorded by eager's run before it stopped
+            return inst < last or inst == last and (failed_node is None or x.node < failed_node)
+
         left: list = []
         try:
-            writes = [w for w in rec.writebacks if w[0] <= last]
-            stats = [d for d in rec.deferred if d[0] <= last]
+            writes = [w for w in rec.writebacks if reached(w[0], w[2])]
+            stats = [d for d in rec.deferred if reached(d[0], d[2])]
             rec.writebacks[:] = [w for w in writes if ran(w[2])]
             rec.deferred[:] = [d for d in stats if ran(d[2])]
             left += [f"an input of instance {w[0]} written in place" for w in writes if not ran(w[2])]
