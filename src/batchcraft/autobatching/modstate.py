@@ -71,7 +71,7 @@ _PLAIN_MODULES = ("builtins", "torch")
 def _take(rec, x, left: list | None, where: str):
     """``rec.resolve(x)``; with ``left`` (after batched work failed), a value whose work did not
     run stays as it is and ``where`` goes into ``left``."""
-    if left is not None and rec.node_sid(x.node) != 0 and not rec.is_done(x.node):
+    if left is not None and not rec.computed(x):
         left.append(where)
         return x
     return rec.resolve(x)

@@ -760,6 +760,10 @@ class RecorderBase:
         with torch._C.DisableTorchFunction():
             return self.value_of(node, x.slot)
 
+    def computed(self, x) -> bool:
+        """Has lazy value ``x`` a value now (a leaf, or a node whose batched work ran)?"""
+        return self.node_sid(x.node) == 0 or self.is_done(x.node)
+
     def resolve(self, x):
         """Output of the call for lazy value ``x`` (after the final flush)."""
         node = x.node

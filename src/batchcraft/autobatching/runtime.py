@@ -352,7 +352,7 @@ class Runtime:
                     mode.__exit__(None, None, None)
                     stack.pop()
         except BaseException as exc:
-            work = exc is self.work_error and isinstance(exc, InstanceError)
+            work = self._failed_work(exc)
             if self.failed_at is not None and not (work and exc.instance < self.failed_at):
                 exc.completed = None  # (set by _settle; never another call's)
                 err = self._settle(exc)
@@ -405,8 +405,7 @@ class Runtime:
             exc.completed = done
             return exc
         except Exception as err:
-            k = err.instance if isinstance(err, InstanceError) and err is self.work_error else None
-            if k is not None and k < last:
+            if self._failed_work(err) and err.instance < last:
                 self._after_failed_work(err)
                 return err
             left = self._leave_what_ran(last)
@@ -414,11 +413,15 @@ class Runtime:
                            f"({type(err).__name__}: {err})" + _left_text(left))
             return exc
 
+    def _failed_work(self, exc: BaseException) -> bool:
+        """Is ``exc`` batched work's error naming the instance whose operation failed?"""
+        return exc is self.work_error and isinstance(exc, InstanceError) and exc.instance is not None
+
     def _after_failed_work(self, err: BaseException) -> None:
         """Batched work failed with ``err`` (an :class:`InstanceError` naming the instance whose
         operation failed): the end-of-call steps for what ran (:meth:`_leave_what_ran`), a note on
         ``err`` naming what could not be finished."""
-        if err is not self.work_error or not isinstance(err, InstanceError) or err.instance is None:
+        if not self._failed_work(err):
             return
         left = self._leave_what_ran(err.instance, err.failed_node)
         if left:
@@ -433,9 +436,7 @@ class Runtime:
         unfinished because its work did not run (a value stored on a module stays lazy until
         assigned again)."""
         rec = self.rec
-
-        def ran(x) -> bool:
-            return rec.node_sid(x.node) == 0 or rec.is_done(x.node)
+        ran = rec.computed
 
         def reached(inst: int, x) -> bool:  # recorded by eager's run before it stopped
             return inst < last or inst == last and (failed_node is None or x.node < failed_node)
