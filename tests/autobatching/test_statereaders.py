@@ -129,3 +129,49 @@ def test_recording_is_eager_with_and_without_the_readers(readers, reinstall):
     for o, r in zip(out_ac, ref_ac):
         assert o.dtype == r.dtype
         torch.testing.assert_close(o, r)
+
+
+def test_autocast_keys_tell_apart_what_changes_results_and_nothing_else():
+    keys = statereaders.AutocastKeys({"cpu": 0b01, "cuda": 0b10})
+    prev = torch.get_autocast_dtype("cpu"), torch.get_autocast_dtype("cuda"), torch.is_autocast_cache_enabled()
+    try:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        bf16 = keys(0b01)
+        assert keys(0b01) == bf16 and keys(0b11) != bf16  # the same state; a second device on
+        torch.set_autocast_dtype("cuda", torch.bfloat16)
+        assert keys(0b01) == bf16  # a device that is off casts nothing: its dtype is not part of the key
+        assert keys(0b11) not in (bf16, None)
+        torch.set_autocast_dtype("cpu", torch.float16)
+        assert keys(0b01) not in (bf16, None)
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        torch.set_autocast_cache_enabled(False)
+        assert keys(0b01) not in (bf16, None)
+    finally:
+        torch.set_autocast_dtype("cpu", prev[0])
+        torch.set_autocast_dtype("cuda", prev[1])
+        torch.set_autocast_cache_enabled(prev[2])
+    full = statereaders.AutocastKeys({"cpu": 1})
+    full.MAX_KEYS = 1
+    assert full(1) == 1 and full(0) is None  # past MAX_KEYS: no id (the slow path)
+
+
+def test_learnt_bits_name_each_counted_device(reinstall):
+    if not core.state_readers_on()[1]:
+        pytest.skip("no autocast reader on this platform")
+    mask, off, bits = statereaders.learn_autocast_bits(core.dispatch_key_words)
+    assert "cpu" in bits and sum(bits.values()) == mask  # one bit each, together the mask
+    for device, bit in bits.items():
+        assert bit & (bit - 1) == 0
+        with _on(device):  # (torch.autocast("cuda") turns itself off without CUDA)
+            assert (core.dispatch_key_words()[1] ^ off) & mask == bit
+
+
+class _on:
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        torch.set_autocast_enabled(self.device, True)
+
+    def __exit__(self, *exc):
+        torch.set_autocast_enabled(self.device, False)

@@ -114,6 +114,33 @@ static inline const uint64_t *dks_words(void) {
     return p;
 }
 #endif
+static PyObject *g_autocast_key = NULL;   /* statereaders.AutocastKeys: word -> id | None */
+
+/* While autocast is on: a small id of the devices on, their dtypes and the cache switch (see
+   AutocastKeys), in *id; 1: no id (the slow path), -1: an error. */
+static int autocast_id(uint64_t *id) {
+#ifdef HAVE_DLSYM
+    const uint64_t *p = g_ac_fast && g_autocast_key ? dks_words() : NULL;
+    if (!p) return 1;
+    PyObject *w = PyLong_FromUnsignedLongLong((unsigned long long)((p[1] ^ g_ac_off) & g_ac_mask));
+    if (!w) return -1;
+    PyObject *r = PyObject_CallOneArg(g_autocast_key, w);
+    Py_DECREF(w);
+    if (!r) return -1;
+    int out = 1;
+    if (PyLong_CheckExact(r)) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(r);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) { Py_DECREF(r); return -1; }
+        if (v > 0 && v < (1ull << 40)) { *id = v; out = 0; }
+    }
+    Py_DECREF(r);
+    return out;
+#else
+    (void)id;
+    return 1;
+#endif
+}
+
 static inline int q_any_autocast(void) {
 #ifdef HAVE_DLSYM
     if (g_ac_fast) {
@@ -1013,15 +1040,21 @@ static int after_append(RecObject *self) {
     return 0;
 }
 
-/* state word: grad mode; returns -1 when the slow path must be taken (autocast, inference mode) */
+/* state word: grad mode, inference mode and autocast's id (each key's signature was inferred
+   under them); returns 1 when the slow path must be taken (autocast without an id), -1 on an error */
 static inline int state_word(uint64_t *out) {
     int grad = q_grad();
     if (grad < 0) return -1;
-    int ac = q_any_autocast();
-    if (ac) return ac;  /* (-1: an error) */
     int im = q_inference();
-    if (im) return im;
-    *out = TAG(K_STATE, grad);
+    if (im < 0) return -1;
+    uint64_t ac_id = 0;
+    int ac = q_any_autocast();
+    if (ac < 0) return -1;
+    if (ac) {
+        int r = autocast_id(&ac_id);
+        if (r) return r;
+    }
+    *out = TAG(K_STATE, (uint64_t)grad | ((uint64_t)im << 1) | (ac_id << 2));
     return 0;
 }
 
@@ -3511,6 +3544,18 @@ static PyObject *py_dispatch_key_words(PyObject *m, PyObject *noargs) {
     return NULL;
 }
 
+/* set_autocast_key(callable | None): statereaders.AutocastKeys, used while the autocast reader is set */
+static PyObject *py_set_autocast_key(PyObject *m, PyObject *arg) {
+    if (arg != Py_None && !PyCallable_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "set_autocast_key: a callable or None");
+        return NULL;
+    }
+    PyObject *old = g_autocast_key;
+    g_autocast_key = arg == Py_None ? NULL : Py_NewRef(arg);
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_any_autocast(PyObject *m, PyObject *noargs) {
     int r = q_any_autocast();
     return r < 0 ? NULL : PyBool_FromLong(r);
@@ -3569,6 +3614,8 @@ static PyMethodDef module_methods[] = {
     {"set_autocast_reader", py_set_autocast_reader, METH_O,
      "set_autocast_reader((dlopen handle, symbol, mask, off) | None): read autocast from torch's dispatch-key set."},
     {"dispatch_key_words", py_dispatch_key_words, METH_NOARGS, "(included, excluded) of this thread's local dispatch-key set."},
+    {"set_autocast_key", py_set_autocast_key, METH_O,
+     "set_autocast_key(keys | None): word of the devices' autocast switches -> id (statereaders.AutocastKeys)."},
     {"any_autocast", py_any_autocast, METH_NOARGS, "Whether any device's autocast is on, as the core reads it."},
     {"setup_lazy", py_setup_lazy, METH_VARARGS, "setup_lazy(LazyTensor, methods, inplace)"},
     {"clear_signatures", py_clear_signatures, METH_NOARGS, "Forget every fast signature entry."},

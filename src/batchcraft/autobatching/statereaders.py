@@ -23,7 +23,8 @@ local dispatch-key set, a thread-local pair of words the library exports
 (:data:`DISPATCH_KEYS_SYMBOL`). :func:`learn_autocast_bits` switches each device's autocast on
 and off once and notes which bit of the excluded word moves; the core then answers "any autocast
 on" from those bits, checked like the rest (here also with each device's autocast on). A device
-that moves no single bit, or one bit too many, and the builtin stays.
+that moves no single bit, or one bit too many, and the builtin stays. While autocast is on, the
+core keys signatures by the devices on and their dtypes (:class:`AutocastKeys`).
 """
 
 from __future__ import annotations
@@ -99,13 +100,14 @@ def _autocast_on(device: str, stack: ExitStack) -> bool:
 
 
 def learn_autocast_bits(words) -> tuple | None:
-    """``(mask, off)``: the excluded-word bits of the devices torch's "any autocast" counts, and
-    their values with autocast off; None when a device's switch is not one bit of that word.
-    ``words()`` reads the thread's (included, excluded) pair. Autocast must be off on entry."""
+    """``(mask, off, bits)``: the excluded-word bits of the devices torch's "any autocast" counts,
+    their values with autocast off, and ``{device: its bit}``; None when a device's switch is not
+    one bit of that word. ``words()`` reads the thread's (included, excluded) pair. Autocast must
+    be off on entry."""
     if torch._C._is_any_autocast_enabled():
         return None
     inc0, exc0 = words()
-    mask = 0
+    mask, bits = 0, {}
     for device in AUTOCAST_DEVICES:
         with ExitStack() as stack:
             if not _autocast_on(device, stack):
@@ -117,7 +119,47 @@ def learn_autocast_bits(words) -> tuple | None:
             return None
         if counted:
             mask |= moved
-    return (mask, exc0 & mask) if mask else None
+            bits[device] = moved
+    return (mask, exc0 & mask, bits) if mask else None
+
+
+class AutocastKeys:
+    """``keys(word) -> int``: a small id of the autocast state that changes an operation's result,
+    for the C core's signature keys while autocast is on (before, every call under autocast took
+    the Python path, about 10-17 µs).
+
+    ``word`` is the core's reading of the devices' switches (bit ``bits[device]`` set: that
+    device's autocast is on). The id stands for the devices that are on, each one's autocast
+    dtype, and the cast cache switch; two states with the same id give every operation the same
+    result (a device whose autocast is off casts nothing, whatever its dtype). The Python core's
+    signatures keep the whole :func:`~batchcraft.autobatching.threadstate.autocast_state`, so a
+    signature inferred under one state may serve another with the same id: its group then runs
+    under the first state, with the same values. At most :attr:`MAX_KEYS` ids, then None (the
+    slow path, as before).
+
+    Args:
+        bits (dict): ``{device: its bit}`` from :func:`learn_autocast_bits`.
+    """
+
+    MAX_KEYS = 4096
+
+    def __init__(self, bits: dict):
+        self.bits = dict(bits)
+        self._devices: dict = {}  # word -> the devices on
+        self._ids: dict = {}      # (devices, dtypes, cache) -> id
+        self._next = itertools.count(1)  # (atomic: threads that add keys at once get distinct ids)
+
+    def __call__(self, word: int) -> int | None:
+        devices = self._devices.get(word)
+        if devices is None:
+            devices = self._devices[word] = tuple(d for d, bit in self.bits.items() if word & bit)
+        key = (devices, tuple(map(torch.get_autocast_dtype, devices)), torch.is_autocast_cache_enabled())
+        i = self._ids.get(key)
+        if i is None:
+            if len(self._ids) >= self.MAX_KEYS:
+                return None
+            i = self._ids.setdefault(key, next(self._next))
+        return i
 
 
 class _PassThrough(TorchFunctionMode):
@@ -175,7 +217,9 @@ def _autocast_reader(core) -> None:
     except (OSError, AttributeError, RuntimeError):
         return
     if bits is not None:
-        core.set_autocast_reader((handle._handle, symbol) + bits)
+        core.set_autocast_reader((handle._handle, symbol) + bits[:2])
+        if hasattr(core, "set_autocast_key"):
+            core.set_autocast_key(AutocastKeys(bits[2]))
 
 
 def install(core) -> bool:
@@ -193,8 +237,10 @@ def install(core) -> bool:
     if not ok:
         core.set_state_readers(None)
         core.set_autocast_reader(None)
+        if hasattr(core, "set_autocast_key"):
+            core.set_autocast_key(None)
     return ok
 
 
 __all__ = ["SYMBOLS", "DISPATCH_KEYS_SYMBOL", "AUTOCAST_DEVICES", "find", "builtin_state", "learn_autocast_bits",
-           "agrees", "install"]
+           "AutocastKeys", "agrees", "install"]
