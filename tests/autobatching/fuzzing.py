@@ -83,7 +83,8 @@ BRANCH_COND = ("k_gt", "sum_gt", "any_gt", "item_int", "argmax_table", "inst_c")
 MISC = ("einsum", "outer", "dot", "layer_norm", "normalize", "conv1d", "T_prop", "zeros_created", "int_ops",
         "where_inst", "nested_block", "same_output_twice", "dropout_eval", "cross_entropy", "shared_buffer",
         "copysign_inst", "memo", "param_row_n", "param_view_mix", "row_products")
-NEWFACT = ("new_ones", "zeros_like", "full_like", "new_full", "where_const")
+NEWFACT = ("new_ones", "zeros_like", "full_like", "new_full", "where_const",
+           "full_tuple", "arange_pos", "zeros_inplace", "eye_mv")  # (the last four: constant leaves)
 # issue 15: thread state, in-place writes, hooks, buffers; issue 14: ragged blocks
 GRADCTX = ("no_grad", "enable_grad", "set_grad_false")
 INPLACE = ("setitem", "mask_fill", "add_chain", "iadd", "view_write", "clamp_relu_")
@@ -103,7 +104,8 @@ def _statement(depth: int):
         st.tuples(st.just("shape"), st.sampled_from(SHAPE)),
         st.tuples(st.just("dtype"), st.sampled_from(DTYPE)),
         st.tuples(st.just("newfact"), st.sampled_from(NEWFACT)),
-        st.tuples(st.just("embed"), st.sampled_from(("one", "all", "f_embedding", "block_proj")),
+        st.tuples(st.just("embed"), st.sampled_from(("one", "all", "f_embedding", "block_proj", "one_list",
+                                                     "as_tensor_pair", "float_list")),
                   st.integers(0, 3)),
         st.tuples(st.just("seq"), st.sampled_from(_allowed("seq", SEQ))),
         st.tuples(st.just("cell"), st.sampled_from(CELL)),
@@ -470,6 +472,17 @@ def _newfact(name, h):
         return h - h.new_full((h.shape[0],), 0.25)
     if name == "where_const":
         return torch.where(h > 0.5, torch.ones_like(h), h)
+    d = h.shape[0]
+    if name == "full_tuple":
+        return h * torch.full((d,), 0.5)
+    if name == "arange_pos":
+        return h + torch.arange(d) * 0.01
+    if name == "zeros_inplace":
+        z = torch.zeros(d, dtype=h.dtype)
+        z += h
+        return z
+    if name == "eye_mv":
+        return torch.eye(d, dtype=h.dtype) @ h
     raise AssertionError(name)
 
 
@@ -481,6 +494,12 @@ def _embed(name, j, h, inst, P):
         return h + P.emb(torch.tensor(ids)).sum(0)
     if name == "f_embedding":
         return h * F.embedding(torch.tensor(ids[-1]), P.emb.weight).tanh()
+    if name == "one_list":  # a (1,) id tensor, as tutorials write it (a list leaf)
+        return h + P.emb(torch.tensor([ids[j % len(ids)]]))[0]
+    if name == "as_tensor_pair":
+        return h + P.emb(torch.as_tensor([ids[0], ids[-1]])).mean(0)
+    if name == "float_list":  # per-instance Python floats as a tensor (a float list leaf)
+        return h * torch.tensor([1.0 / (1 + i) for i in ids[:2]]).sum()
     if name == "block_proj":  # a token-id block: run once per distinct id where no grad flows (dedup.py)
         blk = P.blocks.get("embed_proj")
         if blk is None:
@@ -554,7 +573,7 @@ def _misc(name, h, inst, P):
     if name == "T_prop":
         return (P.M.T @ h.unsqueeze(1)).squeeze(1) + x.T.sum(1)
     if name == "zeros_created":
-        z = torch.zeros(d)
+        z = torch.zeros(d, dtype=h.dtype)
         o = torch.ones(d, dtype=torch.float32) * inst["n"]
         return h + z + o * 0.1
     if name == "int_ops":

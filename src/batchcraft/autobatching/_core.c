@@ -38,7 +38,9 @@ static PyObject *g_TensorType = NULL;      /* torch._C.TensorBase */
 static PyObject *g_plain_tensor = NULL, *g_parameter = NULL, *g_method_wrapper = NULL;
 static PyObject *g_DtypeType = NULL;       /* torch.dtype */
 static PyObject *g_torch_tensor = NULL;    /* torch.tensor */
+static PyObject *g_torch_as_tensor = NULL; /* torch.as_tensor: of Python scalars, what torch.tensor makes */
 static PyObject *g_fill_factories = NULL;  /* (torch.zeros, torch.ones): int sizes -> rec.factory_leaf */
+static PyObject *g_const_factories = NULL; /* consts.CONST_FACTORIES: other calls -> rec.mode_call */
 static PyObject *s_factory_leaf = NULL;
 static PyObject *g_tf_push = NULL;         /* torch._C._push_on_torch_function_stack */
 static PyObject *g_tf_pop = NULL;          /* torch._C._pop_torch_function_stack */
@@ -50,6 +52,8 @@ static PyTypeObject *g_LazyType = NULL;    /* lazy.LazyTensor (the Python subcla
 static int g_int_did = 0, g_bool_did = 0;
 static PyObject *g_float_dids = NULL;      /* dict dtype -> did for torch.tensor(float) */
 static PyObject *g_scalar_dids = NULL;     /* dict dtype -> did of a 0-d CPU tensor of that dtype */
+static PyObject *g_list_did = NULL;        /* Python: (element did, n) -> did of shape (n,) like it */
+static PyObject *g_list_dids = NULL;       /* dict element did * 128 + n -> that did (a cache) */
 static PyObject *g_cpu_device = NULL;      /* torch.device("cpu") */
 static PyObject *g_int64_dtype = NULL, *g_bool_dtype = NULL;  /* torch.int64, torch.bool */
 
@@ -1351,6 +1355,54 @@ static PyObject *scalar_leaf(RecObject *self, PyObject *v, int forced_did) {
     return nd < 0 ? NULL : (PyObject *)new_lazy((PyObject *)self, nd, 0, did);
 }
 
+/* torch.tensor([word_id]) made in C (recorder.RecorderBase.list_leaf): a list or tuple of 1 to
+   MAX_LIST_LEAF Python scalars of one exact type (ints within int64), dtype= NULL/None or one that
+   holds any Python scalar (g_scalar_dids: a narrow integer dtype can overflow, and eager raises at
+   the call), device= as scalar_did takes it. A leaf of shape (n,) holding a copy of the values
+   (the caller may change its list afterwards); gather.stack_leaves makes the leaves of one
+   descriptor one tensor. NULL without an error: the caller takes another path. */
+#define MAX_LIST_LEAF 64
+static PyObject *list_leaf_c(RecObject *self, PyObject *v, PyObject *dt, PyObject *dev) {
+    if (!PyList_CheckExact(v) && !PyTuple_CheckExact(v)) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+    if (n < 1 || n > MAX_LIST_LEAF) return NULL;
+    PyObject **items = PySequence_Fast_ITEMS(v);
+    PyTypeObject *t0 = Py_TYPE(items[0]);
+    if (t0 != &PyLong_Type && t0 != &PyFloat_Type && t0 != &PyBool_Type) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (Py_TYPE(items[i]) != t0) return NULL;
+        if (t0 == &PyLong_Type) {
+            int of = 0;
+            PyLong_AsLongLongAndOverflow(items[i], &of);
+            if (of) return NULL;
+        }
+    }
+    if (dt == Py_None) dt = NULL;
+    if (dt) {
+        int known = PyDict_Contains(g_scalar_dids, dt);
+        if (known <= 0) { if (known < 0) PyErr_Clear(); return NULL; }
+    }
+    int elem = scalar_did(self, items[0], dt, dev);
+    if (elem <= 0) return NULL;  /* (-1: its error stands) */
+    PyObject *key = PyLong_FromLong((long)elem * 128 + (long)n);
+    if (!key) return NULL;
+    PyObject *d = PyDict_GetItemWithError(g_list_dids, key);  /* borrowed */
+    if (!d) {
+        if (PyErr_Occurred()) { Py_DECREF(key); return NULL; }
+        d = PyObject_CallFunction(g_list_did, "in", elem, n);
+        if (!d || PyDict_SetItem(g_list_dids, key, d) < 0) { Py_XDECREF(d); Py_DECREF(key); return NULL; }
+        Py_DECREF(d);  /* (the dict holds it) */
+    }
+    Py_DECREF(key);
+    int did = (int)PyLong_AsLong(d);
+    if (did <= 0) return NULL;
+    PyObject *vals = PyTuple_CheckExact(v) ? Py_NewRef(v) : PyList_AsTuple(v);
+    if (!vals) return NULL;
+    Py_ssize_t nd = add_leaf_c(self, Py_None, vals, did, 0);
+    Py_DECREF(vals);
+    return nd < 0 ? NULL : (PyObject *)new_lazy((PyObject *)self, nd, 0, did);
+}
+
 /* ---- static-block calls ---------------------------------------------------------------------- */
 static PyObject *block_slow(RecObject *self, PyObject *block, PyObject *const *args, Py_ssize_t nargs,
                             PyObject *kwargs, KeyBuf *kr, KeyBuf *kp) {
@@ -2446,7 +2498,18 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
             r = plain_property(func, PyTuple_GET_ITEM(targs, 0));
             if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
         }
-        if (func == g_torch_tensor && n == 1) {
+        if ((func == g_torch_tensor || func == g_torch_as_tensor) && n == 1) {
+            PyObject *v0 = PyTuple_GET_ITEM(targs, 0);
+            if (PyList_CheckExact(v0) || PyTuple_CheckExact(v0)) {
+                PyObject *ldt = NULL, *ldev = NULL, *k, *val;
+                int kw_ok = 1;
+                Py_ssize_t pos = 0;
+                while (kw_ok && fkw && PyDict_Next(fkw, &pos, &k, &val)) kw_ok = scalar_kws(k, val, &ldt, &ldev);
+                if (kw_ok) {
+                    r = list_leaf_c((RecObject *)rec, v0, ldt, ldev);
+                    if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
+                }
+            }
             r = list_tensor_leaf(rec, func, targs, fkw);
             if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
             PyObject *v = PyTuple_GET_ITEM(targs, 0);
@@ -2489,6 +2552,14 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
                 Py_DECREF(targs);
                 return r;
             }
+        }
+        if (g_const_factories) {  /* torch.full((3,), 2.0), torch.zeros((1, h)), torch.arange(n): consts.py */
+            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_const_factories); i++)
+                if (PyTuple_GET_ITEM(g_const_factories, i) == func) {
+                    r = py_mode_call(rec, func, targs, fkw);
+                    Py_DECREF(targs);
+                    return r;
+                }
         }
         r = rec_record_impl(rec, func, &PyTuple_GET_ITEM(targs, 0), n, fkw);
     } else {
@@ -2679,9 +2750,20 @@ static PyObject *py_fast_tensor(PyObject *m, PyObject *const *args, size_t nargs
         PyObject *v = args[0];
         PyTypeObject *t = Py_TYPE(v);
         int ok = t == &PyLong_Type || t == &PyFloat_Type || t == &PyBool_Type;
+        int seq = !ok && (t == &PyList_Type || t == &PyTuple_Type);
         PyObject *dt = NULL, *dev = NULL;
-        for (Py_ssize_t i = 0; ok && kwnames && i < PyTuple_GET_SIZE(kwnames); i++)
-            ok = scalar_kws(PyTuple_GET_ITEM(kwnames, i), args[nargs + i], &dt, &dev);
+        int kw_ok = 1;
+        for (Py_ssize_t i = 0; kw_ok && (ok || seq) && kwnames && i < PyTuple_GET_SIZE(kwnames); i++)
+            kw_ok = scalar_kws(PyTuple_GET_ITEM(kwnames, i), args[nargs + i], &dt, &dev);
+        if (!kw_ok) ok = seq = 0;
+        if (seq) {
+            int top = rec_mode_on_top(rec);
+            if (top < 0) return NULL;
+            if (top) {
+                PyObject *r = list_leaf_c((RecObject *)rec, v, dt, dev);
+                if (r || PyErr_Occurred()) return r;
+            }
+        }
         if (ok) {
             int top = rec_mode_on_top(rec);
             if (top < 0) return NULL;
@@ -3440,11 +3522,12 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!", &PyDict_Type, &d)) return NULL;
 #define GET(var, key) do { PyObject *o_ = PyDict_GetItemString(d, key); \
     if (!o_) { PyErr_Format(PyExc_KeyError, "setup: missing %s", key); return NULL; } Py_INCREF(o_); Py_XSETREF(var, o_); } while (0)
-    GET(g_TensorType, "Tensor"); GET(g_DtypeType, "dtype"); GET(g_torch_tensor, "tensor");
+    GET(g_TensorType, "Tensor"); GET(g_DtypeType, "dtype"); GET(g_torch_tensor, "tensor"); GET(g_torch_as_tensor, "as_tensor");
     GET(g_is_grad_q, "is_grad_enabled"); GET(g_any_autocast_q, "any_autocast"); GET(g_is_inference_q, "is_inference");
     GET(g_tf_push, "tf_push"); GET(g_tf_pop, "tf_pop"); GET(g_get_default_dtype, "get_default_dtype");
     GET(g_rebuild, "rebuild"); GET(g_escape, "escape"); GET(g_StaticBlock, "StaticBlock"); GET(g_float_dids, "float_dids");
-    GET(g_scalar_dids, "scalar_dids"); GET(g_cpu_device, "cpu_device");
+    GET(g_scalar_dids, "scalar_dids"); GET(g_cpu_device, "cpu_device"); GET(g_list_did, "list_did");
+    if (!g_list_dids && !(g_list_dids = PyDict_New())) return NULL;
     GET(g_int64_dtype, "int64_dtype"); GET(g_bool_dtype, "bool_dtype");
     GET(g_tf_mode_enabled_q, "tf_mode_enabled"); GET(g_tf_len_q, "tf_len"); GET(g_tf_at, "tf_at");
     GET(g_tf_enabled_q, "tf_enabled");
@@ -3455,6 +3538,8 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     GET(g_torch_dir, "torch_dir");
     PyObject *o = PyDict_GetItemString(d, "fill_factories");
     Py_XINCREF(o); Py_XSETREF(g_fill_factories, o);
+    o = PyDict_GetItemString(d, "const_factories");
+    Py_XINCREF(o); Py_XSETREF(g_const_factories, o);
     o = PyDict_GetItemString(d, "int_did");
     g_int_did = o ? (int)PyLong_AsLong(o) : 0;
     o = PyDict_GetItemString(d, "bool_did");

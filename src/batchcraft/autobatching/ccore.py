@@ -17,6 +17,7 @@ import types
 import torch
 
 from batchcraft.autobatching import _native, statereaders
+from batchcraft.autobatching.consts import CONST_FACTORIES, ConstLeaf
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.devices import device_constructors
 from batchcraft.autobatching.gather import stack_leaves, to_device
@@ -43,7 +44,7 @@ def _setup() -> None:
     float_dids = {dt: desc_id(((), dt, torch.device("cpu")))
                   for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
     _c.setup(dict(
-        Tensor=torch._C.TensorBase, dtype=torch.dtype, tensor=torch.tensor, is_grad_enabled=torch.is_grad_enabled,
+        Tensor=torch._C.TensorBase, dtype=torch.dtype, tensor=torch.tensor, as_tensor=torch.as_tensor, is_grad_enabled=torch.is_grad_enabled,
         any_autocast=getattr(torch._C, "_is_any_autocast_enabled", lambda: torch.is_autocast_enabled()),
         is_inference=torch.is_inference_mode_enabled, tf_push=torch._C._push_on_torch_function_stack,
         tf_pop=torch._C._pop_torch_function_stack, get_default_dtype=torch.get_default_dtype, rebuild=rebuild,
@@ -55,9 +56,10 @@ def _setup() -> None:
         scalar_dids={dt: desc_id(((), dt, torch.device("cpu")))
                      for dt in (torch.int64, torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64)},
         bool_did=desc_id(((), torch.bool, torch.device("cpu"))),
+        list_did=lambda elem, n: desc_id(((n,),) + DESCS[elem][1:]),  # torch.tensor([...]) leaves
         tf_mode_enabled=torch._C._is_torch_function_mode_enabled, tf_len=torch._C._len_torch_function_stack,
         tf_at=torch._C._get_function_stack_at, tf_enabled=torch._C._is_torch_function_enabled,
-        fill_factories=tuple(FILL_FACTORIES), torch_dir=TORCH_DIR, plain_tensor=torch.Tensor,
+        fill_factories=tuple(FILL_FACTORIES), const_factories=tuple(CONST_FACTORIES), torch_dir=TORCH_DIR, plain_tensor=torch.Tensor,
         parameter=torch.nn.Parameter, method_wrapper=type(torch.Tensor.data.__get__)))
     SIGNATURES.on_clear(_c.clear_signatures)
     if os.environ.get("BATCHCRAFT_STATE_READERS", "1") != "0":  # (0: torch's builtins answer, as before)
@@ -142,6 +144,10 @@ class CRecorder(_c.Recorder, RecorderBase):
     # -- leaves --------------------------------------------------------------------------------------
     def leaf_value(self, node):
         rec = self.leaf_record(node)
+        if rec[0] is None and type(rec[1]) is ConstLeaf:
+            t = rec[1].tensor()  # (its own copy: it may be written in place)
+            self.set_leaf(node, t, None)
+            return t
         if rec[0] is None:
             dtype, dev, _ = scalar_spec(rec[1], DESCS[rec[2]][1], DESCS[rec[2]][2])
             with torch._C.DisableTorchFunction():

@@ -14,6 +14,7 @@ from array import array as _array
 
 import torch
 
+from batchcraft.autobatching.consts import ConstLeaf
 from batchcraft.autobatching.threadstate import is_transform_wrapped as _wrapped
 from batchcraft.autobatching.threadstate import tangents_possible
 
@@ -386,9 +387,17 @@ def take_all(buffers, plans, defer=(), refs=(), skip=()) -> list:
 def stack_leaves(records, desc, value_of, nodes) -> torch.Tensor:
     """One tensor of leaves with descriptor ``desc``: ``records[i]`` is ``[tensor, pyvalue, did]``.
 
-    ``torch.tensor(scalar)`` leaves become one tensor of their Python scalars, others a stack.
+    ``torch.tensor(scalar)`` and ``torch.tensor([scalars])`` leaves become one tensor of their
+    Python scalars, others a stack.
     """
     shape, dtype, device = desc
+    if any(type(r[1]) is ConstLeaf for r in records):  # constant factories' leaves (consts.py)
+        first = records[0][1]
+        if all(r[0] is None and r[1] is first for r in records):  # one template: expanded, copied
+            return first.template.expand((len(records),) + tuple(shape)).contiguous()
+        return torch.stack([r[0] if r[0] is not None else value_of(nd) for r, nd in zip(records, nodes)])
+    if len(shape) == 1 and all(r[0] is None and type(r[1]) is tuple for r in records):
+        return to_device(torch.tensor([r[1] for r in records], dtype=dtype), device)  # (k, n): one call
     if not shape and all(r[1] is not None for r in records):
         vals = [r[1] for r in records]
         if dtype is torch.int64 and all(type(v) is int for v in vals):

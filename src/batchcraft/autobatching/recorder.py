@@ -23,10 +23,12 @@ from weakref import ref as _weakref
 import torch
 
 from batchcraft.autobatching import buffers as _buffers
+from batchcraft.autobatching import consts
 from batchcraft.autobatching import views as _views
 from batchcraft.autobatching import cells as _cells
 from batchcraft.autobatching import embedding as _embedding
 from batchcraft.autobatching import functional as _functional
+from batchcraft.autobatching.consts import CONST_FACTORIES, ConstLeaf
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.devices import concrete_device, factory_device, with_factory_device
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
@@ -43,9 +45,14 @@ _StaticBlock = None  # set below (blocks import this module)
 _Tensor = torch.Tensor
 _DisableTorchFunction = torch._C.DisableTorchFunction
 _torch_tensor = torch.tensor
-#: factories whose int-size calls become leaves directly (:meth:`RecorderBase.factory_leaf`)
+_TENSOR_FROM_DATA = (torch.tensor, torch.as_tensor)  # the same tensor of Python scalars
+#: factories whose int-size calls the C core hands to :meth:`RecorderBase.factory_leaf` directly
 FILL_FACTORIES = frozenset({torch.zeros, torch.ones})
 _PY_SCALARS = (int, float, bool)
+
+
+def _did_of(t: torch.Tensor) -> int:
+    return desc_id((tuple(t.shape), t.dtype, t.device))
 _NO_HANDLER = torch._C._disabled_torch_function_impl
 _TENSOR_FLOAT = torch.Tensor.__float__
 
@@ -80,6 +87,23 @@ def _run_with_subclass_handler(func, sub, args, kwargs):
     return t.__torch_function__(func, (t,), args, kwargs or {})
 _SCALAR_KW = frozenset({"dtype", "device"})
 _I64 = 2 ** 63
+#: ``torch.tensor([...])`` of at most this many Python scalars of one type is a list leaf
+MAX_LIST_LEAF = 64
+#: dtypes that hold any Python scalar as eager would (a narrow integer dtype can overflow, and
+#: eager raises at the call: those take the general path)
+LIST_LEAF_DTYPES = frozenset({None, torch.int64, torch.bool, torch.float16, torch.bfloat16, torch.float32,
+                              torch.float64})
+
+
+def list_of_scalars(v) -> bool:
+    """Is ``v`` a list or tuple of 1 to :data:`MAX_LIST_LEAF` Python scalars of one type (ints within
+    int64), which ``torch.tensor`` turns into a 1-d tensor without looking at anything else?"""
+    if type(v) not in (list, tuple) or not 0 < len(v) <= MAX_LIST_LEAF:
+        return False
+    t = type(v[0])
+    if t not in _PY_SCALARS or any(type(x) is not t for x in v):
+        return False
+    return t is not int or all(-_I64 <= x < _I64 for x in v)
 _CPU = torch.device("cpu")
 _Uninitialized = torch.nn.parameter.UninitializedTensorMixin
 _NO_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
@@ -424,22 +448,42 @@ class RecorderBase:
         """A torch call seen by the recording mode (any arguments)."""
         if self.factory_device is not None:
             kwargs = with_factory_device(func, kwargs, self.factory_device)
-        if (func is _torch_tensor and len(args) == 1 and type(args[0]) in _PY_SCALARS
+        if (func in _TENSOR_FROM_DATA and len(args) == 1 and type(args[0]) in _PY_SCALARS
                 and (not kwargs or kwargs.keys() <= _SCALAR_KW)
                 and (type(args[0]) is not int or -_I64 <= args[0] < _I64)):  # else: fails now, here
             return self.scalar_leaf(args[0], kwargs.get("dtype"), kwargs.get("device"))
-        if func in FILL_FACTORIES and not kwargs and args and all(type(a) is int for a in args):
-            return self.factory_leaf(func, args)
+        if (func in _TENSOR_FROM_DATA and len(args) == 1 and (not kwargs or kwargs.keys() <= _SCALAR_KW)
+                and list_of_scalars(args[0])):
+            dt = kwargs.get("dtype") if kwargs else None
+            if dt is None or (type(dt) is torch.dtype and dt in LIST_LEAF_DTYPES):
+                return self.list_leaf(tuple(args[0]), dt, kwargs.get("device") if kwargs else None)
+        if func in CONST_FACTORIES:
+            k = consts.key(func, args, kwargs)
+            if k is not None:
+                return self.const_leaf(func, args, kwargs, k)
         return self.record(func, args, kwargs or {})
 
+    def list_leaf(self, values: tuple, dtype=None, device=None):
+        """``torch.tensor([word_id])``: a leaf of shape ``(len(values),)`` whose tensor is made only
+        if needed; the leaves of one descriptor become one tensor (``gather.stack_leaves``). Before,
+        each call ran the general path and made its tensor (about 7 µs)."""
+        dt, dev, _ = scalar_spec(values[0], dtype, device)
+        did = desc_id(((len(values),), dt, dev))
+        node = self.add_leaf(None, values, did, False)
+        return _Lazy(self, node, 0, did)
+
     def factory_leaf(self, func, args):
-        """``torch.zeros(3, 4)`` (a fill factory, int sizes, no keywords): made now, a
-        per-instance leaf, as :meth:`run_concrete` makes it, without the general path's checks
-        (12 -> 3 µs a call: a leaf state of every tree node is ``torch.zeros(hidden)``)."""
-        with _DisableTorchFunction():
-            out = func(*args)
-            did = desc_id((args, out.dtype, out.device))  # (int sizes: the shape itself)
-        node = self.add_leaf(out, None, did, False)
+        """``torch.zeros(3, 4)`` (a fill factory, int sizes, no keywords; the C core's shortcut):
+        :meth:`const_leaf`."""
+        return self.const_leaf(func, args, None, consts.key(func, args, None))
+
+    def const_leaf(self, func, args, kwargs, k):
+        """A constant factory's call (``consts.py``, key ``k``): a leaf standing for a copy of the
+        call's template, or, when no template is kept, a leaf of the tensor made now."""
+        did, value = consts.template(func, args, kwargs, k, _did_of)
+        if did is None:
+            return self.leaf(value)
+        node = self.add_leaf(None, value, did, False)
         return _Lazy(self, node, 0, did)
 
     def scalar_leaf(self, v, dtype=None, device=None):
@@ -948,7 +992,9 @@ class PyRecorder(RecorderBase):
 
     def leaf_value(self, node):
         rec = self.leaves[node]
-        if rec[0] is None:
+        if rec[0] is None and type(rec[1]) is ConstLeaf:
+            rec[0], rec[1] = rec[1].tensor(), None  # (its own copy: it may be written in place)
+        elif rec[0] is None:
             dtype, dev, _ = scalar_spec(rec[1], DESCS[rec[2]][1], DESCS[rec[2]][2])
             with torch._C.DisableTorchFunction():
                 rec[0] = torch.tensor(rec[1], dtype=dtype, device=dev)
