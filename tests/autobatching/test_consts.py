@@ -169,3 +169,23 @@ def test_steady_calls_make_constants_without_the_general_path(monkeypatch):
     assert [c for c in calls if c != "_set_grad_enabled"] == [], calls
     for o, x in zip(out, xs):
         torch.testing.assert_close(o, fn(x))
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_factories_with_tensor_arguments_device_contexts_and_other_spellings(core):
+    from torch import zeros as module_level_zeros  # bound outside the call: the real function
+
+    def fn(x):
+        a = torch.full((2,), x.sum())            # a tensor fill value: not a constant
+        b = torch.arange(x.shape[0], dtype=torch.float32)
+        with torch.device("cpu"):
+            c = torch.ones(2)                    # under a device context
+        d = module_level_zeros(2) + getattr(torch, "eye")(2)[0]
+        e = torch.zeros(2, dtype=None) + torch.zeros(size=(2,))
+        return a, b.sum(), c, d, e
+
+    xs = [torch.randn(n) for n in (1, 3, 2)]
+    for _ in range(2):
+        for out, x in zip(autobatch(fn, core=core)(xs), xs):
+            for o, r in zip(out, fn(x)):
+                _same(o, r)

@@ -41,6 +41,8 @@ static PyObject *g_torch_tensor = NULL;    /* torch.tensor */
 static PyObject *g_torch_as_tensor = NULL; /* torch.as_tensor: of Python scalars, what torch.tensor makes */
 static PyObject *g_fill_factories = NULL;  /* (torch.zeros, torch.ones): int sizes -> rec.factory_leaf */
 static PyObject *g_const_factories = NULL; /* consts.CONST_FACTORIES: other calls -> rec.mode_call */
+static PyObject *g_const_cache = NULL;     /* bytes of a constant call's key -> (did, ConstLeaf) */
+#define MAX_CONST_KEYS 1024
 static PyObject *s_factory_leaf = NULL;
 static PyObject *g_tf_push = NULL;         /* torch._C._push_on_torch_function_stack */
 static PyObject *g_tf_pop = NULL;          /* torch._C._pop_torch_function_stack */
@@ -172,7 +174,7 @@ static int g_ready = 0;                    /* setup() ran */
 
 static PyObject *s_leaf = NULL;
 static PyObject *s_record, *s_general, *s_requires_grad, *s_sig_entry, *s_materialize_leaves,
-    *s_pending_limit, *s_step_limit, *s_inplace, *s_mode_call, *s_mode, *s_under_user_mode, *s_block_slow, *s_check_fp,
+    *s_pending_limit, *s_step_limit, *s_inplace, *s_const_entry, *s_mode_call, *s_mode, *s_under_user_mode, *s_block_slow, *s_check_fp,
     *s_batchcraft_block, *s_fn, *s_register_view, *s_dunder_tf, *s_for_handler;
 
 static PyTypeObject LazyBaseType, RecorderType, ModeType, LazyMethodType, BlockCallType;
@@ -2469,6 +2471,84 @@ static PyObject *list_tensor_leaf(PyObject *rec, PyObject *func, PyObject *targs
     return r;
 }
 
+/* A constant factory's call (consts.py: torch.zeros((1, h)), torch.full((3,), 2.0), torch.arange(n))
+   with Python ints, floats, bools and tuples or lists of ints as arguments and at most dtype= as a
+   keyword: a leaf standing for the call's template, found by the call's key (the function, each
+   argument with its type, floats by their bits, the dtype and the default dtype) in a cache that
+   rec.const_entry fills. const_entry answers anything else itself (a leaf of a tensor made now,
+   or the general path's value); NULL without error: the caller takes the Python path. */
+static PyObject *const_leaf_c(RecObject *self, PyObject *func, PyObject *targs, PyObject *fkw) {
+    uint64_t w[64];
+    int n = 0;
+    w[n++] = (uint64_t)(uintptr_t)func;
+    Py_ssize_t na = PyTuple_GET_SIZE(targs);
+    for (Py_ssize_t i = 0; i < na; i++) {
+        PyObject *a = PyTuple_GET_ITEM(targs, i);
+        PyTypeObject *t = Py_TYPE(a);
+        if (n > 52) return NULL;
+        if (t == &PyBool_Type) w[n++] = TAG(K_BOOL, a == Py_True);
+        else if (t == &PyLong_Type || t == &PyFloat_Type) {
+            uint64_t bits;
+            if (t == &PyLong_Type) {
+                int of = 0;
+                long long v = PyLong_AsLongLongAndOverflow(a, &of);
+                if (of || (v == -1 && PyErr_Occurred())) { PyErr_Clear(); return NULL; }
+                bits = (uint64_t)v;
+            } else {
+                double d = PyFloat_AS_DOUBLE(a);
+                memcpy(&bits, &d, 8);
+            }
+            w[n++] = TAG(t == &PyLong_Type ? K_INT : K_FLOAT, 0);
+            w[n++] = bits;
+        } else if (t == &PyTuple_Type || t == &PyList_Type) {
+            Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
+            PyObject **items = PySequence_Fast_ITEMS(a);
+            if (m > 8) return NULL;
+            w[n++] = TAG(K_TUPLE, m);
+            for (Py_ssize_t j = 0; j < m; j++) {
+                if (Py_TYPE(items[j]) != &PyLong_Type) return NULL;
+                int of = 0;
+                long long v = PyLong_AsLongLongAndOverflow(items[j], &of);
+                if (of || (v == -1 && PyErr_Occurred())) { PyErr_Clear(); return NULL; }
+                w[n++] = (uint64_t)v;
+            }
+        } else return NULL;
+    }
+    if (fkw) {
+        Py_ssize_t pos = 0; PyObject *k, *v;
+        while (PyDict_Next(fkw, &pos, &k, &v)) {
+            if (PyUnicode_CompareWithASCIIString(k, "dtype") != 0) return NULL;
+            if (v != Py_None && (PyObject *)Py_TYPE(v) != g_DtypeType) return NULL;
+            w[n++] = TAG(K_OBJ, 0); w[n++] = (uint64_t)(uintptr_t)v;  /* (dtypes live as long as torch) */
+        }
+    }
+    PyObject *dd = PyObject_CallNoArgs(g_get_default_dtype);
+    if (!dd) return NULL;
+    w[n++] = (uint64_t)(uintptr_t)dd;
+    Py_DECREF(dd);
+    PyObject *key = PyBytes_FromStringAndSize((const char *)w, (Py_ssize_t)n * 8);
+    if (!key) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(g_const_cache, key);  /* borrowed */
+    if (entry) Py_INCREF(entry);
+    else {
+        if (PyErr_Occurred()) { Py_DECREF(key); return NULL; }
+        PyObject *kw = fkw ? Py_NewRef(fkw) : PyDict_New();
+        entry = kw ? PyObject_CallMethodObjArgs((PyObject *)self, s_const_entry, func, targs, kw, NULL) : NULL;
+        Py_XDECREF(kw);
+        if (!entry || !PyTuple_CheckExact(entry)) { Py_DECREF(key); return entry; }  /* an error, or the value */
+        if (PyDict_GET_SIZE(g_const_cache) < MAX_CONST_KEYS && PyDict_SetItem(g_const_cache, key, entry) < 0) {
+            Py_DECREF(entry); Py_DECREF(key); return NULL;
+        }
+    }
+    Py_DECREF(key);
+    int did = PyTuple_GET_SIZE(entry) == 2 ? (int)PyLong_AsLong(PyTuple_GET_ITEM(entry, 0)) : -1;
+    Py_ssize_t nd = did > 0 ? add_leaf_c(self, Py_None, PyTuple_GET_ITEM(entry, 1), did, 0) : -1;
+    PyObject *r = nd < 0 ? NULL : (PyObject *)new_lazy((PyObject *)self, nd, 0, did);
+    Py_DECREF(entry);
+    if (!r && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "batchcraft: bad constant entry");
+    return r;
+}
+
 static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *func = nargs > 0 ? args[0] : NULL;
     PyObject *fargs = nargs > 2 ? args[2] : NULL;
@@ -2541,6 +2621,17 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
             Py_DECREF(targs);
             return r;
         }
+        if (g_const_factories) {  /* torch.zeros((1, h)), torch.full((3,), 2.0), torch.arange(n): consts.py */
+            int is_const = 0;
+            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_const_factories); i++)
+                if (PyTuple_GET_ITEM(g_const_factories, i) == func) { is_const = 1; break; }
+            if (is_const) {
+                r = const_leaf_c((RecObject *)rec, func, targs, fkw);
+                if (!r && !PyErr_Occurred()) r = py_mode_call(rec, func, targs, fkw);
+                Py_DECREF(targs);
+                return r;
+            }
+        }
         if (!fkw && n > 0 && g_fill_factories) {
             int fill = 0;
             for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_fill_factories); i++)
@@ -2552,14 +2643,6 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
                 Py_DECREF(targs);
                 return r;
             }
-        }
-        if (g_const_factories) {  /* torch.full((3,), 2.0), torch.zeros((1, h)), torch.arange(n): consts.py */
-            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_const_factories); i++)
-                if (PyTuple_GET_ITEM(g_const_factories, i) == func) {
-                    r = py_mode_call(rec, func, targs, fkw);
-                    Py_DECREF(targs);
-                    return r;
-                }
         }
         r = rec_record_impl(rec, func, &PyTuple_GET_ITEM(targs, 0), n, fkw);
     } else {
@@ -3062,6 +3145,14 @@ static PyObject *push_mode(PyObject *mode, PyObject *out) {
    every other call goes to the original. Attributes read through to the original. */
 typedef struct { PyObject_HEAD vectorcallfunc vectorcall; PyObject *original; } FastFnObject;
 
+/* 1 when a positional or keyword argument is a tensor (lazy or not): not a constant call */
+static int kwnames_have_lazy(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Py_ssize_t n = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (IS_LAZY(args[i]) || PyObject_TypeCheck(args[i], (PyTypeObject *)g_TensorType)) return 1;
+    return 0;
+}
+
 
 static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
@@ -3072,6 +3163,35 @@ static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size
         if (!lazy && (PyList_CheckExact(a0) || PyTuple_CheckExact(a0)) && PySequence_Fast_GET_SIZE(a0) > 0) {
             PyObject *e = PySequence_Fast_GET_ITEM(a0, 0);
             lazy = IS_LAZY(e) && ((LazyObject *)e)->rec == rec;
+        }
+        if (!lazy && g_const_factories && !kwnames_have_lazy(args, nargs, kwnames)) {
+            /* torch.zeros((1, h)) and the other constant factories (consts.py): the cached
+               template's leaf, without torch's dispatch to the mode (about 1 µs) */
+            int is_const = 0;
+            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_const_factories); i++)
+                if (PyTuple_GET_ITEM(g_const_factories, i) == ff->original) { is_const = 1; break; }
+            int enabled = is_const ? q_tf_enabled() : 0;
+            if (enabled < 0) return NULL;
+            int top = enabled ? rec_mode_on_top(rec) : 0;
+            if (top < 0) return NULL;
+            int dfac = top ? is_device_factory((RecObject *)rec, ff->original) : 1;
+            if (dfac < 0) return NULL;
+            if (!dfac && !called_from_handler()) {
+                PyObject *kw = NULL;
+                if (kwnames && PyTuple_GET_SIZE(kwnames)) {
+                    kw = kwnames_to_dict(args, nargs, kwnames);
+                    if (!kw) return NULL;
+                }
+                PyObject *targs = PyTuple_New(nargs);
+                for (Py_ssize_t i = 0; targs && i < nargs; i++) PyTuple_SET_ITEM(targs, i, Py_NewRef(args[i]));
+                PyObject *mode = targs ? pop_mode(rec) : NULL;
+                if (!mode) { Py_XDECREF(targs); Py_XDECREF(kw); return NULL; }
+                PyObject *out = const_leaf_c((RecObject *)rec, ff->original, targs, kw);
+                if (!out && !PyErr_Occurred()) out = py_mode_call(rec, ff->original, targs, kw);
+                Py_DECREF(targs);
+                Py_XDECREF(kw);
+                return push_mode(mode, out);
+            }
         }
         if (lazy) {
             /* DisableTorchFunctionSubclass: torch's dispatch would not reach the mode either */
@@ -3540,6 +3660,7 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     Py_XINCREF(o); Py_XSETREF(g_fill_factories, o);
     o = PyDict_GetItemString(d, "const_factories");
     Py_XINCREF(o); Py_XSETREF(g_const_factories, o);
+    if (!g_const_cache && !(g_const_cache = PyDict_New())) return NULL;
     o = PyDict_GetItemString(d, "int_did");
     g_int_did = o ? (int)PyLong_AsLong(o) : 0;
     o = PyDict_GetItemString(d, "bool_did");
@@ -3721,7 +3842,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
     INTERN(s_pending_limit, "pending_limit"); INTERN(s_step_limit, "step_limit"); INTERN(s_inplace, "inplace");
-    INTERN(s_mode_call, "mode_call"); INTERN(s_leaf, "leaf"); INTERN(s_factory_leaf, "factory_leaf"); INTERN(s_mode, "mode"); INTERN(s_under_user_mode, "under_user_mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_check_fp, "_check_fingerprint");
+    INTERN(s_mode_call, "mode_call"); INTERN(s_leaf, "leaf"); INTERN(s_factory_leaf, "factory_leaf"); INTERN(s_mode, "mode"); INTERN(s_under_user_mode, "under_user_mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_const_entry, "const_entry"); INTERN(s_check_fp, "_check_fingerprint");
     INTERN(s_batchcraft_block, "_batchcraft_block"); INTERN(s_fn, "fn"); INTERN(s_register_view, "register_view"); INTERN(s_dunder_tf, "__torch_function__"); INTERN(s_for_handler, "for_handler");
     INTERN(s_forward, "forward"); INTERN(s_parameters, "_parameters"); INTERN(s_weight, "weight"); INTERN(s_bias, "bias");
     INTERN(s_max_norm, "max_norm"); INTERN(s_padding_idx, "padding_idx"); INTERN(s_norm_type, "norm_type");

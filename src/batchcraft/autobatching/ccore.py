@@ -16,14 +16,14 @@ import types
 
 import torch
 
-from batchcraft.autobatching import _native, statereaders
+from batchcraft.autobatching import _native, consts, statereaders
 from batchcraft.autobatching.consts import CONST_FACTORIES, ConstLeaf
 from batchcraft.autobatching.descs import DESCS, desc_id
 from batchcraft.autobatching.devices import device_constructors
 from batchcraft.autobatching.gather import stack_leaves, to_device
 from batchcraft.autobatching.lazy import ESCAPE_HINT
 from batchcraft.autobatching.patches import ModuleClassPatch
-from batchcraft.autobatching.recorder import RecorderBase, scalar_spec
+from batchcraft.autobatching.recorder import RecorderBase, did_of, scalar_spec
 from batchcraft.autobatching.signature import SIGNATURES, rebuild
 from batchcraft.errors import AutobatchError
 
@@ -75,6 +75,9 @@ FAST_TORCH_FUNCTIONS = (
     "sigmoid", "tanh", "relu", "exp", "log", "abs", "sqrt", "neg", "clamp", "add", "sub", "mul", "div", "matmul",
     "mm", "bmm", "dot", "sum", "mean", "amax", "amin", "max", "min", "argmax", "softmax", "log_softmax", "cat",
     "stack", "squeeze", "unsqueeze", "flatten", "reshape", "transpose", "where", "maximum", "minimum")
+#: constant factories (consts.py) read the same way: a call with no tensor argument is the cached
+#: template's leaf without torch's dispatch to the mode (about 1 µs less a call)
+FAST_CONST_FACTORIES = ("zeros", "ones", "full", "arange", "eye")
 
 
 def _recording_torch_class() -> type:
@@ -84,7 +87,7 @@ def _recording_torch_class() -> type:
     device_constructors()
     attrs = {"__slots__": (), "__module__": "batchcraft.autobatching.ccore",
              "tensor": _c.RecordingAttr("tensor", torch.tensor, _c.fast_tensor)}
-    for name in FAST_TORCH_FUNCTIONS:
+    for name in FAST_TORCH_FUNCTIONS + FAST_CONST_FACTORIES:
         fn = getattr(torch, name, None)
         if fn is not None and type(fn) is types.BuiltinFunctionType:  # torch's C bindings only
             attrs[name] = _c.RecordingAttr(name, fn, _c.FastFn(fn))
@@ -191,6 +194,16 @@ class CRecorder(_c.Recorder, RecorderBase):
 
     def mode_call(self, func, args, kwargs):
         return RecorderBase.mode_call(self, func, args, kwargs)
+
+    def const_entry(self, func, args, kwargs):
+        """For the core's cache of constant factories' calls: ``(did, ConstLeaf)`` of the call
+        (consts.py), or, when it keeps no template, the call's value itself (a leaf of the tensor
+        made now, or what the mode's path gives)."""
+        k = consts.key(func, args, kwargs)
+        if k is None:
+            return RecorderBase.mode_call(self, func, args, kwargs)
+        did, value = consts.template(func, args, kwargs, k, did_of)
+        return (did, value) if did is not None else self.leaf(value)
 
     def scalar_leaf(self, v, dtype=None, device=None):
         if dtype is None and device is None:

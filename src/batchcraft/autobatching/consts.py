@@ -11,7 +11,9 @@ to instance code or written.
 
 Before, each call ran the general recording path and made its tensor (``torch.zeros(hidden)``
 for every leaf of a plain tree model: 4 µs; ``torch.zeros((1, hidden))`` or ``torch.arange(n)``:
-12-14 µs).
+12-14 µs). The C core finds a call's template in a cache keyed by the call's arguments
+(``const_leaf_c``, filled by ``CRecorder.const_entry``) and reads these factories as fast
+functions while a call records: about 0.8 µs a call, where eager's call costs 1.4-2.1 µs.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ FILL_FACTORIES = frozenset({torch.zeros, torch.ones})
 _PY_SCALARS = (int, float, bool)
 
 
-def _did_of(t: torch.Tensor) -> int:
+def did_of(t: torch.Tensor) -> int:
+    """The descriptor id of a concrete tensor."""
     return desc_id((tuple(t.shape), t.dtype, t.device))
 _NO_HANDLER = torch._C._disabled_torch_function_impl
 _TENSOR_FLOAT = torch.Tensor.__float__
@@ -480,7 +481,7 @@ class RecorderBase:
     def const_leaf(self, func, args, kwargs, k):
         """A constant factory's call (``consts.py``, key ``k``): a leaf standing for a copy of the
         call's template, or, when no template is kept, a leaf of the tensor made now."""
-        did, value = consts.template(func, args, kwargs, k, _did_of)
+        did, value = consts.template(func, args, kwargs, k, did_of)
         if did is None:
             return self.leaf(value)
         node = self.add_leaf(None, value, did, False)
