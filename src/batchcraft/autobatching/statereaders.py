@@ -142,12 +142,14 @@ class AutocastKeys:
     """
 
     MAX_KEYS = 4096
+    #: (devices, dtypes, cache) -> id, for the process: the core's signature table outlives any one
+    #: instance (statereaders.install may run again), so an id never changes its meaning
+    _ids: dict = {}
+    _next = itertools.count(1)  # (atomic: threads that add keys at once get distinct ids)
 
     def __init__(self, bits: dict):
         self.bits = dict(bits)
         self._devices: dict = {}  # word -> the devices on
-        self._ids: dict = {}      # (devices, dtypes, cache) -> id
-        self._next = itertools.count(1)  # (atomic: threads that add keys at once get distinct ids)
 
     def __call__(self, word: int) -> int | None:
         devices = self._devices.get(word)
