@@ -145,3 +145,28 @@ def test_steady_calls_make_list_leaves_without_the_general_path(monkeypatch):
         assert [c for c in calls if c != "_set_grad_enabled"] == [], calls
         for o, s in zip(out, sentences):
             torch.testing.assert_close(o, fn(s))
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("make", [
+    lambda bad: torch.tensor([1.0, float("nan") if bad else 2.0], dtype=torch.int64),
+    lambda bad: torch.as_tensor((1e30 if bad else 2.0,), dtype=torch.int64),
+    lambda bad: torch.tensor(float("inf") if bad else 2.0, dtype=torch.int64),
+    lambda bad: torch.as_tensor(300 if bad else 3, dtype=torch.int8),
+    lambda bad: torch.as_tensor(1e20 if bad else 0.0, dtype=torch.int32),
+], ids=["list-nan", "as_tensor-list-1e30", "scalar-inf", "as_tensor-int8", "as_tensor-int32"])
+def test_conversions_eager_refuses_raise_at_the_call_and_can_be_caught(core, make):
+    # reliability #256: float into int64 (and as_tensor scalars into narrow ints) converted at the
+    # flush: a bare RuntimeError naming no instance, which instance code could not catch
+    with pytest.raises(InstanceError, match="cannot be converted") as info:
+        autobatch(lambda i: make(i == 2) + 0, core=core)([0, 1, 2, 3])
+    assert info.value.instance == 2
+
+    def caught(i):
+        try:
+            return make(i == 2).reshape(-1)[:1].to(torch.int64) + 0
+        except RuntimeError:
+            return torch.tensor([-1])
+
+    out = autobatch(caught, core=core)([0, 1, 2, 3])
+    assert [o.tolist() for o in out] == [caught(i).tolist() for i in range(4)]

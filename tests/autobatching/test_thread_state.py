@@ -780,3 +780,60 @@ def test_grad_mode_turned_off_by_an_instance_that_raises_is_confined_to_it(core)
     with pytest.raises(Exception, match="stop"):
         autobatch(fn, core=core)([0, 1, 2])
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("fibers", [True, False])
+@pytest.mark.parametrize("core", CORES)
+def test_the_autocast_cache_switch_is_the_callers_after_the_call(core, fibers):
+    # reliability #257: autocast's cast cache switched off inside instance code stayed off in the
+    # caller's thread (a caller without autocast was captured as None, which set no cache switch)
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            h = lin(x)
+        if fibers:
+            _ = h.sum().item()  # a wait: the fiber leaves and comes back
+        return h
+
+    def state():
+        return torch.is_autocast_cache_enabled(), torch.is_autocast_enabled("cpu")
+
+    xs = [torch.randn(4) for _ in range(3)]
+    for caller in (True, False):
+        try:
+            torch.set_autocast_cache_enabled(caller)
+            ref = [fn(x) for x in xs]
+            want = state()  # (torch's own exit leaves autocast on when the cache was off before)
+            torch.set_autocast_cache_enabled(caller)
+            torch.set_autocast_enabled("cpu", False)
+            out = autobatch(fn, core=core, fibers=fibers)(xs)
+            assert state() == want, caller
+        finally:
+            torch.set_autocast_cache_enabled(True)
+            torch.set_autocast_enabled("cpu", False)
+        for o, r in zip(out, ref):
+            torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("fibers", [True, False])
+@pytest.mark.parametrize("core", CORES)
+def test_inference_mode_false_inside_the_callers_inference_mode_keeps_gradients(core, fibers):
+    # reliability #258: the outputs said requires_grad but were leaves without history (their rows
+    # were taken under the caller's inference mode), and the weight got no gradient
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        with torch.inference_mode(False):
+            return lin(x)
+
+    xs = [torch.randn(4) for _ in range(3)]
+    with torch.inference_mode():
+        ref = [fn(x) for x in xs]
+        out = autobatch(fn, core=core, fibers=fibers)(xs)
+    for o, r in zip(out, ref):
+        assert o.requires_grad and o.grad_fn is not None and not o.is_inference()
+        torch.testing.assert_close(o, r)
+    g = torch.autograd.grad(sum(o.sum() for o in out), lin.weight)[0]
+    torch.testing.assert_close(g, torch.autograd.grad(sum(r.sum() for r in ref), lin.weight)[0])

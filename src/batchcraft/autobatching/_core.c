@@ -1314,6 +1314,9 @@ static int scalar_did(RecObject *rec, PyObject *v, PyObject *dt, PyObject *dev) 
     if (dt == Py_None) dt = NULL;
     if (!dev || dev == Py_None) dev = rec->factory_device;
     PyTypeObject *t = Py_TYPE(v);
+    /* a float into int64 fails for nan, inf and 1e30: eager raises at the call, the Python path
+       too (recorder.converts_safely); a leaf would convert at the flush (reliability #256) */
+    if (dt == g_int64_dtype && t == &PyFloat_Type) return 0;
     if (t == &PyLong_Type) {
         int of = 0;
         PyLong_AsLongLongAndOverflow(v, &of);
@@ -3750,6 +3753,11 @@ static PyObject *py_dispatch_key_words(PyObject *m, PyObject *noargs) {
     return NULL;
 }
 
+static PyObject *py_clear_const_cache(PyObject *m, PyObject *noargs) {
+    if (g_const_cache) PyDict_Clear(g_const_cache);
+    Py_RETURN_NONE;
+}
+
 /* set_autocast_key(callable | None): statereaders.AutocastKeys, used while the autocast reader is set */
 static PyObject *py_set_autocast_key(PyObject *m, PyObject *arg) {
     if (arg != Py_None && !PyCallable_Check(arg)) {
@@ -3820,6 +3828,7 @@ static PyMethodDef module_methods[] = {
     {"set_autocast_reader", py_set_autocast_reader, METH_O,
      "set_autocast_reader((dlopen handle, symbol, mask, off) | None): read autocast from torch's dispatch-key set."},
     {"dispatch_key_words", py_dispatch_key_words, METH_NOARGS, "(included, excluded) of this thread's local dispatch-key set."},
+    {"clear_const_cache", py_clear_const_cache, METH_NOARGS, "Forget the constant factories' calls (consts.clear)."},
     {"set_autocast_key", py_set_autocast_key, METH_O,
      "set_autocast_key(keys | None): word of the devices' autocast switches -> id (statereaders.AutocastKeys)."},
     {"any_autocast", py_any_autocast, METH_NOARGS, "Whether any device's autocast is on, as the core reads it."},

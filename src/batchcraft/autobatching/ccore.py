@@ -62,6 +62,7 @@ def _setup() -> None:
         fill_factories=tuple(FILL_FACTORIES), const_factories=tuple(CONST_FACTORIES), torch_dir=TORCH_DIR, plain_tensor=torch.Tensor,
         parameter=torch.nn.Parameter, method_wrapper=type(torch.Tensor.data.__get__)))
     SIGNATURES.on_clear(_c.clear_signatures)
+    consts.on_clear(_c.clear_const_cache)
     if os.environ.get("BATCHCRAFT_STATE_READERS", "1") != "0":  # (0: torch's builtins answer, as before)
         statereaders.install(_c)
 

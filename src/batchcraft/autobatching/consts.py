@@ -48,6 +48,16 @@ class ConstLeaf:
         with torch._C.DisableTorchFunction():
             return self.template.clone()
 
+    def rows(self, k: int) -> torch.Tensor:
+        """A new ``(k, *shape)`` tensor whose rows are the template's values. Always a new tensor:
+        ``expand(...).contiguous()`` of one row is the template itself, and a view of it reached
+        the caller (reliability #254)."""
+        t = self.template
+        with torch._C.DisableTorchFunction():
+            out = torch.empty((k,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+            out.copy_(t)
+        return out
+
     def __repr__(self) -> str:
         return f"ConstLeaf({tuple(self.template.shape)}, {self.template.dtype})"
 
@@ -99,14 +109,27 @@ def template(func, args: tuple, kwargs: dict | None, k, describe):
     with torch._C.DisableTorchFunction():
         t = func(*args, **(kwargs or {}))
     if t.requires_grad or t.numel() * t.element_size() > MAX_CONST_BYTES or len(_TEMPLATES) >= MAX_CONSTS:
-        return None, t
+        return None, t  # (made in the instance's mode, as eager makes it)
+    if t.is_inference():  # a template is a plain tensor: one made under inference mode could not
+        with torch._C.DisableTorchFunction(), torch.inference_mode(False):  # be saved for backward
+            t = t.clone()                                                # by a later call (#255)
     hit = _TEMPLATES.setdefault(k, (describe(t), ConstLeaf(t)))
     return hit
 
 
+_ON_CLEAR: list = []  # caches of templates elsewhere (the C core's, by call key)
+
+
+def on_clear(fn) -> None:
+    """Call ``fn()`` whenever :func:`clear` runs."""
+    _ON_CLEAR.append(fn)
+
+
 def clear() -> None:
-    """Forget every template (tests)."""
+    """Forget every template, here and in the caches registered with :func:`on_clear`."""
     _TEMPLATES.clear()
+    for fn in _ON_CLEAR:
+        fn()
 
 
-__all__ = ["CONST_FACTORIES", "MAX_CONST_BYTES", "MAX_CONSTS", "ConstLeaf", "key", "template", "clear"]
+__all__ = ["CONST_FACTORIES", "MAX_CONST_BYTES", "MAX_CONSTS", "ConstLeaf", "key", "template", "on_clear", "clear"]

@@ -393,8 +393,8 @@ def stack_leaves(records, desc, value_of, nodes) -> torch.Tensor:
     shape, dtype, device = desc
     if any(type(r[1]) is ConstLeaf for r in records):  # constant factories' leaves (consts.py)
         first = records[0][1]
-        if all(r[0] is None and r[1] is first for r in records):  # one template: expanded, copied
-            return first.template.expand((len(records),) + tuple(shape)).contiguous()
+        if all(r[0] is None and r[1] is first for r in records):  # one template, copied into each row
+            return first.rows(len(records))
         return torch.stack([r[0] if r[0] is not None else value_of(nd) for r, nd in zip(records, nodes)])
     if len(shape) == 1 and all(r[0] is None and type(r[1]) is tuple for r in records):
         return to_device(torch.tensor([r[1] for r in records], dtype=dtype), device)  # (k, n): one call

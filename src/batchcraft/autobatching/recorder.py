@@ -90,10 +90,18 @@ _SCALAR_KW = frozenset({"dtype", "device"})
 _I64 = 2 ** 63
 #: ``torch.tensor([...])`` of at most this many Python scalars of one type is a list leaf
 MAX_LIST_LEAF = 64
-#: dtypes that hold any Python scalar as eager would (a narrow integer dtype can overflow, and
-#: eager raises at the call: those take the general path)
-LIST_LEAF_DTYPES = frozenset({None, torch.int64, torch.bool, torch.float16, torch.bfloat16, torch.float32,
-                              torch.float64})
+#: dtypes into which any Python int, float and bool converts without an error (overflow is inf)
+_ANY_SCALAR_DTYPES = frozenset({None, torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def converts_safely(t: type, dtype) -> bool:
+    """Can ``torch.tensor(v, dtype=dtype)`` of a Python ``t`` (ints within int64) not fail? Leaves
+    made without a tensor convert at the flush, where an error would name no instance: eager
+    raises at the call for a narrow integer dtype (300 into int8) and for a float into int64
+    (nan, inf, 1e30), so those calls take the general path (reliability #256)."""
+    if type(dtype) is not torch.dtype and dtype is not None:
+        return False
+    return dtype in _ANY_SCALAR_DTYPES or (dtype is torch.int64 and t is not float)
 
 
 def list_of_scalars(v) -> bool:
@@ -451,12 +459,13 @@ class RecorderBase:
             kwargs = with_factory_device(func, kwargs, self.factory_device)
         if (func in _TENSOR_FROM_DATA and len(args) == 1 and type(args[0]) in _PY_SCALARS
                 and (not kwargs or kwargs.keys() <= _SCALAR_KW)
-                and (type(args[0]) is not int or -_I64 <= args[0] < _I64)):  # else: fails now, here
+                and (type(args[0]) is not int or -_I64 <= args[0] < _I64)  # else: fails now, here
+                and converts_safely(type(args[0]), kwargs.get("dtype"))):
             return self.scalar_leaf(args[0], kwargs.get("dtype"), kwargs.get("device"))
         if (func in _TENSOR_FROM_DATA and len(args) == 1 and (not kwargs or kwargs.keys() <= _SCALAR_KW)
                 and list_of_scalars(args[0])):
             dt = kwargs.get("dtype") if kwargs else None
-            if dt is None or (type(dt) is torch.dtype and dt in LIST_LEAF_DTYPES):
+            if converts_safely(type(args[0][0]), dt):
                 return self.list_leaf(tuple(args[0]), dt, kwargs.get("device") if kwargs else None)
         if func in CONST_FACTORIES:
             k = consts.key(func, args, kwargs)
@@ -743,9 +752,11 @@ class RecorderBase:
             # the batched result requires grad if any instance's does; this one's may not
             v = t[row]
             return v.detach() if v.requires_grad else v
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             return t[row]
-        with torch.enable_grad():  # the row keeps its autograd history (read under the caller's no_grad)
+        # the row keeps its autograd history (read under the caller's no_grad or inference mode:
+        # a group recorded under inference_mode(False) in it, reliability #258)
+        with torch.inference_mode(False), torch.enable_grad():
             return t[row]
 
     def _own_rows(self, node: int, buf: int, row: int):

@@ -111,9 +111,12 @@ def autocast_enabled_any() -> bool:
 
 
 def autocast_state() -> tuple | None:
-    """``((device, enabled, dtype), ...)`` when any autocast is enabled, else None."""
+    """``((device, enabled, dtype), ..., ("cache", on))`` when any autocast is enabled; else None,
+    or ``(("cache", False),)`` when the cast cache is off (None stands for the cache on: a fiber
+    that left it off inside ``torch.autocast(..., cache_enabled=False)`` had the caller's thread
+    keep it off after the call, reliability #257)."""
     if not autocast_enabled_any():
-        return None
+        return None if torch.is_autocast_cache_enabled() else (("cache", False),)
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES) + (
         ("cache", torch.is_autocast_cache_enabled()),)
 
@@ -126,11 +129,14 @@ def set_autocast_state(state: tuple | None) -> None:
     cache is emptied here whenever an enabled state is left. Otherwise a weight cast to float16
     under one state was reused under a bfloat16 one (in the call, and after it in eager code).
     """
-    if state is None:
+    if state is None or len(state) == 1:  # no autocast on (the cache switch on, or as given)
         if autocast_enabled_any():
             torch.clear_autocast_cache()
             for d in AUTOCAST_DEVICES:
                 torch.set_autocast_enabled(d, False)
+        cache = True if state is None else state[0][1]
+        if torch.is_autocast_cache_enabled() is not cache:
+            torch.set_autocast_cache_enabled(cache)
         return
     if autocast_enabled_any() and state != autocast_state():
         torch.clear_autocast_cache()
@@ -207,7 +213,9 @@ class run_under:
 
     def __enter__(self):
         grad, inf, ac = self.state
-        self.guard = _InferenceMode(True) if (inf and not _inference()) else None
+        # either way: a group recorded under inference_mode(False) inside the caller's
+        # inference_mode keeps its autograd graph (reliability #258)
+        self.guard = _InferenceMode(inf) if inf is not _inference() else None
         prev = autocast_state() if ac is not None or autocast_enabled_any() else None
         # the dtypes too: turning autocast off keeps the dtype it had, eager's exit restores them
         self.saved = (_grad(), prev, autocast_dtypes() if ac is not None else None)
