@@ -810,6 +810,7 @@ typedef struct {
     int ragged_on;
     int sig_table;         /* 0: this call records without the signature table (under a torch.func transform) */
     int fast_factories;    /* RecordingAttr hands this thread fast_tensor while this recorder's mode is on top */
+    int caller_inference;  /* the caller's inference mode: leaves without a tensor only in it (leaf_mode_ok) */
     PyObject *runtime;
     PyObject *views;       /* dict id(base) -> list of weakrefs */
     PyObject *checked;     /* set of blocks whose fingerprint was checked this call */
@@ -1304,6 +1305,22 @@ static int default_cpu_did(PyObject *v) {
     Py_DECREF(dt);
     if (!d) return PyErr_Occurred() ? -1 : 0;
     return (int)PyLong_AsLong(d);
+}
+
+/* 1 when a leaf without a tensor (scalar, list, constant: made at the flush, outside the
+   instance's thread state) may stand for a factory's result: the instance runs in the caller's
+   inference mode, so the tensor made later is what eager's call made (an inference tensor or
+   not); 0: the call makes its tensor now (the general path), -1 on error (reliability #266) */
+static inline int is_const_factory(PyObject *func) {
+    if (!g_const_factories) return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_const_factories); i++)
+        if (PyTuple_GET_ITEM(g_const_factories, i) == func) return 1;
+    return 0;
+}
+
+static inline int leaf_mode_ok(RecObject *rec) {
+    int im = q_inference();
+    return im < 0 ? -1 : im == rec->caller_inference;
 }
 
 /* did of torch.tensor(v, dtype=dt, device=dev) (dt, dev NULL or None when not given): the C path
@@ -2298,6 +2315,7 @@ static PyMemberDef rec_members[] = {
     {"sig_table", T_INT, offsetof(RecObject, sig_table), 0,
      "0: every call takes the Python path (signatures of a call under a transform stay in its own namespace)"},
     {"fast_factories", T_INT, offsetof(RecObject, fast_factories), 0, "torch.tensor reads give fast_tensor in this recorder's thread"},
+    {"caller_inference", T_INT, offsetof(RecObject, caller_inference), 0, "the caller's inference mode (0/1)"},
     {"runtime", T_OBJECT, offsetof(RecObject, runtime), 0, "owning runtime"},
     {"views", T_OBJECT, offsetof(RecObject, views), READONLY, "id(base) -> weakrefs of its views"},
     {"checked_blocks", T_OBJECT, offsetof(RecObject, checked), READONLY, "blocks checked this call"},
@@ -2581,6 +2599,14 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
             r = plain_property(func, PyTuple_GET_ITEM(targs, 0));
             if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
         }
+        int leafy = -2;  /* leaf_mode_ok, asked once where a factory is called */
+        if ((func == g_torch_tensor || func == g_torch_as_tensor || is_const_factory(func))
+                && (leafy = leaf_mode_ok((RecObject *)rec)) <= 0) {
+            if (leafy < 0) { Py_DECREF(targs); return NULL; }
+            r = py_mode_call(rec, func, targs, fkw);  /* (another inference mode: its tensor now) */
+            Py_DECREF(targs);
+            return r;
+        }
         if ((func == g_torch_tensor || func == g_torch_as_tensor) && n == 1) {
             PyObject *v0 = PyTuple_GET_ITEM(targs, 0);
             if (PyList_CheckExact(v0) || PyTuple_CheckExact(v0)) {
@@ -2832,7 +2858,9 @@ static int rec_mode_on_top(PyObject *rec) {
 static PyObject *py_fast_tensor(PyObject *m, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *rec = current_rec();
-    if (g_ready && rec && nargs == 1 && PyObject_TypeCheck(rec, &RecorderType)) {
+    int same = g_ready && rec && nargs == 1 && PyObject_TypeCheck(rec, &RecorderType) ? leaf_mode_ok((RecObject *)rec) : 0;
+    if (same < 0) return NULL;
+    if (same) {
         PyObject *v = args[0];
         PyTypeObject *t = Py_TYPE(v);
         int ok = t == &PyLong_Type || t == &PyFloat_Type || t == &PyBool_Type;
@@ -3174,6 +3202,8 @@ static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size
             for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_const_factories); i++)
                 if (PyTuple_GET_ITEM(g_const_factories, i) == ff->original) { is_const = 1; break; }
             int enabled = is_const ? q_tf_enabled() : 0;
+            if (enabled < 0) return NULL;
+            if (enabled) enabled = leaf_mode_ok((RecObject *)rec);  /* else the mode's path decides */
             if (enabled < 0) return NULL;
             int top = enabled ? rec_mode_on_top(rec) : 0;
             if (top < 0) return NULL;

@@ -44,6 +44,7 @@ _Lazy = LazyTensor
 _StaticBlock = None  # set below (blocks import this module)
 _Tensor = torch.Tensor
 _DisableTorchFunction = torch._C.DisableTorchFunction
+_inference_enabled = torch.is_inference_mode_enabled
 _torch_tensor = torch.tensor
 _TENSOR_FROM_DATA = (torch.tensor, torch.as_tensor)  # the same tensor of Python scalars
 #: factories whose int-size calls the C core hands to :meth:`RecorderBase.factory_leaf` directly
@@ -234,6 +235,7 @@ class RecorderBase:
     def setup(self, runtime, options) -> None:
         self.runtime = runtime
         self.options = options
+        self.caller_inference = _inference_enabled()  # (set again as the call begins: Runtime.__call__)
         self.instance = -1
         self.phase = 0
         self.inst_steps = 0
@@ -457,6 +459,10 @@ class RecorderBase:
         """A torch call seen by the recording mode (any arguments)."""
         if self.factory_device is not None:
             kwargs = with_factory_device(func, kwargs, self.factory_device)
+        if self.caller_inference != _inference_enabled():
+            # leaves without a tensor are made at the flush, in the caller's inference mode: in
+            # another one, the call makes its tensor now, as eager's (reliability #266, #267)
+            return self.record(func, args, kwargs or {})
         if (func in _TENSOR_FROM_DATA and len(args) == 1 and type(args[0]) in _PY_SCALARS
                 and (not kwargs or kwargs.keys() <= _SCALAR_KW)
                 and (type(args[0]) is not int or -_I64 <= args[0] < _I64)  # else: fails now, here

@@ -338,6 +338,7 @@ class Runtime:
         try:
             try:
                 self.main_state = FiberState.capture()
+                rec.caller_inference = self.main_state.inference  # (recorder.mode_call, _core's leaf_mode_ok)
                 with fast or nullcontext():
                     if self.fibers:
                         outputs = self._run_fibers(instances)

@@ -30,6 +30,7 @@ _set_grad = torch._C._set_grad_enabled
 _inference = torch.is_inference_mode_enabled
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 _InferenceMode = torch._C._InferenceMode
+_cache_on = torch.is_autocast_cache_enabled
 _default_dtype = torch.get_default_dtype
 _tf_len = torch._C._len_torch_function_stack
 _tf_at = torch._C._get_function_stack_at
@@ -278,7 +279,7 @@ class FiberState:
                 _tf_push(m)
         if _default_dtype() is not self.dtype:
             torch.set_default_dtype(self.dtype)
-        if self.autocast is not None or autocast_enabled_any():
+        if self.autocast is not None or autocast_enabled_any() or not _cache_on():
             set_autocast_state(self.autocast)
         if _PRINT_OPTS != self.printopts:  # process-wide: printoptions(...) around a wait (str() waits)
             _PRINT_OPTS.update(self.printopts)
@@ -315,7 +316,8 @@ class FiberState:
         modes = self.modes
         n = len(modes)
         return (_tf_len() == n and _grad() is self.grad and _inference() is self.inference
-                and _default_dtype() is self.dtype and (self.autocast is None and not autocast_enabled_any())
+                and _default_dtype() is self.dtype
+                and (self.autocast is None and not autocast_enabled_any() and _cache_on())  # (#268)
                 and (n == 0 or (_tf_at(0) is modes[0] if n == 1 else all(_tf_at(i) is m for i, m in enumerate(modes))))
                 and _PRINT_OPTS == self.printopts and _hooks_off() == self.hooks_off)
 
