@@ -56,6 +56,17 @@ FACTORIES = {
 }
 
 
+def _tensors(out) -> list:
+    """The tensors of an output (tensor, or nested tuple / list / dict), in order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
 @contextlib.contextmanager
 def _entered(name):
     with contextlib.ExitStack() as stack:
@@ -73,10 +84,10 @@ def _contexts(args, rows, payload):
             f = autobatch(task.fn)
             with _entered(ctx):
                 for b in bs:  # warm-up and check
-                    for o, x in zip(f(b), b):
-                        r = task.fn(x)
-                        assert o.dtype == r.dtype and o.is_inference() == r.is_inference(), (model, ctx)
-                        torch.testing.assert_close(o, r, atol=2e-2 if "autocast" in ctx else 1e-5, rtol=1e-2)
+                    for out, x in zip(f(b), b):
+                        for o, r in zip(_tensors(out), _tensors(task.fn(x))):
+                            assert o.dtype == r.dtype and o.is_inference() == r.is_inference(), (model, ctx)
+                            torch.testing.assert_close(o, r, atol=2e-2 if "autocast" in ctx else 1e-5, rtol=1e-2)
 
             def one_pass(batched, f=f, bs=bs, ctx=ctx, task=task):
                 def run():
