@@ -154,3 +154,23 @@ class NameLog(TorchFunctionMode):
         self.names.append(getattr(func, "__name__", str(func)))
         self.funcs.append(func)
         return func(*args, **(kwargs or {}))
+
+
+def general_path_calls(fn, instances, monkeypatch, *, core="c"):
+    """``(outputs, names)``: a steady call of ``autobatch(fn)`` under ``no_grad`` (after one that
+    infers the signatures) and the operations it sent through the general recording path
+    (``RecorderBase.general``), the call's own grad-mode set-up left out."""
+    from batchcraft import autobatch
+    from batchcraft.autobatching import recorder
+
+    calls = []
+    general = recorder.RecorderBase.general
+    monkeypatch.setattr(recorder.RecorderBase, "general",
+                        lambda self, *a: calls.append(getattr(a[0], "__name__", a[0])) or general(self, *a))
+    f = autobatch(fn, core=core)
+    with torch.no_grad():
+        f(instances)
+        calls.clear()
+        out = f(instances)
+    return out, [c for c in calls if c != "_set_grad_enabled"]
+

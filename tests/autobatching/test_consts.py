@@ -13,7 +13,7 @@ from batchcraft import autobatch
 from batchcraft.autobatching import consts
 from batchcraft.errors import InstanceError
 
-from equivalence import CORES, assert_matches_eager
+from equivalence import CORES, assert_matches_eager, general_path_calls
 
 FACTORIES = {
     "zeros-ints": lambda i: torch.zeros(1, 4),
@@ -146,14 +146,10 @@ def test_keys_tell_apart_calls_with_different_results():
 def test_steady_calls_make_constants_without_the_general_path(monkeypatch):
     # each torch.zeros((1, h)) / torch.full / torch.arange took the general path: the mode, a
     # signature lookup and a tensor made per call (12-14 µs; about 3 µs now)
-    from batchcraft.autobatching import _native, recorder
+    from batchcraft.autobatching import _native
 
     if not _native.available:
         pytest.skip("the C core was not built")
-    calls = []
-    general = recorder.RecorderBase.general
-    monkeypatch.setattr(recorder.RecorderBase, "general",
-                        lambda self, *a: calls.append(getattr(a[0], "__name__", a[0])) or general(self, *a))
 
     def fn(x):
         h = torch.zeros((1, 3))
@@ -161,12 +157,8 @@ def test_steady_calls_make_constants_without_the_general_path(monkeypatch):
         return (h + torch.full((1, 3), 0.5)).sum() + (x * pos).sum() + torch.eye(3).sum() + torch.zeros(2, 2).sum()
 
     xs = [torch.randn(n) for n in (1, 3, 2)]
-    f = autobatch(fn, core="c")
-    with torch.no_grad():
-        f(xs)
-        calls.clear()
-        out = f(xs)
-    assert [c for c in calls if c != "_set_grad_enabled"] == [], calls
+    out, calls = general_path_calls(fn, xs, monkeypatch)
+    assert calls == []
     for o, x in zip(out, xs):
         torch.testing.assert_close(o, fn(x))
 
