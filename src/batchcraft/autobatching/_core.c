@@ -39,11 +39,9 @@ static PyObject *g_plain_tensor = NULL, *g_parameter = NULL, *g_method_wrapper =
 static PyObject *g_DtypeType = NULL;       /* torch.dtype */
 static PyObject *g_torch_tensor = NULL;    /* torch.tensor */
 static PyObject *g_torch_as_tensor = NULL; /* torch.as_tensor: of Python scalars, what torch.tensor makes */
-static PyObject *g_fill_factories = NULL;  /* (torch.zeros, torch.ones): int sizes -> rec.factory_leaf */
-static PyObject *g_const_factories = NULL; /* consts.CONST_FACTORIES: other calls -> rec.mode_call */
+static PyObject *g_const_factories = NULL; /* consts.CONST_FACTORIES: const_leaf_c, else rec.mode_call */
 static PyObject *g_const_cache = NULL;     /* bytes of a constant call's key -> (did, ConstLeaf) */
 #define MAX_CONST_KEYS 1024
-static PyObject *s_factory_leaf = NULL;
 static PyObject *g_tf_push = NULL;         /* torch._C._push_on_torch_function_stack */
 static PyObject *g_tf_pop = NULL;          /* torch._C._pop_torch_function_stack */
 static PyObject *g_get_default_dtype = NULL;
@@ -1307,10 +1305,7 @@ static int default_cpu_did(PyObject *v) {
     return (int)PyLong_AsLong(d);
 }
 
-/* 1 when a leaf without a tensor (scalar, list, constant: made at the flush, outside the
-   instance's thread state) may stand for a factory's result: the instance runs in the caller's
-   inference mode, so the tensor made later is what eager's call made (an inference tensor or
-   not); 0: the call makes its tensor now (the general path), -1 on error (reliability #266) */
+/* 1 when func is one of consts.CONST_FACTORIES (torch.zeros, ones, full, arange, eye) */
 static inline int is_const_factory(PyObject *func) {
     if (!g_const_factories) return 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_const_factories); i++)
@@ -1318,6 +1313,10 @@ static inline int is_const_factory(PyObject *func) {
     return 0;
 }
 
+/* 1 when a leaf without a tensor (scalar, list, constant: made at the flush, outside the
+   instance's thread state) may stand for a factory's result: the instance runs in the caller's
+   inference mode, so the tensor made later is what eager's call made (an inference tensor or
+   not); 0: the call makes its tensor now (the general path), -1 on error (reliability #266) */
 static inline int leaf_mode_ok(RecObject *rec) {
     int im = q_inference();
     return im < 0 ? -1 : im == rec->caller_inference;
@@ -2599,13 +2598,14 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
             r = plain_property(func, PyTuple_GET_ITEM(targs, 0));
             if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
         }
-        int leafy = -2;  /* leaf_mode_ok, asked once where a factory is called */
-        if ((func == g_torch_tensor || func == g_torch_as_tensor || is_const_factory(func))
-                && (leafy = leaf_mode_ok((RecObject *)rec)) <= 0) {
-            if (leafy < 0) { Py_DECREF(targs); return NULL; }
-            r = py_mode_call(rec, func, targs, fkw);  /* (another inference mode: its tensor now) */
-            Py_DECREF(targs);
-            return r;
+        int is_const = is_const_factory(func);
+        if (is_const || func == g_torch_tensor || func == g_torch_as_tensor) {
+            int same = leaf_mode_ok((RecObject *)rec);
+            if (same <= 0) {  /* (another inference mode: the Python path makes its tensor now) */
+                r = same < 0 ? NULL : py_mode_call(rec, func, targs, fkw);
+                Py_DECREF(targs);
+                return r;
+            }
         }
         if ((func == g_torch_tensor || func == g_torch_as_tensor) && n == 1) {
             PyObject *v0 = PyTuple_GET_ITEM(targs, 0);
@@ -2650,28 +2650,11 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
             Py_DECREF(targs);
             return r;
         }
-        if (g_const_factories) {  /* torch.zeros((1, h)), torch.full((3,), 2.0), torch.arange(n): consts.py */
-            int is_const = 0;
-            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_const_factories); i++)
-                if (PyTuple_GET_ITEM(g_const_factories, i) == func) { is_const = 1; break; }
-            if (is_const) {
-                r = const_leaf_c((RecObject *)rec, func, targs, fkw);
-                if (!r && !PyErr_Occurred()) r = py_mode_call(rec, func, targs, fkw);
-                Py_DECREF(targs);
-                return r;
-            }
-        }
-        if (!fkw && n > 0 && g_fill_factories) {
-            int fill = 0;
-            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_fill_factories); i++)
-                if (PyTuple_GET_ITEM(g_fill_factories, i) == func) { fill = 1; break; }
-            for (Py_ssize_t i = 0; fill && i < n; i++)
-                if (Py_TYPE(PyTuple_GET_ITEM(targs, i)) != &PyLong_Type) fill = 0;
-            if (fill) {
-                r = PyObject_CallMethodObjArgs(rec, s_factory_leaf, func, targs, NULL);
-                Py_DECREF(targs);
-                return r;
-            }
+        if (is_const) {  /* torch.zeros((1, h)), torch.full((3,), 2.0), torch.arange(n): consts.py */
+            r = const_leaf_c((RecObject *)rec, func, targs, fkw);
+            if (!r && !PyErr_Occurred()) r = py_mode_call(rec, func, targs, fkw);
+            Py_DECREF(targs);
+            return r;
         }
         r = rec_record_impl(rec, func, &PyTuple_GET_ITEM(targs, 0), n, fkw);
     } else {
@@ -3195,13 +3178,10 @@ static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size
             PyObject *e = PySequence_Fast_GET_ITEM(a0, 0);
             lazy = IS_LAZY(e) && ((LazyObject *)e)->rec == rec;
         }
-        if (!lazy && g_const_factories && !kwnames_have_lazy(args, nargs, kwnames)) {
+        if (!lazy && is_const_factory(ff->original) && !kwnames_have_lazy(args, nargs, kwnames)) {
             /* torch.zeros((1, h)) and the other constant factories (consts.py): the cached
                template's leaf, without torch's dispatch to the mode (about 1 µs) */
-            int is_const = 0;
-            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_const_factories); i++)
-                if (PyTuple_GET_ITEM(g_const_factories, i) == ff->original) { is_const = 1; break; }
-            int enabled = is_const ? q_tf_enabled() : 0;
+            int enabled = q_tf_enabled();
             if (enabled < 0) return NULL;
             if (enabled) enabled = leaf_mode_ok((RecObject *)rec);  /* else the mode's path decides */
             if (enabled < 0) return NULL;
@@ -3689,9 +3669,7 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     g_is_inference_q_fn = noarg_fn(g_is_inference_q); g_tf_mode_enabled_q_fn = noarg_fn(g_tf_mode_enabled_q);
     g_tf_len_q_fn = noarg_fn(g_tf_len_q); g_tf_enabled_q_fn = noarg_fn(g_tf_enabled_q);
     GET(g_torch_dir, "torch_dir");
-    PyObject *o = PyDict_GetItemString(d, "fill_factories");
-    Py_XINCREF(o); Py_XSETREF(g_fill_factories, o);
-    o = PyDict_GetItemString(d, "const_factories");
+    PyObject *o = PyDict_GetItemString(d, "const_factories");
     Py_XINCREF(o); Py_XSETREF(g_const_factories, o);
     if (!g_const_cache && !(g_const_cache = PyDict_New())) return NULL;
     o = PyDict_GetItemString(d, "int_did");
@@ -3881,7 +3859,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     INTERN(s_record, "record"); INTERN(s_general, "general"); INTERN(s_requires_grad, "requires_grad");
     INTERN(s_sig_entry, "_sig_entry"); INTERN(s_materialize_leaves, "materialize_leaves");
     INTERN(s_pending_limit, "pending_limit"); INTERN(s_step_limit, "step_limit"); INTERN(s_inplace, "inplace");
-    INTERN(s_mode_call, "mode_call"); INTERN(s_leaf, "leaf"); INTERN(s_factory_leaf, "factory_leaf"); INTERN(s_mode, "mode"); INTERN(s_under_user_mode, "under_user_mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_const_entry, "const_entry"); INTERN(s_check_fp, "_check_fingerprint");
+    INTERN(s_mode_call, "mode_call"); INTERN(s_leaf, "leaf"); INTERN(s_mode, "mode"); INTERN(s_under_user_mode, "under_user_mode"); INTERN(s_block_slow, "_record_slow"); INTERN(s_const_entry, "const_entry"); INTERN(s_check_fp, "_check_fingerprint");
     INTERN(s_batchcraft_block, "_batchcraft_block"); INTERN(s_fn, "fn"); INTERN(s_register_view, "register_view"); INTERN(s_dunder_tf, "__torch_function__"); INTERN(s_for_handler, "for_handler");
     INTERN(s_forward, "forward"); INTERN(s_parameters, "_parameters"); INTERN(s_weight, "weight"); INTERN(s_bias, "bias");
     INTERN(s_max_norm, "max_norm"); INTERN(s_padding_idx, "padding_idx"); INTERN(s_norm_type, "norm_type");

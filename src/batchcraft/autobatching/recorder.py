@@ -47,8 +47,6 @@ _DisableTorchFunction = torch._C.DisableTorchFunction
 _inference_enabled = torch.is_inference_mode_enabled
 _torch_tensor = torch.tensor
 _TENSOR_FROM_DATA = (torch.tensor, torch.as_tensor)  # the same tensor of Python scalars
-#: factories whose int-size calls the C core hands to :meth:`RecorderBase.factory_leaf` directly
-FILL_FACTORIES = frozenset({torch.zeros, torch.ones})
 _PY_SCALARS = (int, float, bool)
 
 
@@ -487,11 +485,6 @@ class RecorderBase:
         did = desc_id(((len(values),), dt, dev))
         node = self.add_leaf(None, values, did, False)
         return _Lazy(self, node, 0, did)
-
-    def factory_leaf(self, func, args):
-        """``torch.zeros(3, 4)`` (a fill factory, int sizes, no keywords; the C core's shortcut):
-        :meth:`const_leaf`."""
-        return self.const_leaf(func, args, None, consts.key(func, args, None))
 
     def const_leaf(self, func, args, kwargs, k):
         """A constant factory's call (``consts.py``, key ``k``): a leaf standing for a copy of the

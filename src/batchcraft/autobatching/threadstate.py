@@ -117,7 +117,7 @@ def autocast_state() -> tuple | None:
     that left it off inside ``torch.autocast(..., cache_enabled=False)`` had the caller's thread
     keep it off after the call, reliability #257)."""
     if not autocast_enabled_any():
-        return None if torch.is_autocast_cache_enabled() else (("cache", False),)
+        return None if _cache_on() else (("cache", False),)
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES) + (
         ("cache", torch.is_autocast_cache_enabled()),)
 
@@ -136,7 +136,7 @@ def set_autocast_state(state: tuple | None) -> None:
             for d in AUTOCAST_DEVICES:
                 torch.set_autocast_enabled(d, False)
         cache = True if state is None else state[0][1]
-        if torch.is_autocast_cache_enabled() is not cache:
+        if _cache_on() is not cache:
             torch.set_autocast_cache_enabled(cache)
         return
     if autocast_enabled_any() and state != autocast_state():
