@@ -74,7 +74,7 @@ REDUCE = ("sum", "mean", "amax", "max_values", "min_dim", "logsumexp", "norm", "
           "cumsum", "var", "prod_tanh", "sort_values", "topk1")
 CATSPLIT = ("rotate", "stack_sum", "split_flip", "chunk_swap", "cat_param", "cat_stack_mean")
 INDEX = ("perm_tensor", "index_select", "gather", "scalar_broadcast", "inst_index", "flip", "slice_pad",
-         "k_index")
+         "k_index", "count_zeros", "count_repeat", "count_narrow")  # count_*: a per-instance 0-d int as a size
 SHAPE = ("reshape_t", "expand_mean", "view_squeeze", "repeat_view", "permute3", "flatten", "transpose_mm")
 DTYPE = ("double", "to_double", "half_round_trip_free", "type_as")
 SEQ = ("x_at_M", "x_mean", "attention", "masked_rows", "x_row_k")
@@ -407,6 +407,13 @@ def _catsplit(name, a, h, P):
 def _index(name, a, h, inst):
     d = h.shape[0]
     k = a % d
+    if name == "count_zeros":  # sizes one by one, the first per-instance (sizeargs.py)
+        n = inst["k"] + 1
+        return (torch.zeros(n, d) + h).sum(0) / n
+    if name == "count_repeat":  # an output shaped by a per-instance value (infer.py)
+        return h.repeat(inst["k"] + 1, 1).mean(0)
+    if name == "count_narrow":
+        return h + h.narrow(0, 0, inst["k"] % d + 1).sum() * 0.5
     if name == "perm_tensor":
         perm = [(i + k) % d for i in range(d)]
         return h[torch.tensor(perm)]

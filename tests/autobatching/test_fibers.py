@@ -10,7 +10,7 @@ import batchcraft
 from batchcraft import autobatch
 from batchcraft.errors import InstanceError, StepLimitError
 
-from equivalence import assert_matches_eager
+from equivalence import CORES, assert_matches_eager
 
 torch.manual_seed(0)
 CELL = nn.GRUCell(8, 8)
@@ -234,6 +234,50 @@ def test_an_error_after_finished_instances_unwinds_and_the_next_call_works():
     g = autobatch(f)
     out = g([x for x in xs if x.sum() <= 0])
     assert all(torch.equal(o, x + 1) for o, x in zip(out, [x for x in xs if x.sum() <= 0]))
+
+
+_WAIT_IN_TORCHS_PARSER = """
+import sys, torch
+from batchcraft import autobatch
+from batchcraft.errors import InstanceError
+
+class Size:  # a size whose __index__ needs a value: the fiber waits inside torch's C++ parser
+    def __init__(self, t):
+        self.t = t
+    def __index__(self):
+        return int(self.t.item())
+
+def f(x):
+    z = torch.zeros(Size((x * 1).sum()), 2)
+    if float(x) > 2.5:
+        raise ValueError("boom")
+    return z.sum() + x
+
+for core in sys.argv[1:]:
+    try:
+        autobatch(f, core=core)([torch.tensor(2.0), torch.tensor(3.0), torch.tensor(1.0), torch.tensor(4.0)])
+    except InstanceError as e:
+        assert e.instance == 1 and "boom" in str(e), e
+    else:
+        raise AssertionError("no error")
+    out = autobatch(f, core=core)([torch.tensor(2.0), torch.tensor(1.0)])
+    assert [float(o) for o in out] == [2.0, 1.0], out
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_an_error_unwinds_fibers_waiting_inside_torchs_parser(core, tmp_path):
+    # reliability #270: the fibers after the failing instance, suspended in a value wait that
+    # torch's argument parser reached (an __index__), were unwound with greenlet's throw(); torch
+    # then built its TypeError there, and the backtrace it takes crashed the process (SIGSEGV)
+    import subprocess
+    import sys
+
+    script = tmp_path / "wait_in_parser.py"
+    script.write_text(_WAIT_IN_TORCHS_PARSER)
+    done = subprocess.run([sys.executable, str(script), core], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
 def test_a_value_wait_inside_a_greenlet_of_the_instance_code_resumes_that_greenlet():

@@ -25,7 +25,7 @@ from batchcraft import autobatch, static_block
 from batchcraft.autobatching import stack as _rec
 from batchcraft.errors import AutobatchError, InstanceError, UnsupportedOperationError
 
-from equivalence import assert_matches_eager
+from equivalence import CORES, assert_matches_eager
 
 torch.manual_seed(0)
 LIN = nn.Linear(3, 3)
@@ -830,3 +830,20 @@ def test_bug20_documented_outputs_are_views_clone_what_you_keep():
     assert kept.untyped_storage().nbytes() >= 4 * 32 * 200  # the view holds the whole batch
     assert own.untyped_storage().nbytes() == 4 * 32  # eager-sized
     torch.testing.assert_close(kept, own)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_data_ptr_tells_values_apart_and_views_share_their_bases(core):
+    # reliability #276: data_ptr() of every lazy value was the placeholder's 0, so two distinct
+    # tensors compared equal by it and dicts keyed by it collapsed
+
+    def fn(x):
+        a, b = x * 2, x + 1
+        c, d = a.view(-1), a[1:]
+        keys = {a.data_ptr(): "a", b.data_ptr(): "b", c.data_ptr(): "c"}
+        return torch.tensor([a.data_ptr() != b.data_ptr(), a.data_ptr() == c.data_ptr(),
+                             d.data_ptr() - a.data_ptr() == a.element_size(), len(keys) == 2, a.data_ptr() != 0])
+
+    xs = [torch.ones(2), torch.ones(2) * 3]
+    assert [fn(x).tolist() for x in xs] == [[True] * 5] * 2
+    assert [o.tolist() for o in autobatch(fn, core=core)(xs)] == [[True] * 5] * 2

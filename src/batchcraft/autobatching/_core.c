@@ -2881,8 +2881,10 @@ static PyObject *py_fast_tensor(PyObject *m, PyObject *const *args, size_t nargs
    C recorder has fast_factories on and whose recording mode is the innermost torch-function mode,
    an unchanged entry reads as `fast`. Other threads, a mode of the user's on top (also when torch
    looks the function up to hand it to that mode), DisableTorchFunction, and any value set after
-   install (mock.patch) see the module's dict: `func is torch.tensor` holds for them. */
-typedef struct { PyObject_HEAD PyObject *name, *original, *fast; } RecAttrObject;
+   install (mock.patch) see the module's dict: `func is torch.tensor` holds for them. An optional
+   `other`, a descriptor, answers for an unchanged entry where `fast` does not apply
+   (sizeargs.SizeArg: `torch.zeros(n, 2)` with a lazy `n` from a static block's trace). */
+typedef struct { PyObject_HEAD PyObject *name, *original, *fast, *other; } RecAttrObject;
 
 /* 1 when the innermost Python frame is a function (not a module or class body, whose names may
    outlive the call: `from torch import tensor` in a module first imported by instance code), not
@@ -2915,8 +2917,10 @@ static PyObject *recattr_get(RecAttrObject *self, PyObject *obj, PyObject *type)
         if (rec && PyObject_TypeCheck(rec, &RecorderType) && ((RecObject *)rec)->fast_factories) {
             int top = rec_mode_on_top(rec);
             if (top < 0) return NULL;
-            if (top && read_by_user_function()) v = self->fast;
+            if (top && read_by_user_function()) { Py_INCREF(self->fast); return self->fast; }
         }
+        if (self->other && Py_TYPE(self->other)->tp_descr_get)
+            return Py_TYPE(self->other)->tp_descr_get(self->other, obj, type);
     }
     Py_INCREF(v);
     return v;
@@ -2929,6 +2933,8 @@ static int recattr_set(RecAttrObject *self, PyObject *obj, PyObject *value) {
     /* the value instance code read (the fast one) written back, `torch.tanh = saved`: the
        module keeps torch's function, as in eager */
     if (value && value == self->fast) value = self->original;
+    if (value && self->other && Py_TYPE(self->other)->tp_descr_set)  /* (its own wrapper written back) */
+        return Py_TYPE(self->other)->tp_descr_set(self->other, obj, value);
     if (value) return PyDict_SetItem(d, self->name, value);
     if (PyDict_DelItem(d, self->name) < 0) {
         if (PyErr_ExceptionMatches(PyExc_KeyError)) { PyErr_Clear(); PyErr_SetObject(PyExc_AttributeError, self->name); }
@@ -2938,12 +2944,12 @@ static int recattr_set(RecAttrObject *self, PyObject *obj, PyObject *value) {
 }
 
 static int recattr_traverse(RecAttrObject *self, visitproc visit, void *arg) {
-    Py_VISIT(self->name); Py_VISIT(self->original); Py_VISIT(self->fast);
+    Py_VISIT(self->name); Py_VISIT(self->original); Py_VISIT(self->fast); Py_VISIT(self->other);
     return 0;
 }
 
 static int recattr_clear(RecAttrObject *self) {
-    Py_CLEAR(self->name); Py_CLEAR(self->original); Py_CLEAR(self->fast);
+    Py_CLEAR(self->name); Py_CLEAR(self->original); Py_CLEAR(self->fast); Py_CLEAR(self->other);
     return 0;
 }
 
@@ -2954,13 +2960,14 @@ static void recattr_dealloc(RecAttrObject *self) {
 }
 
 static PyObject *recattr_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    PyObject *name, *original, *fast;
-    if (!PyArg_ParseTuple(args, "UOO:RecordingAttr", &name, &original, &fast)) return NULL;
+    PyObject *name, *original, *fast, *other = NULL;
+    if (!PyArg_ParseTuple(args, "UOO|O:RecordingAttr", &name, &original, &fast, &other)) return NULL;
     RecAttrObject *self = (RecAttrObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     Py_INCREF(name); PyUnicode_InternInPlace(&name); self->name = name;
     Py_INCREF(original); self->original = original;
     Py_INCREF(fast); self->fast = fast;
+    self->other = other == Py_None ? NULL : Py_XNewRef(other);
     return (PyObject *)self;
 }
 
@@ -2988,7 +2995,7 @@ static PyTypeObject RecAttrType = {
     .tp_new = recattr_new,
     .tp_repr = (reprfunc)recattr_repr,
     .tp_members = recattr_members,
-    .tp_doc = "RecordingAttr(name, original, fast): a module attribute that reads as `fast` in a thread recording with fast_factories.",
+    .tp_doc = "RecordingAttr(name, original, fast, other=None): a module attribute that reads as `fast` in a thread recording with fast_factories, else through the descriptor `other` if given.",
 };
 
 /* named like the function it stands in for (__name__ "tensor", __module__ "torch"), so messages,

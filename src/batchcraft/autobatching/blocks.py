@@ -37,6 +37,7 @@ from torch import nn
 from batchcraft.autobatching import _native, buffers as _buffers, cells as _cells, embedding as _embedding, stack
 from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.devices import with_factory_device
+from batchcraft.autobatching.dtypes import with_default_dtype
 from batchcraft.autobatching.functional import is_inplace_call, writes_first
 from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.reach import reach
@@ -270,6 +271,9 @@ class BlockTracer:
         kwargs = kwargs or {}
         if self.factory_device is not None:
             kwargs = with_factory_device(func, kwargs, self.factory_device)
+        # the step keeps the dtype the default gave the call: the program runs at the flush,
+        # maybe under another default (reliability #271; the default is in the fingerprint)
+        kwargs = with_default_dtype(func, args, kwargs)
         return self.record(func, args, kwargs)
 
     def for_handler(self, func, args, kwargs, frame=None):
@@ -606,8 +610,8 @@ class StaticBlock:
         """What the block's traces depend on beside their arguments: the parameters, buffers and
         ``training`` flags of its module (a function block: of the modules it reaches, see
         ``reach.py``), the tensors it captures outside modules, the fingerprints of the blocks its
-        traces called, and the default device (traces hold the ``device=`` their factory calls
-        got: devices.py)."""
+        traces called, the default device and the default dtype (traces hold the ``device=``
+        and ``dtype=`` their factory calls got: devices.py, dtypes.py)."""
         fdev = getattr(_current(), "factory_device", None)
         visiting = visiting if visiting is not None else set()
         visiting.add(self)
@@ -615,7 +619,7 @@ class StaticBlock:
         parts = self._modules_fingerprint(modules, tensors)
         nested = tuple(b._fingerprint_now(visiting) for b in list(self.nested) if b not in visiting)
         glob = tuple(tuple(d) for d in (getattr(_nn_module, a, None) for a in _GLOBAL_HOOK_DICTS) if d is not None)
-        return tuple(parts) + nested + (fdev, glob)
+        return tuple(parts) + nested + (fdev, torch.get_default_dtype(), glob)
 
     # -- tracing -----------------------------------------------------------------------------------
     def _run_body(self, tracer, args, kwargs):

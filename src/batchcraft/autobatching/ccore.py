@@ -25,6 +25,7 @@ from batchcraft.autobatching.lazy import ESCAPE_HINT
 from batchcraft.autobatching.patches import ModuleClassPatch
 from batchcraft.autobatching.recorder import RecorderBase, did_of, scalar_spec
 from batchcraft.autobatching.signature import SIGNATURES, rebuild
+from batchcraft.autobatching.torchclass import RECORDING_TORCH, RecordingTorch
 from batchcraft.errors import AutobatchError
 
 _c = _native.core
@@ -90,8 +91,9 @@ def _recording_torch_class() -> type:
     for name in FAST_TORCH_FUNCTIONS + FAST_CONST_FACTORIES:
         fn = getattr(torch, name, None)
         if fn is not None and type(fn) is types.BuiltinFunctionType:  # torch's C bindings only
-            attrs[name] = _c.RecordingAttr(name, fn, _c.FastFn(fn))
-    return type("module", (types.ModuleType,), attrs)
+            # (sizes as varargs where the fast function does not apply: the base class's descriptor)
+            attrs[name] = _c.RecordingAttr(name, fn, _c.FastFn(fn), vars(RecordingTorch).get(name))
+    return type("module", (RecordingTorch,), attrs)  # (its descriptors: torchclass.py)
 
 
 #: While calls record (``fast_factories=True``, the default), ``torch``'s class is a ModuleType
@@ -115,7 +117,7 @@ class CRecorder(_c.Recorder, RecorderBase):
         self.leaf_cache: dict = {}
         self.mode = _c.Mode(self)
         self.fast_factories = 1 if options.fast_factories and self.factory_device is None else 0
-        self.fast_calls = FAST_FACTORIES if options.fast_factories else None
+        self.fast_calls = FAST_FACTORIES if options.fast_factories else RECORDING_TORCH
 
     def forget_block_checks(self) -> None:
         RecorderBase.forget_block_checks(self)

@@ -10,6 +10,11 @@ restored), and ``meta`` tensors (no data) for everything else: an operation whos
 depends on values fails on ``meta`` and is run on concrete values instead (:class:`NeedsValues`).
 Real placeholders also avoid the first ``meta`` call's import of torch's Python decompositions
 (about a second per process), and they see autocast, whose casts apply to real devices only.
+
+A 0-d integer input may be a size or a count (``w.repeat(n, 1)``, ``w.narrow(0, 0, n)``: eager's
+parser reads its value), and a rule's real placeholder is 0. Such a signature is inferred again
+with placeholders of 1: outputs that differ, or a call that then fails, depend on the value, and
+the call runs on values (reliability #277; before, the zeros' shapes were taken for every instance).
 """
 
 from __future__ import annotations
@@ -30,10 +35,19 @@ class NeedsValues(Exception):
         self.cause = cause
 
 
-def _placeholder(did: int, rg: bool, device_kind: str):
+def _int_scalar(did: int) -> bool:
+    """Whether values of descriptor ``did`` are 0-d integers (maybe a size: see the module docstring)."""
+    shape, dtype, _ = DESCS[did]
+    return not shape and not (dtype.is_floating_point or dtype.is_complex)
+
+
+def _placeholder(did: int, rg: bool, device_kind: str, fill: int = 0):
     shape, dtype, device = DESCS[did]
     dev = "meta" if device_kind == "meta" else device
-    t = torch.zeros(shape, dtype=dtype, device=dev) if device_kind == "real" else torch.empty(shape, dtype=dtype, device=dev)
+    if device_kind == "real":
+        t = torch.full(shape, fill, dtype=dtype, device=dev) if fill else torch.zeros(shape, dtype=dtype, device=dev)
+    else:
+        t = torch.empty(shape, dtype=dtype, device=dev)
     if rg and (dtype.is_floating_point or dtype.is_complex):
         with outside_transforms():  # (functorch refuses requires_grad_() inside jvp and grad)
             t.requires_grad_(True)
@@ -64,7 +78,12 @@ def infer_outputs(func, struct, leaf_specs, state, lazy_type):
     if state[2] is not None or real_ok:
         rng = torch.get_rng_state()
         try:
-            return _infer(func, struct, leaf_specs, state, lazy_type, "real")
+            out = _infer(func, struct, leaf_specs, state, lazy_type, "real")
+            if func is not F.embedding and any(s[0] == "lazy" and _int_scalar(s[1]) for s in leaf_specs):
+                torch.set_rng_state(rng)
+                if _infer(func, struct, leaf_specs, state, lazy_type, "real", fill=1)[:2] != out[:2]:
+                    raise NeedsValues(ValueError("output shapes depend on a 0-d integer input's value"))
+            return out
         except NeedsValues:
             if state[2] is not None:
                 raise
@@ -73,7 +92,7 @@ def infer_outputs(func, struct, leaf_specs, state, lazy_type):
     return _infer(func, struct, leaf_specs, state, lazy_type, "meta")
 
 
-def _infer(func, struct, leaf_specs, state, lazy_type, kind):
+def _infer(func, struct, leaf_specs, state, lazy_type, kind, fill=0):
     """Run ``func`` on placeholders; return ``(out_struct, out_dids, out_rg)``.
 
     An output without tensors (``x.numel()``, ``torch.is_floating_point(x)``) depends on shapes
@@ -82,6 +101,7 @@ def _infer(func, struct, leaf_specs, state, lazy_type, kind):
     Args:
         leaf_specs: per leaf of ``struct``: ``("lazy", did, requires_grad)`` or ``("shared", tensor)``.
         state: the :func:`~batchcraft.autobatching.threadstate.op_state` of the call.
+        fill: the value of real placeholders of 0-d integer inputs (others are zeros).
     Raises:
         NeedsValues: the operation cannot run on placeholders (value-dependent shapes, ...).
     """
@@ -95,7 +115,8 @@ def _infer(func, struct, leaf_specs, state, lazy_type, kind):
                     device = DESCS[spec[1]][2]
                 if kind == "real" and DESCS[spec[1]][2].type == "meta":
                     raise NeedsValues(TypeError("meta instance"))
-                vals.append(_placeholder(spec[1], spec[2] and not inference, kind))
+                vals.append(_placeholder(spec[1], spec[2] and not inference, kind,
+                                         fill if fill and _int_scalar(spec[1]) else 0))
             else:
                 t = spec[1]
                 vals.append(t.to("meta") if kind == "meta" and t.device.type != "meta" else t)

@@ -354,6 +354,11 @@ class LazyTensor(_Base):
     def numpy(self):
         return self._convert("call .numpy()", torch.Tensor.numpy)
 
+    def data_ptr(self):
+        """The address of the value's first element (a value wait): values have addresses of their
+        own and views share their base's, as in eager (before, the placeholder's 0: reliability #276)."""
+        return self._convert("call .data_ptr()", torch.Tensor.data_ptr)
+
     # -- copy module: as torch.Tensor's protocol does (reliability #67) -------------------------
     def __copy__(self):
         """``copy.copy``: a tensor sharing this one's storage, without autograd history (as

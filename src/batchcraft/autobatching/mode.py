@@ -16,7 +16,7 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-from batchcraft.autobatching import stack
+from batchcraft.autobatching import _native, stack
 
 #: returned by :func:`as_mode_handler` when the recorder's mode is not the innermost one
 NOT_ON_TOP = object()
@@ -63,6 +63,20 @@ class RecordingMode(TorchFunctionMode):
         if handler_mode(frame) is not None:  # a mode of the user's handler called func (bug #56)
             return rec.for_handler(func, args, kwargs or {}, frame)
         return rec.mode_call(func, args, kwargs or {})
+
+
+#: the mode classes of the two cores (C: ``_core.Mode``)
+_MODE_TYPES = (RecordingMode,) + ((_native.core.Mode,) if _native.core is not None else ())
+
+
+def recording_here() -> bool:
+    """Whether this thread's torch calls reach a recorder now: one is active, torch functions are
+    enabled, and the innermost torch-function mode is batchcraft's (the Python core's
+    :class:`RecordingMode` or the C core's mode), not a mode of the user's."""
+    if stack.current() is None or not torch._C._is_torch_function_enabled():
+        return False
+    n = torch._C._len_torch_function_stack()
+    return n > 0 and type(torch._C._get_function_stack_at(n - 1)) in _MODE_TYPES
 
 
 def as_mode_handler(rec, fn):

@@ -35,6 +35,7 @@ from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.lazy import ESCAPE_HINT, LazyTensor
 from batchcraft.autobatching.mode import outside_mode as _outside_mode
 from batchcraft.autobatching.plan import plan_rows
+from batchcraft.autobatching.torchclass import RECORDING_TORCH
 from batchcraft.autobatching.signature import (SCALAR_TYPES, SIGNATURES, SigInfo, flatten, rebuild,
                                                holds_these_shared, shared_descriptor)
 from batchcraft.autobatching.threadstate import op_state
@@ -960,6 +961,7 @@ class PyRecorder(RecorderBase):
         self.buckets: dict = defaultdict(list)
         self.n_pending = 0
         self.ops_recorded = 0
+        self.fast_calls = RECORDING_TORCH  # torch's class while the call records (torchclass.py)
         from batchcraft.autobatching.mode import RecordingMode
 
         self.mode = RecordingMode(self)

@@ -149,6 +149,13 @@ class _Wait:
 _WAIT = _Wait()
 
 
+class _Cancel:
+    """Message from the scheduler to a waiting fiber: the call ended (an error), unwind."""
+
+
+_CANCEL = _Cancel()
+
+
 class _Done:
     """Message from a runner fiber to the scheduler: instance finished with ``value``; I am free."""
 
@@ -209,6 +216,7 @@ class Runtime:
         self.main = None
         self.exec_time = 0.0
         self.waiter = None  # the greenlet whose value request switched to the scheduler last
+        self.cancelling = False  # the call ended: a value request raises GreenletExit (_run_fibers)
         self.main_state: FiberState | None = None
         self.failed_at: int | None = None  # the instance whose code raised (not batched work): _settle
         self.completed: list = []  # then: the outputs of the instances before it (all finished)
@@ -252,6 +260,8 @@ class Runtime:
             rec.inst_steps += 1
             if rec.inst_steps > rec.max_steps:
                 rec.step_limit()
+        if self.cancelling:  # (a request from code that swallowed the first GreenletExit)
+            raise greenlet.GreenletExit
         cur = greenlet.getcurrent()
         if self.main is None or cur is self.main:
             # no fibers: run everything pending now (correct; batching across later work is lost).
@@ -264,7 +274,8 @@ class Runtime:
                 raise _FlushFailed(exc) from None
             return
         self.waiter = cur  # resumed by the scheduler: a greenlet of the instance code's own, too
-        self.main.switch(_WAIT)
+        if self.main.switch(_WAIT) is _CANCEL:
+            raise greenlet.GreenletExit
         if x is not None and not rec.is_done(x.node):  # pragma: no cover - would be a scheduler bug
             raise AutobatchError(f"internal error: value needed to {why} was not computed")
 
@@ -331,8 +342,9 @@ class Runtime:
         rec = self.rec
         stack.push(rec)
         mode = rec.mode
-        # the C core's torch.tensor for the recording thread (see ccore.FAST_FACTORIES)
-        fast = getattr(rec, "fast_calls", None)  # None unless the option is on
+        # torch's class while calls record (torchclass.py; the C core's adds its torch.tensor for
+        # the recording thread: ccore.FAST_FACTORIES)
+        fast = getattr(rec, "fast_calls", None)
         mode.__enter__()
         dtypes = autocast_dtypes()  # kept while autocast is off, so not in the fiber state
         try:
@@ -625,6 +637,7 @@ class Runtime:
                 raise failure
         finally:
             self.main = None
+            self.cancelling = True
             for j in range(n):  # unwind instances left suspended by an error
                 f = fiber_of[j]  # None once its instance finished
                 if f is not None and not f.dead:
@@ -632,11 +645,24 @@ class Runtime:
                     if rec.device_changed:
                         set_global_context(dctx[j])
                     try:
-                        f.throw(greenlet.GreenletExit)
+                        # resumed as the loop resumes them, with a message that makes the value
+                        # request raise GreenletExit: a fiber suspended inside torch's C++ (a wait
+                        # in an __index__ torch's parser called) may make torch build an error
+                        # there, whose backtrace walks past the fiber's stack into this one's, laid
+                        # out as at a resumption; `throw` lays it out otherwise (reliability #270:
+                        # a segmentation fault)
+                        g = resume_of[j] if resume_of[j] is not None and not resume_of[j].dead else f
+                        g.switch(_CANCEL)
                     except BaseException:
                         pass
+                    if not f.dead:  # (the instance code kept running: end its fiber as before)
+                        try:
+                            f.throw(greenlet.GreenletExit)
+                        except BaseException:
+                            pass
                     states[j].leave(main_state)
                 states[j].close()
+            self.cancelling = False
             for f in runners:  # idle runners end their loop
                 if not f.dead:
                     try:

@@ -1,0 +1,76 @@
+"""The default dtype (``torch.set_default_dtype``) in static blocks' traces.
+
+A block's trace is a program run at the flush, perhaps after instance code restored the default
+dtype it set before the call: a factory step without ``dtype=`` (``torch.zeros(2)``,
+``torch.tensor(1.5)``) then made the flush's dtype, not the call's (reliability #271). As with
+the default device (devices.py), a trace's factory steps hold the ``dtype=`` eager's call got
+(:func:`with_default_dtype`), the default dtype is part of a block's fingerprint (blocks.py), and
+:class:`DefaultDtypeSetter` makes ``torch.set_default_dtype`` called while calls record tell the
+thread's recorder to check its blocks' fingerprints again.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from batchcraft.autobatching import stack
+from batchcraft.autobatching.devices import device_constructors
+
+
+def with_default_dtype(func, args, kwargs: dict) -> dict:
+    """``kwargs`` of factory ``func`` with the ``dtype=`` eager's call gets from the default dtype
+    (floating and complex results; an int result keeps none): the call is made once on ``meta``
+    to see it. Anything else, or a call that fails there, is returned unchanged."""
+    if "dtype" in kwargs or func not in device_constructors():
+        return kwargs
+    try:
+        with torch._C.DisableTorchFunction():
+            probe = func(*args, **{**kwargs, "device": "meta"})
+    except Exception:  # noqa: BLE001 - eager's own call raises its error at the step
+        return kwargs
+    if not isinstance(probe, torch.Tensor) or not (probe.dtype.is_floating_point or probe.dtype.is_complex):
+        return kwargs
+    return {**kwargs, "dtype": probe.dtype}
+
+
+def _setter(original):
+    @functools.wraps(original)
+    def set_default_dtype(d):
+        out = original(d)
+        forget = getattr(stack.current(), "forget_block_checks", None)
+        if forget is not None:  # (a recorder of this thread: its blocks compare fingerprints again)
+            forget()
+        return out
+    return set_default_dtype
+
+
+class DefaultDtypeSetter:
+    """Data descriptor: ``torch.set_default_dtype`` reads as torch's function followed by the
+    thread's recorder's ``forget_block_checks`` (a value set meanwhile is read as set)."""
+
+    __slots__ = ("name", "original", "wrapper")
+
+    def __init__(self, name: str = "set_default_dtype"):
+        self.name = name
+        self.original = getattr(torch, name)
+        self.wrapper = _setter(self.original)
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        try:
+            v = module.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(f"module 'torch' has no attribute '{self.name}'") from None
+        return self.wrapper if v is self.original else v
+
+    def __set__(self, module, value) -> None:
+        module.__dict__[self.name] = self.original if value is self.wrapper else value
+
+    def __delete__(self, module) -> None:
+        del module.__dict__[self.name]
+
+
+__all__ = ["with_default_dtype", "DefaultDtypeSetter"]

@@ -1,0 +1,92 @@
+"""Sizes given one by one to a torch factory, the first a per-instance value: ``torch.zeros(n, 2)``.
+
+In eager, a 0-d integer tensor ``n`` is a size like an int. A lazy value is not a ``Tensor`` but
+an object with ``__torch_function__``, and torch's argument parser takes the sizes one by one
+only when the first is an int: ``torch.zeros(n, 2)`` fails there with "zeros() takes 1
+positional argument but 2 were given", before any torch-function mode sees the call
+(reliability #272). The same sizes as one tuple, ``torch.zeros((n, 2))``, reach the recording
+mode, which waits for ``n``'s value as eager's parser reads it.
+
+While calls record, ``torch``'s module class (torchclass.py) has data descriptors that read
+:data:`FACTORIES`, in a thread whose calls reach a recorder, as wrappers that pass the sizes as
+one tuple when the first of several is such an object; every other call goes to torch's
+function unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+
+import torch
+
+from batchcraft.autobatching import mode as _mode
+
+#: torch functions whose positional arguments are all sizes (``size (int...)`` in torch's docs)
+FACTORIES = ("zeros", "ones", "empty", "rand", "randn")
+
+
+def _packs(x) -> bool:
+    """Whether torch's parser would refuse ``x`` as the first of several sizes though eager
+    would take a tensor in its place: a non-Tensor with ``__torch_function__`` (a lazy value)."""
+    t = type(x)
+    return t is not int and not isinstance(x, torch.Tensor) and hasattr(t, "__torch_function__")
+
+
+def _user_function(co) -> bool:
+    """Whether code ``co`` is a function (not a module or class body), not a ``__torch_function__``
+    handler and not torch's (as the C core's ``read_by_user_function``)."""
+    return bool(co.co_flags & inspect.CO_OPTIMIZED) and co.co_name != _mode.TF_NAME and \
+        not co.co_filename.startswith(_mode.TORCH_DIR)
+
+
+def packed(fn):
+    """``fn`` taking its sizes as one tuple when the first of several is a lazy value."""
+    @functools.wraps(fn)
+    def call(*size, **kwargs):
+        if len(size) > 1 and _packs(size[0]):
+            return fn(size, **kwargs)
+        return fn(*size, **kwargs)
+    return call
+
+
+class SizeArg:
+    """Data descriptor: ``torch.<name>`` reads as :func:`packed` of torch's function.
+
+    A value set meanwhile (``torch.zeros = mine``) is the module's own, read as set; the wrapper
+    written back restores torch's function.
+    """
+
+    __slots__ = ("name", "original", "wrapper")
+
+    def __init__(self, name: str, original):
+        self.name, self.original, self.wrapper = name, original, packed(original)
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        try:
+            v = module.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(f"module 'torch' has no attribute '{self.name}'") from None
+        # only where a recorder gets the call, read by a function of instance code: elsewhere
+        # (other threads, a mode of the user's and its handler, DisableTorchFunction, torch's own
+        # code, a module body's ``from torch import zeros``) ``func is torch.zeros`` holds
+        if v is self.original and _mode.recording_here() and _user_function(sys._getframe(1).f_code):
+            return self.wrapper
+        return v
+
+    def __set__(self, module, value) -> None:
+        module.__dict__[self.name] = self.original if value is self.wrapper else value
+
+    def __delete__(self, module) -> None:
+        del module.__dict__[self.name]
+
+
+def descriptors() -> dict:
+    """:class:`SizeArg` of each of :data:`FACTORIES` torch has, by name (for torchclass.py)."""
+    return {name: SizeArg(name, getattr(torch, name)) for name in FACTORIES if hasattr(torch, name)}
+
+
+__all__ = ["FACTORIES", "SizeArg", "descriptors", "packed"]
