@@ -790,3 +790,52 @@ def test_a_concurrent_plain_call_does_not_reuse_a_transformed_calls_signatures(c
     g = torch.autograd.grad(sum(o.sum() for o in out), lin.weight)[0]
     g_ref = torch.autograd.grad(sum(r.sum() for r in ref), lin.weight)[0]
     torch.testing.assert_close(g, g_ref)
+
+
+def _leaf_made(x, w):
+    t = (x * 2).detach().requires_grad_()  # (truncated backpropagation: a new leaf)
+    return t, (t * w).sum()
+
+
+def _leaf_written_under_no_grad(x, w):
+    t = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    with torch.no_grad():
+        t.add_(x)
+    return t, (t * w).sum()
+
+
+def _leaf_written_through_data(x, w):
+    t = torch.ones(4, requires_grad=True)
+    t.data.mul_(x)
+    return t, (t * w).sum()
+
+
+def _made_leaf_written(x, w):
+    t = (x * 1).requires_grad_()
+    with torch.no_grad():
+        t.mul_(3)
+    return t, (t * w).sum() + t.sum()
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("fn", [_leaf_made, _leaf_written_under_no_grad, _leaf_written_through_data,
+                                _made_leaf_written], ids=lambda f: f.__name__.strip("_"))
+def test_a_leaf_made_or_written_in_instance_code_comes_back_a_leaf_with_its_grad(core, fn):
+    # reliability #260 and #273: the returned value was a row of a batched tensor, not a leaf,
+    # and its .grad stayed None after backward (eager: a leaf with its gradient)
+    w = torch.randn(4, requires_grad=True)
+    xs = [torch.randn(4), torch.randn(4)]
+
+    def run(outs):
+        sum(loss for _, loss in outs).backward()
+        got = [(t.is_leaf, t.requires_grad, t.detach().clone(), t.grad) for t, _ in outs]
+        wg, w.grad = w.grad, None
+        return got, wg
+
+    eager, eager_w = run([fn(x, w) for x in xs])
+    batched, batched_w = run(autobatch(lambda x: fn(x, w), core=core)(xs))
+    torch.testing.assert_close(batched_w, eager_w)
+    for (leaf, rg, v, g), (eleaf, erg, ev, eg) in zip(batched, eager):
+        assert (leaf, rg) == (eleaf, erg) == (True, True)
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(g, eg)

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from batchcraft import autobatch
-from batchcraft.errors import UnsupportedOperationError
+from batchcraft.errors import InstanceError, UnsupportedOperationError
 
 from equivalence import assert_matches_eager, check_inputs_against_eager
 
@@ -629,3 +629,67 @@ def test_one_tensor_written_by_two_instances_warns(core):
     b = torch.ones(3)
     with pytest.warns(RuntimeWarning, match="instances 0 and 1 received the same tensor"):
         autobatch(fn, core=core)([b, b])
+
+
+PERMUTED_WRITES = {
+    "t": lambda z, v: z.t().__setitem__((0, 1), v),
+    "transpose": lambda z, v: z.transpose(0, 1).__setitem__((2, 0), v),
+    "permute": lambda z, v: z.permute(1, 0).mul_(v),
+    "movedim": lambda z, v: z.movedim(0, 1).add_(v),
+}
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("how", sorted(PERMUTED_WRITES))
+@pytest.mark.parametrize("value", ["python", "lazy"])
+def test_a_write_through_a_permuting_view_keeps_the_base_contiguous(core, how, value):
+    # reliability #259: the base's new value was the inverse permutation of the written view,
+    # laid out as that view, and a later z.view(-1) failed ("view size is not compatible")
+    lin = nn.Linear(3, 3)
+
+    def fn(i):
+        z = torch.zeros(2, 3) if value == "python" else lin(torch.ones(2, 3) * i)
+        PERMUTED_WRITES[how](z, i if value == "python" else (lin.bias[0] * i))
+        return z.view(-1), z.is_contiguous()
+
+    if value == "python":
+        assert_matches_eager(fn, [1, 2], [], core=core)
+    else:
+        assert_matches_eager(fn, [torch.tensor(1.0), torch.tensor(2.0)], list(lin.parameters()), core=core)
+
+
+RESIZES = {
+    "shrink": lambda y: y.resize_(2),
+    "grow-then-fill": lambda y: y.resize_(7).fill_(0.5),
+    "same-count": lambda y: y.resize_(2, 2),
+    "tuple": lambda y: y.resize_((1, 4)),
+    "grow-keeps-first": lambda y: y.resize_(6)[:4],
+}
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("how", sorted(RESIZES))
+def test_resize_changes_the_number_of_elements_as_eager(core, how):
+    # reliability #264: resize_ was recorded as autograd's resize, which keeps the element count
+    def fn(x):
+        y = x * 2  # (no grad: eager refuses to resize a tensor that requires grad)
+        z = torch.zeros(3)
+        z.resize_(5)
+        return RESIZES[how](y) + 0, z.fill_(1) + x.sum()
+
+    assert_matches_eager(fn, [torch.arange(4.0), torch.arange(4.0) * 3], [], core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_resize_of_a_value_that_requires_grad_fails_as_eager(core):
+    w = torch.ones(4, requires_grad=True)
+
+    def fn(x):
+        y = x * w
+        y.resize_(2)
+        return y
+
+    with pytest.raises(RuntimeError, match="cannot resize variables that require grad"):
+        fn(torch.ones(4))
+    with pytest.raises(InstanceError, match="cannot resize variables that require grad"):
+        autobatch(fn, core=core)([torch.ones(4), torch.ones(4)])

@@ -28,6 +28,7 @@ from batchcraft.autobatching import dedup as _dedup
 from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching import lookup as _lookup
+from batchcraft.autobatching.functional import make_leaf
 from batchcraft.autobatching.descs import DESCS, row_bytes
 from batchcraft.autobatching.gather import RowRefs, Rows, index_tensor, keep_requires_grad, materialize, take, take_all
 from batchcraft.autobatching.lower import Runner
@@ -253,6 +254,8 @@ class Executor:
         rec = self.rec
         st = self.stats
         info = SIGNATURES.by_sid[key[2]]
+        if info.func is make_leaf:
+            return self._made_leaves(info, nodes)
         n = len(nodes)
         t0 = _perf()
         runner = self.runner_of(info)
@@ -408,6 +411,28 @@ class Executor:
         else:
             kname = next(iter(runner.rules), "op")
         kinds[kname] = kinds.get(kname, 0) + 1
+
+    def _made_leaves(self, info, nodes) -> None:
+        """``requires_grad_()`` on per-instance values: each instance's value becomes a leaf tensor
+        of its own, handed out as its value (its ``.grad`` is eager's), and their stack feeds later
+        groups. Before, one batched leaf held every instance's row, and the value an instance
+        returned was a row view of it, with no ``.grad`` (reliability #260)."""
+        rec = self.rec
+        t0 = _perf()
+        with under(PLAIN):
+            (plan,) = rec.plan_group(nodes, 1, 0)
+            x = take(rec.buffers, plan)
+        with under(info.state):
+            leaves = [x[i].detach().clone().requires_grad_(True) for i in range(len(nodes))]
+            out = torch.stack(leaves)
+        buf = len(rec.buffers)
+        rec.buffers.append(out)
+        rec.place(nodes, buf, 0)
+        rec.own_values.update(zip(nodes, leaves))
+        self.stats.gather_s += _perf() - t0
+        self.stats.batched_calls += 1
+        kinds = self.stats.groups_by_rule
+        kinds["made_leaf"] = kinds.get("made_leaf", 0) + 1
 
     # -- fused recurrences (chains.py) --------------------------------------------------------------
     def run_chains(self, unit) -> None:

@@ -21,6 +21,8 @@ summed over all uses, as in eager.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from batchcraft.autobatching.lazy import user_mode_on_top
@@ -111,8 +113,20 @@ def _bernoulli(x, p=0.5, generator=None):
     return torch.bernoulli(torch.full_like(x, p) if isinstance(p, (int, float)) else p.expand_as(x))
 
 
+def _resize(x, *size, memory_format=None):
+    """``x.resize_(*size)`` as a pure function: ``x``'s first elements in memory order, as eager
+    keeps its storage's, then zeros where eager's new memory is uninitialised (reliability #264:
+    before, autograd's out-of-place ``resize``, which cannot change the number of elements)."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    n = math.prod(size)
+    flat = x.reshape(-1)
+    out = flat[:n].clone() if n <= flat.numel() else torch.cat([flat, flat.new_zeros(n - flat.numel())])
+    return out.reshape(size) if memory_format is None else out.reshape(size).contiguous(memory_format=memory_format)
+
+
 _SPECIAL = {"copy_": _copy, "zero_": _zero, "fill_": _fill, "uniform_": _uniform, "normal_": _normal,
-            "bernoulli_": _bernoulli}
+            "bernoulli_": _bernoulli, "resize_": _resize}
 _METADATA_ONLY = {"unsqueeze_", "squeeze_", "t_", "transpose_", "detach_", "resize_", "as_strided_",
                   "swapaxes_", "swapdims_"}
 
@@ -207,6 +221,8 @@ def inplace(rec, x, func, args, kwargs):
         set_requires_grad(rec, x, bool(args[1]) if len(args) > 1 else kwargs.get("requires_grad", True))
         return x
     origin = leaf_write_origin(rec, x, metadata=name in _METADATA_ONLY)
+    if name == "resize_" and rec.requires_grad_of(x):  # (eager's own check, at the call)
+        raise RuntimeError("cannot resize variables that require grad")
     if user_mode_on_top(rec):  # a mode entered inside instance code sees the in-place call (bug #49)
         new, out = rec.under_user_mode(func, args, kwargs, copy_first=True)
         if origin is not None:

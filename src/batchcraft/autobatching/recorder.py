@@ -261,6 +261,7 @@ class RecorderBase:
         self.grad_flags: dict = {}  # id(caller's tensor) -> (tensor, requires_grad) set after the call
         self.keepalive: list = []
         self.input_leaves: dict = {}
+        self.own_values: dict = {}  # node -> the tensor its output 0 is (a made leaf: execute.py)
         self.hooked: set = set()
         # a DeviceContext below the recording mode (torch.set_default_device): factory calls
         # of instance code get its device= as in eager (devices.py)
@@ -744,6 +745,8 @@ class RecorderBase:
     # -- values -------------------------------------------------------------------------------
     def value_of(self, node: int, slot: int):
         """The concrete value of an executed node's output (a row of a batched result)."""
+        if slot == 0 and node in self.own_values:
+            return self.own_values[node]
         buf, row = self.location(node)
         if buf in self.shared_rows:
             buf, row = self._own_rows(node, buf, row)
@@ -823,6 +826,17 @@ class RecorderBase:
     def resolve(self, x):
         """Output of the call for lazy value ``x`` (after the final flush)."""
         node = x.node
+        origin = self.written_leaves.get((node, x.slot))
+        if origin is not None and origin[1] == 0 and node != origin[0]:
+            # a leaf written without history (under no_grad, through .data): eager's is the same
+            # tensor, still a leaf, now holding the new values; its gradient already goes to it
+            # (reliability #273; before, a row of the written value, not a leaf, without .grad)
+            o = origin[0]
+            leaf = self.leaf_value(o) if self.node_sid(o) == 0 else self.own_values.get(o)
+            if leaf is not None and self.is_done(node):
+                with torch.no_grad():
+                    leaf.copy_(self.value_of(node, x.slot))
+                return leaf
         if self.node_sid(node) == 0:
             return self.leaf_value(node)
         if not self.is_done(node):  # pragma: no cover - the final flush runs everything

@@ -103,10 +103,12 @@ def view_scatter(rec, func, struct, leaves, slot, base, new_view, shape):
             return value
         with torch.enable_grad():
             return value + (base - base.detach())
+    # the inverse of a permuting view is laid out as the view: the base, written in place in
+    # eager, keeps its own (contiguous) layout, which later .view() calls need (reliability #259)
     if func in (T.t, torch.t):
-        return new_view.t() if len(shape) == 2 else new_view
+        return new_view.t().contiguous() if len(shape) == 2 else new_view
     if func in (T.transpose, torch.transpose, T.swapaxes, torch.swapaxes):
-        return new_view.transpose(_dim(args, kwargs, 1, "dim0"), _dim(args, kwargs, 2, "dim1"))
+        return new_view.transpose(_dim(args, kwargs, 1, "dim0"), _dim(args, kwargs, 2, "dim1")).contiguous()
     if func in (T.permute, torch.permute):
         dims = args[1:] if "dims" not in kwargs else [kwargs["dims"]]
         if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
@@ -115,10 +117,10 @@ def view_scatter(rec, func, struct, leaves, slot, base, new_view, shape):
         inv = [0] * rank
         for i, d in enumerate(dims):
             inv[d % rank] = i
-        return new_view.permute(*inv)
+        return new_view.permute(*inv).contiguous()
     if func in (T.movedim, torch.movedim):
         src, dst = _dim(args, kwargs, 1, "source"), _dim(args, kwargs, 2, "destination")
-        return new_view.movedim(dst, src)
+        return new_view.movedim(dst, src).contiguous()
     if func in (T.diagonal, torch.diagonal):
         return torch.diagonal_scatter(base, new_view, _dim(args, kwargs, 1, "offset", 0),
                                       _dim(args, kwargs, 2, "dim1", 0), _dim(args, kwargs, 3, "dim2", 1))
