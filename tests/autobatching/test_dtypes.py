@@ -78,3 +78,22 @@ def test_with_default_dtype_adds_only_what_the_default_decides():
     assert with_default_dtype(torch.zeros, ((2,),), {"dtype": torch.int8}) == {"dtype": torch.int8}
     assert with_default_dtype(torch.sigmoid, (torch.ones(1),), {}) == {}  # not a factory
     assert with_default_dtype(torch.zeros, ("bad",), {}) == {}  # eager's error is raised at the step
+
+
+@static_block
+def random_in_block(x):
+    return torch.randn(2) + x, torch.normal(0.0, 1.0, (2,))
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_normal_in_a_block_takes_the_default_dtype(core):
+    # a hostile find (stop 49): torch.normal(mean, std, size) is not in torch's list of factories
+    def fn(x):
+        torch.set_default_dtype(torch.float64)
+        try:
+            return random_in_block(x)
+        finally:
+            torch.set_default_dtype(torch.float32)
+
+    assert [[t.dtype for t in o] for o in autobatch(fn, core=core)([torch.ones(2), torch.ones(2)])] == \
+        [[t.dtype for t in fn(torch.ones(2))]] * 2 == [[torch.float64, torch.float64]] * 2

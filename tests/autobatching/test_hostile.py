@@ -842,8 +842,28 @@ def test_data_ptr_tells_values_apart_and_views_share_their_bases(core):
         c, d = a.view(-1), a[1:]
         keys = {a.data_ptr(): "a", b.data_ptr(): "b", c.data_ptr(): "c"}
         return torch.tensor([a.data_ptr() != b.data_ptr(), a.data_ptr() == c.data_ptr(),
-                             d.data_ptr() - a.data_ptr() == a.element_size(), len(keys) == 2, a.data_ptr() != 0])
+                             d.data_ptr() - a.data_ptr() == a.element_size(), len(keys) == 2, a.data_ptr() != 0,
+                             x.view(-1).data_ptr() == x.data_ptr(), x[1:][1:].data_ptr() - x.data_ptr() == 8])
 
-    xs = [torch.ones(2), torch.ones(2) * 3]
-    assert [fn(x).tolist() for x in xs] == [[True] * 5] * 2
-    assert [o.tolist() for o in autobatch(fn, core=core)(xs)] == [[True] * 5] * 2
+    xs = [torch.ones(3), torch.ones(3) * 3]
+    assert [fn(x).tolist() for x in xs] == [[True] * 7] * 2
+    assert [o.tolist() for o in autobatch(fn, core=core)(xs)] == [[True] * 7] * 2
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("ids", [[2, 3, 1], [2, -1, 1]])
+def test_an_id_outside_a_per_instance_table_raises_eagers_error(core, ids):
+    # a hostile find (stop 49): with a per-instance table, vmap's embedding read the row of
+    # another instance's table for an id past this one's (silently)
+    table = torch.arange(12.0).reshape(3, 4)
+
+    def fn(i):
+        return F.embedding(i, table * 1)
+
+    with pytest.raises(IndexError):
+        fn(torch.tensor(ids[1]))
+    with pytest.raises(InstanceError, match="index out of range") as info:
+        autobatch(fn, core=core)([torch.tensor(v) for v in ids])
+    assert info.value.instance == 1
+    out = autobatch(fn, core=core)([torch.tensor(v) for v in (0, 2, 1)])
+    assert [o.tolist() for o in out] == [fn(torch.tensor(v)).tolist() for v in (0, 2, 1)]

@@ -14,6 +14,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from batchcraft import autobatch, static_block
+from batchcraft.errors import InstanceError
 
 from equivalence import CORES, assert_matches_eager
 
@@ -36,6 +37,21 @@ VALUE_SHAPED = {
     "topk": lambda n: (W * 3).topk(n).values,
     "slice": lambda n: (W * 1)[:n],
     "arange": lambda n: torch.arange(n) * 2,
+}
+
+T3 = torch.arange(18.0).reshape(3, 3, 2)
+
+#: a 0-d integer as a dim: shapes that two placeholder values cannot tell apart (sum over dims 0
+#: and 1 of a (3, 3, 2) tensor: both (3, 2); over dim 2: (3, 3)) (a hostile find, stop 49)
+AS_DIM = {
+    "sum": lambda d: (T3 * 1).sum(d),
+    "sum-shared": lambda d: T3.sum(d),
+    "amax": lambda d: (T3 * 1).amax(d),
+    "argmax": lambda d: (T3 * 1).argmax(d),
+    "softmax": lambda d: (T3 * 1).softmax(d),
+    "transpose": lambda d: (T3 * 1).transpose(d, 0).contiguous(),
+    "unbind": lambda d: (T3 * 1).unbind(d)[0],
+    "stack-of-ints": lambda d: torch.stack([d, d * 2]),  # (data, not dims: stays batched)
 }
 
 
@@ -133,3 +149,86 @@ def test_a_factory_saved_and_restored_in_instance_code_stays_torchs(core):
 
     autobatch(fn, core=core)([torch.ones(1)])
     assert vars(torch)["randn"] is original and torch.randn is original
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("name", sorted(AS_DIM))
+def test_a_lazy_dim_gives_eager_shapes(core, name):
+    # before: the signature inferred with the placeholder 0 gave instances with d = 2 the shape
+    # of d = 0 (silently), or failed to stack mixed dims with a raw RuntimeError
+    make = AS_DIM[name]
+    for ds in ([2, 2], [2, 0], [1, 1]):
+        assert_matches_eager(make, [torch.tensor(v) for v in ds], [], core=core)
+
+
+class _Len:
+    """An int-like object whose ``__index__`` needs a tensor's value (a wait inside instance code)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __index__(self):
+        return int(self.t.sum().item())
+
+
+INDEX_OBJECTS = {
+    "repeat": lambda x: (x * 1).repeat(_Len(x), 1),
+    "new_zeros": lambda x: (x * 1).new_zeros(_Len(x), 2),
+    "new_zeros-tuple": lambda x: (x * 1).new_zeros((_Len(x), 2)),
+    "expand": lambda x: (x[:1] * 1).expand(_Len(x), -1),
+    "pad": lambda x: torch.nn.functional.pad(x * 1, (_Len(x), 0)),
+    "shared-repeat": lambda x: W.repeat(_Len(x), 1) * x.sum(),
+    "zeros": lambda x: torch.zeros(_Len(x), 2) + x.sum(),
+}
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("name", sorted(INDEX_OBJECTS))
+def test_int_like_objects_that_need_values_are_read_in_instance_code(core, name):
+    # before: read by torch's parser while the output was inferred, where no value can be waited
+    # for: a TypeError, and the caller's thread left with torch functions disabled
+    assert_matches_eager(INDEX_OBJECTS[name], [torch.tensor([1.0, 0.0]), torch.tensor([2.0, 1.0])], [], core=core)
+    assert torch._C._is_torch_function_enabled()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_an_error_after_a_wait_inside_disabled_torch_functions_leaves_them_enabled(core):
+    def fn(x):
+        with torch._C.DisableTorchFunction():
+            pass
+        n = _Len(x)
+        if float(x.sum()) > 2.5:
+            raise ValueError("boom")
+        return torch.zeros(n, 2)
+
+    with pytest.raises(InstanceError, match="boom"):
+        autobatch(fn, core=core)([torch.tensor([1.0, 0.0]), torch.tensor([2.0, 1.0])])
+    assert torch._C._is_torch_function_enabled()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_factories_read_in_instance_code_compare_hash_and_pickle_as_torchs(core):
+    import copy
+    import pickle
+
+    table = {getattr(torch, k): k for k in ("zeros", "ones", "empty", "rand", "randn")}
+
+    def fn(x):
+        fs = [getattr(torch, k) for k in ("zeros", "ones", "empty", "rand", "randn")]
+        ok = [f in table for f in fs] + [pickle.loads(pickle.dumps(f)) == f for f in fs]
+        ok += [repr(f) == repr(vars(torch)[k]) for f, k in zip(fs, table.values())]
+        ok.append(copy.copy(torch.randn)(2, 3).shape == (2, 3))
+        return torch.tensor(ok) & (x > 0)
+
+    assert autobatch(fn, core=core)([torch.ones(16, dtype=torch.bool)])[0].all()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_float_first_size_keeps_eagers_error(core):
+    def fn(x):
+        return torch.ones(x.sum() * 1.0, 2)
+
+    with pytest.raises(TypeError, match="positional argument"):
+        fn(torch.ones(2))
+    with pytest.raises(InstanceError, match="positional argument"):
+        autobatch(fn, core=core)([torch.ones(2)])

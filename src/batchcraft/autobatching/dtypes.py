@@ -22,8 +22,10 @@ from batchcraft.autobatching.devices import device_constructors
 def with_default_dtype(func, args, kwargs: dict) -> dict:
     """``kwargs`` of factory ``func`` with the ``dtype=`` eager's call gets from the default dtype
     (floating and complex results; an int result keeps none): the call is made once on ``meta``
-    to see it. Anything else, or a call that fails there, is returned unchanged."""
-    if "dtype" in kwargs or func not in device_constructors():
+    to see it. Factories are torch's list of them (those ``set_default_device`` reaches) and
+    ``torch.normal`` (its ``(mean, std, size)`` form). Anything else, or a call that fails
+    there (tensor arguments on another device), is returned unchanged."""
+    if "dtype" in kwargs or (func not in device_constructors() and func is not torch.normal):
         return kwargs
     try:
         with torch._C.DisableTorchFunction():

@@ -67,9 +67,26 @@ def _real_ok(func, struct) -> bool:
     return True
 
 
+#: batching rules whose tensor arguments are all data (a 0-d integer one is a value, not a dim)
+_DATA_RULES = frozenset({"elementwise", "direct", "weight", "rnn_cell", "matmul", "seq", "getitem"})
+
+
+def _used_as_int(func, leaf_specs) -> bool:
+    """A 0-d integer lazy input past the first of a rule that takes dims or sizes (``x.sum(d)``,
+    ``x.transpose(d, 0)``): eager reads its value, so shapes may depend on it in ways two
+    placeholder values cannot show (``sum`` over dims of equal size; reliability #277)."""
+    from batchcraft.autobatching.rules import RULES
+
+    if RULES[func].name in _DATA_RULES:
+        return False
+    return any(s[0] == "lazy" and _int_scalar(s[1]) for s in leaf_specs[1:])
+
+
 def infer_outputs(func, struct, leaf_specs, state, lazy_type):
     """:func:`_infer` on real placeholders where safe (see the module docstring), else on meta."""
     real_ok = _real_ok(func, struct)
+    if real_ok and func is not F.embedding and _used_as_int(func, leaf_specs):
+        raise NeedsValues(ValueError("a 0-d integer input may be a dim or a size"))
     if state[2] is not None and not real_ok:
         # autocast needs real placeholders (it does not act on meta tensors), but zeros hide a
         # value-dependent shape (x[mask] of zeros is always empty: a fuzzer find): an op that

@@ -356,8 +356,11 @@ class LazyTensor(_Base):
 
     def data_ptr(self):
         """The address of the value's first element (a value wait): values have addresses of their
-        own and views share their base's, as in eager (before, the placeholder's 0: reliability #276)."""
-        return self._convert("call .data_ptr()", torch.Tensor.data_ptr)
+        own and views point into their base's, as in eager (before, the placeholder's 0:
+        reliability #276). An in-place update gives a value a new address (values are
+        functional), where eager's stays."""
+        return self.rec.data_ptr_of(self) if hasattr(self.rec, "data_ptr_of") else \
+            self._convert("call .data_ptr()", torch.Tensor.data_ptr)
 
     # -- copy module: as torch.Tensor's protocol does (reliability #67) -------------------------
     def __copy__(self):

@@ -17,6 +17,7 @@ hooks. The Python core is the reference the fuzzer compares the C core against.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from weakref import ref as _weakref
 
@@ -39,6 +40,7 @@ from batchcraft.autobatching.torchclass import RECORDING_TORCH
 from batchcraft.autobatching.signature import (SCALAR_TYPES, SIGNATURES, SigInfo, flatten, rebuild,
                                                holds_these_shared, shared_descriptor)
 from batchcraft.autobatching.threadstate import op_state
+from batchcraft.autobatching.threadstate import under as _under
 from batchcraft.errors import AutobatchError, StepLimitError, UnsupportedOperationError
 
 _Lazy = LazyTensor
@@ -217,6 +219,35 @@ PENDING_GRAD_FN = _PendingGradFn()
 
 
 _item = torch.Tensor.item
+
+
+_NOT_INDEX = (int, bool, float, complex, str, bytes, type(None), slice, type(Ellipsis), torch.dtype, torch.device)
+
+
+def _index_object(a) -> bool:
+    """An int-like object of the user's (``__index__``, no ``__torch_function__``): torch's parser
+    reads it as an int through ``__index__``."""
+    t = type(a)
+    return t not in _NOT_INDEX and hasattr(t, "__index__") and not hasattr(t, "__torch_function__")
+
+
+def _has_index_object(args, kwargs) -> bool:
+    for a in (*args, *(kwargs.values() if kwargs else ())):
+        if _index_object(a) or (type(a) in (list, tuple) and any(_index_object(b) for b in a)):
+            return True
+    return False
+
+
+def _read_indexes(x):
+    """``x`` (args tuple, kwargs dict, a size list) with int-like objects read as ints now, in
+    instance code, as eager's parser reads them at the call: their ``__index__`` may need a value
+    (a wait). Recorded as opaque constants, they were read at output inference instead, where no
+    value can be waited for (a hostile find, stop 49)."""
+    if type(x) is dict:
+        return {k: _read_indexes(v) if type(v) in (list, tuple) else (
+            operator.index(v) if _index_object(v) else v) for k, v in x.items()}
+    return type(x)(operator.index(a) if _index_object(a) else (
+        _read_indexes(a) if type(a) in (list, tuple) else a) for a in x)
 
 
 class RecorderBase:
@@ -538,6 +569,8 @@ class RecorderBase:
 
     def general(self, func, args, kwargs):
         """:meth:`record_general`, also returning the SigInfo used (None: no node was recorded)."""
+        if func.__class__ is not _StaticBlock and _has_index_object(args, kwargs):
+            args, kwargs = _read_indexes(args), _read_indexes(kwargs) if kwargs else kwargs
         if type(func) is _MethodWrapper and len(args) == 1 and not kwargs and type(args[0]) is not self.lazy_type:
             # a property of a tensor from outside the instance (``weight.device`` in a model's
             # forward, once per instance): nothing to record, nothing written
@@ -823,8 +856,59 @@ class RecorderBase:
         """Has lazy value ``x`` a value now (a leaf, or a node whose batched work ran)?"""
         return self.node_sid(x.node) == 0 or self.is_done(x.node)
 
-    def resolve(self, x):
-        """Output of the call for lazy value ``x`` (after the final flush)."""
+    def resolve(self, x, memo: dict | None = None):
+        """Output of the call for lazy value ``x`` (after the final flush).
+
+        ``memo`` ((node, slot) -> tensor) holds what one instance's outputs resolved to: a view
+        whose base is resolved too (an output, an input, a leaf) is that view of the base's tensor,
+        so that they alias as in eager (``return y, y[:2]``, ``return x[1:]`` of an input;
+        reliability #261). Before, each output was a row of its own batched result.
+        """
+        if memo is None:
+            return self._resolve_one(x, None)
+        key = (x.node, x.slot)
+        got = memo.get(key)
+        if got is None:
+            got = None
+            if x.base is not None and not self.is_made_leaf_alias(x):
+                got = self._concrete_view(x, self.resolve(x.base, memo))
+            if got is None:
+                got = self._resolve_one(x, memo)
+            memo[key] = got
+        return got
+
+    def data_ptr_of(self, x) -> int:
+        """``x.data_ptr()``: a view's address points into its base's value (views of one value,
+        and of an instance's input, as in eager); anything else, its own value's (a wait)."""
+        with torch._C.DisableTorchFunction():
+            return self._viewed(x).data_ptr()
+
+    def _viewed(self, x):
+        """``x``'s value, for a view computed from its base's as the view call (aliasing it)."""
+        if x.base is not None and not self.is_made_leaf_alias(x):
+            v = self._concrete_view(x, self._viewed(x.base))
+            if v is not None:
+                return v
+        return self.materialize(x, "call .data_ptr()")
+
+    def _concrete_view(self, v, base):
+        """View ``v``'s operation applied to tensor ``base`` (None when it has other lazy arguments)."""
+        info = SIGNATURES.by_sid[self.node_sid(v.node)]
+        leaves = self.node_leaves(v.node, first=base)
+        if any(type(t) is self.lazy_type for t in leaves) or not isinstance(base, torch.Tensor):
+            return None
+        it = iter(leaves)
+        args = rebuild(info.struct[0], it)
+        kwargs = rebuild(info.struct[1], it) if info.struct[1] is not None else {}
+        with torch._C.DisableTorchFunction(), _under(info.state):
+            out = info.func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            flat: list = []
+            flatten(out, flat, self.lazy_type)
+            out = flat[v.slot]
+        return out
+
+    def _resolve_one(self, x, memo):
         node = x.node
         origin = self.written_leaves.get((node, x.slot))
         if origin is not None and origin[1] == 0 and node != origin[0]:

@@ -73,7 +73,21 @@ def rule_weight(func, struct, leaves, mask, shapes, n):
     """linear / embedding / layer_norm: batched input, shared weights: a direct call works."""
     if mask[0] and _shared_weights(mask):
         return _call(func, struct, leaves)
+    if func is F.embedding or func is torch.embedding:
+        _check_embedding_ids(func, leaves, mask, shapes)
     return rule_vmap(func, struct, leaves, mask, shapes, n)
+
+
+def _check_embedding_ids(func, leaves, mask, shapes) -> None:
+    """Per-instance tables: vmap's embedding looks ids up in the instances' tables laid end to
+    end, so an id past one instance's table read another's row (silently; a hostile find, stop
+    49). Out-of-range ids raise eager's error here: the group then runs per instance and names it."""
+    i, w = (0, 1) if func is F.embedding else (1, 0)
+    if len(leaves) <= max(i, w) or not mask[w] or not isinstance(leaves[i], torch.Tensor):
+        return
+    ids, rows = leaves[i], shapes[w][0]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise IndexError("index out of range in self")
 
 
 def rule_rnn_cell(func, struct, leaves, mask, shapes, n):

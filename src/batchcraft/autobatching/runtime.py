@@ -148,6 +148,9 @@ class _Wait:
 
 _WAIT = _Wait()
 
+_tf_state, _set_tf_state = torch._C._get_torch_function_state, torch._C._set_torch_function_state
+_TF_ENABLED = torch._C._TorchFunctionState.ENABLED
+
 
 class _Cancel:
     """Message from the scheduler to a waiting fiber: the call ended (an error), unwind."""
@@ -274,8 +277,19 @@ class Runtime:
                 raise _FlushFailed(exc) from None
             return
         self.waiter = cur  # resumed by the scheduler: a greenlet of the instance code's own, too
-        if self.main.switch(_WAIT) is _CANCEL:
-            raise greenlet.GreenletExit
+        # torch-function handling is thread state that fibers share and FiberState does not keep:
+        # a wait inside DisableTorchFunction (an __index__ that reads a value, called by torch's
+        # parser while an output is inferred) must not leave the scheduler, or the caller after
+        # an error, with it disabled (a hostile find, stop 49)
+        tf = _tf_state()
+        if tf is not _TF_ENABLED:
+            _set_tf_state(_TF_ENABLED)
+        try:
+            if self.main.switch(_WAIT) is _CANCEL:
+                raise greenlet.GreenletExit
+        finally:
+            if tf is not _TF_ENABLED:
+                _set_tf_state(tf)
         if x is not None and not rec.is_done(x.node):  # pragma: no cover - would be a scheduler bug
             raise AutobatchError(f"internal error: value needed to {why} was not computed")
 
@@ -677,19 +691,23 @@ class Runtime:
         if self.options.max_pending is not None and self.rec.n_pending >= self.options.max_pending:
             self.flush()
 
-    def _resolve(self, out, i):
+    def _resolve(self, out, i, memo=None):
+        """Instance ``i``'s output ``out`` with its lazy values resolved (``memo``: those resolved
+        so far in it, so that views of its values alias them: ``recorder.resolve``)."""
+        if memo is None:
+            memo = {}
         t = type(out)
         if t is LazyTensor:
             if out.rec is not self.rec:
                 raise InstanceError(i, "the output holds a lazy value of another recorder (a static block's "
                                        "traced value or another call's)")
-            return self.rec.resolve(out)
+            return self.rec.resolve(out, memo)
         if t is list:
-            return [self._resolve(o, i) for o in out]
+            return [self._resolve(o, i, memo) for o in out]
         if t is dict:
-            return {k: self._resolve(v, i) for k, v in out.items()}
+            return {k: self._resolve(v, i, memo) for k, v in out.items()}
         if isinstance(out, tuple):
-            items = [self._resolve(o, i) for o in out]
+            items = [self._resolve(o, i, memo) for o in out]
             if t is tuple:
                 return tuple(items)
             return t(*items) if hasattr(t, "_fields") else t(items)  # namedtuple / structseq
@@ -698,9 +716,9 @@ class Runtime:
                 new = _copy.copy(out)
                 if isinstance(out, dict):
                     for k, v in out.items():
-                        new[k] = self._resolve(v, i)
+                        new[k] = self._resolve(v, i, memo)
                 else:
-                    new[:] = [self._resolve(o, i) for o in out]
+                    new[:] = [self._resolve(o, i, memo) for o in out]
             except BatchcraftError:
                 raise
             except Exception as exc:

@@ -15,7 +15,6 @@ function unchanged.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 
@@ -29,9 +28,13 @@ FACTORIES = ("zeros", "ones", "empty", "rand", "randn")
 
 def _packs(x) -> bool:
     """Whether torch's parser would refuse ``x`` as the first of several sizes though eager
-    would take a tensor in its place: a non-Tensor with ``__torch_function__`` (a lazy value)."""
+    would take a tensor in its place: a non-Tensor with ``__torch_function__`` (a lazy value) of
+    an integer dtype (a float one keeps eager's error)."""
     t = type(x)
-    return t is not int and not isinstance(x, torch.Tensor) and hasattr(t, "__torch_function__")
+    if t is int or isinstance(x, torch.Tensor) or not hasattr(t, "__torch_function__"):
+        return False
+    dtype = getattr(x, "dtype", None)
+    return not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex)
 
 
 def _user_function(co) -> bool:
@@ -41,14 +44,37 @@ def _user_function(co) -> bool:
         not co.co_filename.startswith(_mode.TORCH_DIR)
 
 
-def packed(fn):
-    """``fn`` taking its sizes as one tuple when the first of several is a lazy value."""
-    @functools.wraps(fn)
-    def call(*size, **kwargs):
+class Packed:
+    """``fn`` taking its sizes as one tuple when the first of several is a lazy value.
+
+    Compares, hashes, pickles and prints as ``fn`` (a dict keyed by torch's functions still
+    finds it; ``is`` cannot hold), and reads other attributes through to it.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *size, **kwargs):
         if len(size) > 1 and _packs(size[0]):
-            return fn(size, **kwargs)
-        return fn(*size, **kwargs)
-    return call
+            return self.fn(size, **kwargs)
+        return self.fn(*size, **kwargs)
+
+    def __eq__(self, other):
+        return self.fn == (other.fn if type(other) is Packed else other)
+
+    def __hash__(self):
+        return hash(self.fn)
+
+    def __repr__(self):
+        return repr(self.fn)
+
+    def __reduce__(self):
+        return self.fn.__reduce__()
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
 
 
 class SizeArg:
@@ -61,7 +87,7 @@ class SizeArg:
     __slots__ = ("name", "original", "wrapper")
 
     def __init__(self, name: str, original):
-        self.name, self.original, self.wrapper = name, original, packed(original)
+        self.name, self.original, self.wrapper = name, original, Packed(original)
 
     def __get__(self, module, owner=None):
         if module is None:
@@ -89,4 +115,4 @@ def descriptors() -> dict:
     return {name: SizeArg(name, getattr(torch, name)) for name in FACTORIES if hasattr(torch, name)}
 
 
-__all__ = ["FACTORIES", "SizeArg", "descriptors", "packed"]
+__all__ = ["FACTORIES", "Packed", "SizeArg", "descriptors"]
