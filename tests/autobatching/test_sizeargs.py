@@ -232,3 +232,46 @@ def test_a_float_first_size_keeps_eagers_error(core):
         fn(torch.ones(2))
     with pytest.raises(InstanceError, match="positional argument"):
         autobatch(fn, core=core)([torch.ones(2)])
+
+
+TABLE = torch.randn(5, 3)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("base", ["shared", "lazy"])
+def test_a_lazy_0d_index_selects_rows_batched_and_as_eager(core, base):
+    # a hostile find (stop 49): x[i] with a per-instance 0-d integer ran eagerly for every call
+    # (a meta placeholder cannot give torch the int it reads), about 30x slower than eager
+    lin = nn.Linear(3, 3)
+
+    def fn(ids):
+        t = TABLE if base == "shared" else lin(TABLE)
+        return sum(t[i] for i in ids) + t[ids[0]] * 2
+
+    xs = [[torch.tensor(v) for v in ids] for ids in ([0, 4, -1], [2, 2, 3], [1, -5, 0])]
+    f = assert_matches_eager(fn, xs, list(lin.parameters()) if base == "lazy" else [], core=core)
+    assert f.stats.eager_ops == 0 and f.stats.groups_by_rule.get("getitem", 0) >= 1
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_lazy_0d_index_out_of_range_names_the_instance(core):
+    def fn(i):
+        return TABLE[i] * 2
+
+    with pytest.raises(IndexError):
+        fn(torch.tensor(5))
+    with pytest.raises(InstanceError, match="out of") as info:
+        autobatch(fn, core=core)([torch.tensor(1), torch.tensor(5), torch.tensor(-6)])
+    assert info.value.instance == 1
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_write_into_a_row_picked_by_a_lazy_index_reaches_the_base(core):
+    # (present before: the row was a copy made by the eager run, and the base kept its values)
+    def fn(i):
+        t = TABLE * 1
+        row = t[i]
+        row.mul_(10)  # eager: a view, so t changes
+        return t
+
+    assert_matches_eager(fn, [torch.tensor(0), torch.tensor(3)], [], core=core)

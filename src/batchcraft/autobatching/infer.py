@@ -67,6 +67,14 @@ def _real_ok(func, struct) -> bool:
     return True
 
 
+def _int_index(func, struct, leaf_specs) -> bool:
+    """``x[i]`` with ``i`` a 0-d integer lazy value: eager reads ``i``'s value as an int (a meta
+    placeholder cannot give one), but the output's shape never depends on it."""
+    return (func is torch.Tensor.__getitem__ and len(leaf_specs) == 2 and struct[0][1][1] is LEAF
+            and leaf_specs[1][0] == "lazy" and _int_scalar(leaf_specs[1][1])
+            and DESCS[leaf_specs[1][1]][1] is not torch.bool)
+
+
 #: batching rules whose tensor arguments are all data (a 0-d integer one is a value, not a dim)
 _DATA_RULES = frozenset({"elementwise", "direct", "weight", "rnn_cell", "matmul", "seq", "getitem"})
 
@@ -84,7 +92,7 @@ def _used_as_int(func, leaf_specs) -> bool:
 
 def infer_outputs(func, struct, leaf_specs, state, lazy_type):
     """:func:`_infer` on real placeholders where safe (see the module docstring), else on meta."""
-    real_ok = _real_ok(func, struct)
+    real_ok = _real_ok(func, struct) or _int_index(func, struct, leaf_specs)
     if real_ok and func is not F.embedding and _used_as_int(func, leaf_specs):
         raise NeedsValues(ValueError("a 0-d integer input may be a dim or a size"))
     if state[2] is not None and not real_ok:

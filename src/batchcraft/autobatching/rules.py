@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchcraft.autobatching.signature import call_with, rebuild
+from batchcraft.autobatching.signature import LEAF, call_with, rebuild
 from batchcraft.autobatching.kernels import TORCH_LINEAR as _LINEAR
 
 _call = call_with
@@ -325,6 +325,12 @@ def _is_plain_index(idx) -> bool:
 
 def rule_getitem(func, struct, leaves, mask, shapes, n):
     """x[i], x[a:b], x[..., None]: prepend a full slice for the batch dimension."""
+    if len(leaves) == 2 and mask[1] and not shapes[1] and struct[0][1][1] is LEAF:
+        # x[i], i a per-instance 0-d integer (eager: x.select(0, int(i))): one advanced index
+        # of the rows; an index out of range raises here and the group runs per instance
+        x, i = leaves
+        if i.dtype is not torch.bool and not i.dtype.is_floating_point and not i.dtype.is_complex:
+            return x[i] if not mask[0] else x[torch.arange(n, device=x.device), i]
     if len(leaves) != 1:  # a tensor index
         return rule_vmap(func, struct, leaves, mask, shapes, n)
     args, _ = _args(struct, leaves)

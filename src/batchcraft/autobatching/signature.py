@@ -218,7 +218,7 @@ class SigInfo:
         self.lens_classes = tuple(lens_classes)
         from batchcraft.autobatching.views import is_view_call
 
-        self.view = bool(kinds) and kinds[0] and not ragged and is_view_call(func, struct)
+        self.view = bool(kinds) and kinds[0] and not ragged and is_view_call(func, struct, leaves)
 
     @property
     def out_descs(self) -> tuple:

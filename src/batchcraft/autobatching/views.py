@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from batchcraft.autobatching.descs import DESCS
 from batchcraft.autobatching.signature import LEAF, rebuild
 
 T = torch.Tensor
@@ -24,6 +25,12 @@ def _is_basic(struct) -> bool:
     if type(struct) is tuple:
         return all(_is_basic(s) for s in struct if type(s) is tuple or s is LEAF)
     return True
+
+
+def _int_scalar_index(t) -> bool:
+    did = getattr(t, "did", None)
+    shape, dtype = (DESCS[did][0], DESCS[did][1]) if did is not None else (tuple(t.shape), t.dtype)
+    return not shape and dtype is not torch.bool and not (dtype.is_floating_point or dtype.is_complex)
 
 
 def detached_alias(base, history):
@@ -46,14 +53,17 @@ def is_detach_view(func) -> bool:
     return func is T.detach or func is torch.detach or func is detached_alias
 
 
-def is_view_call(func, struct) -> bool:
-    """True when ``func`` with argument structure ``struct`` returns a view of its first argument."""
+def is_view_call(func, struct, leaves=None) -> bool:
+    """True when ``func`` with argument structure ``struct`` (tensor arguments ``leaves``) returns
+    a view of its first argument."""
     if func not in VIEW_FUNCS:
         return False
     args = struct[0][1]
     if not args or args[0] is not LEAF:
         return False
     if func is T.__getitem__:
+        if len(args) == 2 and args[1] is LEAF and leaves is not None and len(leaves) == 2:
+            return _int_scalar_index(leaves[1])  # x[i], i a 0-d integer: eager's select, a view
         return len(args) == 2 and _is_basic(args[1])
     return struct[1] is None or all(s is not LEAF for s in struct[1][2])
 
