@@ -13,7 +13,8 @@ One process, the same batches of UD EWT trees, inference. Measured side by side:
 * the per-instance Python floor: the model's own ``node`` recursion with its two blocks replaced
   by stubs, (a) with ``torch.tensor`` running for real, (b) under a minimal
   ``TorchFunctionMode`` that returns at once: (b) is what *any* recorder built on Python-level
-  interception pays per node before it records anything;
+  interception pays per node before it records anything; (c) with ``torch.tensor`` a stub too:
+  the model's own Python alone, which no recorder that runs the user's code can go below;
 * overlap: two ``autobatch`` calls on different batches in two threads (one intra-op thread
   each) against one after the other, to see whether recording one batch can hide behind the
   batched kernels of another (the GIL decides).
@@ -112,6 +113,12 @@ def main(argv=None) -> int:
                  record_ms=med(split["record_s"]), gather_ms=med(split["gather_s"]),
                  kernel_ms=med(split["kernel_s"]))
         r["python_floor_ms"] = _median_ms(lambda b: [stub.node(s, s.root) for s in b], bs, args.repeats)
+        real_tensor = torch.tensor
+        torch.tensor = lambda *a, **k: None  # (restored below: the model's Python alone)
+        try:
+            r["python_only_ms"] = _median_ms(lambda b: [stub.node(s, s.root) for s in b], bs, args.repeats)
+        finally:
+            torch.tensor = real_tensor
         with _Stub():
             r["interception_floor_ms"] = _median_ms(lambda b: [stub.node(s, s.root) for s in b], bs, args.repeats)
         # overlap: two autobatch objects, one intra-op thread each, two threads
@@ -139,6 +146,8 @@ def main(argv=None) -> int:
         ["model's own Python (blocks stubbed)", r["python_floor_ms"], per_node(r["python_floor_ms"]), "-"],
         ["same + cheapest torch-call interception", r["interception_floor_ms"],
          per_node(r["interception_floor_ms"]), "-"],
+        ["model's own Python alone (blocks and torch.tensor stubbed)", r["python_only_ms"],
+         per_node(r["python_only_ms"]), "-"],
         ["2 autobatch calls in 2 threads (1 intra-op thread each), per batch", r["overlap_ms"],
          per_node(r["overlap_ms"]), r["eager_ms"] / r["overlap_ms"]],
     ]

@@ -275,3 +275,22 @@ def test_a_write_into_a_row_picked_by_a_lazy_index_reaches_the_base(core):
         return t
 
     assert_matches_eager(fn, [torch.tensor(0), torch.tensor(3)], [], core=core)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_an_op_that_needs_values_is_inferred_once(core, monkeypatch):
+    # its output inference fails inside torch (about 0.1 ms a time): the failure is remembered
+    # per signature (SignatureCache.values_needed), so later calls run on values at once
+    from batchcraft.autobatching import infer
+
+    def fn(x):
+        return torch.zeros(x.sum().long() % 3 + 1, 2).sum(0)
+
+    xs = [torch.ones(2), torch.full((2,), 2.0)]
+    f = autobatch(fn, core=core)
+    f(xs)
+    calls = []
+    real = infer._infer
+    monkeypatch.setattr(infer, "_infer", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    assert [o.tolist() for o in f(xs)] == [fn(x).tolist() for x in xs]
+    assert torch.zeros not in calls and f.stats.eager_ops == 2

@@ -655,9 +655,14 @@ class RecorderBase:
         key = (func, struct, tuple(dkey), state)
         info = SIGNATURES.get(key)
         if info is None:
+            nv = SIGNATURES.needs_values(key)
+            if nv is not None:  # (inferred before: it needs values)
+                return self.run_on_values(func, struct, leaves, nv), None
             try:
                 info = self.new_signature(key, func, struct, leaves, specs, state)
             except NeedsValues as nv:
+                if not block:
+                    SIGNATURES.note_needs_values(key, nv, tuple(x for x in leaves if type(x) is not lazy_type))
                 return self.run_on_values(func, struct, leaves, nv), None
         if info.n_out == 0:
             return rebuild(info.out_struct, iter(())), None

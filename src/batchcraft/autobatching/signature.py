@@ -257,7 +257,10 @@ class SignatureCache:
 
     * ``by_key``: full signature -> :class:`SigInfo` (output inference is done once per key);
     * ``fast``: the recorder's cheap key (op, interned argument spelling, grad mode) -> SigInfo;
-    * ``by_sid``: interned id -> SigInfo (the C core stores only ids).
+    * ``by_sid``: interned id -> SigInfo (the C core stores only ids);
+    * ``values_needed``: full signature -> the ``NeedsValues`` its output inference raised (the
+      operation runs on values: its next calls skip the inference, whose failure inside torch
+      costs about 0.1 ms).
 
     Keys hold ids of shared tensors; a SigInfo keeps those tensors alive, so an id cannot be
     reused while its entry exists. The cache is cleared when it grows past ``max_entries``
@@ -273,6 +276,7 @@ class SignatureCache:
         self.by_key: dict = {}
         self.fast: dict = {}
         self.by_sid: list = [None]
+        self.values_needed: dict = {}
         self.max_entries = max_entries
         self.generation = 0
         self._listeners: list = []
@@ -303,6 +307,27 @@ class SignatureCache:
             if k is not key:
                 self._local.space.keys.append(k)
             return info
+
+    def needs_values(self, key):
+        """The ``NeedsValues`` that output inference of full signature ``key`` raised (None: not
+        known, or this thread records in an isolated namespace)."""
+        if getattr(self._local, "space", None) is not None:
+            return None
+        got = self.values_needed.get(key)
+        return got[0] if got is not None else None
+
+    def note_needs_values(self, key, nv, keep) -> None:
+        """Remember that ``key``'s outputs need values (``keep``: the shared tensors whose ids the
+        key holds, kept alive with it)."""
+        if getattr(self._local, "space", None) is not None:
+            return
+        cause = getattr(nv, "cause", None)
+        if isinstance(cause, BaseException):
+            cause.__traceback__ = None  # (its frames: not kept alive by the cache)
+        with self._lock:
+            if len(self.values_needed) >= self.max_entries:
+                self.values_needed.clear()
+            self.values_needed[key] = (nv, keep)
 
     def fast_get(self, key):
         """The recorder's cheap-key entry (``fast``), in this thread's namespace."""
@@ -345,6 +370,7 @@ class SignatureCache:
     def _clear(self) -> None:
         self.by_key.clear()
         self.fast.clear()
+        self.values_needed.clear()
         self._reads = set()
         self._indexed = 0
         self.generation += 1
