@@ -97,3 +97,31 @@ def test_normal_in_a_block_takes_the_default_dtype(core):
 
     assert [[t.dtype for t in o] for o in autobatch(fn, core=core)([torch.ones(2), torch.ones(2)])] == \
         [[t.dtype for t in fn(torch.ones(2))]] * 2 == [[torch.float64, torch.float64]] * 2
+
+
+@static_block
+def cast_to_autocast_dtype(x):
+    return x.to(torch.get_autocast_dtype("cpu"))
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_block_reading_autocast_dtype_while_off_follows_set_autocast_dtype(core):
+    # reliability #263: the block kept its first trace (autocast's dtypes were in its trace key
+    # only while autocast was on)
+    def fn(x):
+        a = cast_to_autocast_dtype(x)
+        torch.set_autocast_dtype("cpu", torch.float16)
+        try:
+            return a, cast_to_autocast_dtype(x * 1)
+        finally:
+            torch.set_autocast_dtype("cpu", torch.bfloat16)
+
+    xs = [torch.ones(2), torch.ones(2)]
+    assert [[t.dtype for t in o] for o in autobatch(fn, core=core)(xs)] == [[t.dtype for t in fn(x)] for x in xs]
+    f = autobatch(cast_to_autocast_dtype, core=core)
+    assert [o.dtype for o in f(xs)] == [torch.bfloat16] * 2
+    torch.set_autocast_dtype("cpu", torch.float16)
+    try:
+        assert [o.dtype for o in f(xs)] == [torch.float16] * 2
+    finally:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)

@@ -45,7 +45,7 @@ from batchcraft.autobatching.lazy import LazyTensor, user_mode_on_top
 from batchcraft.autobatching.program import Program, Step
 from batchcraft.autobatching.signature import (LEAF, RAGGED, SCALAR_TYPES, SIGNATURES, Opaque, SigInfo, flatten,
                                                rebuild, shared_descriptor)
-from batchcraft.autobatching.threadstate import op_state
+from batchcraft.autobatching.threadstate import autocast_dtypes, op_state
 from batchcraft.errors import AutobatchError
 
 _current = stack.current
@@ -610,8 +610,8 @@ class StaticBlock:
         """What the block's traces depend on beside their arguments: the parameters, buffers and
         ``training`` flags of its module (a function block: of the modules it reaches, see
         ``reach.py``), the tensors it captures outside modules, the fingerprints of the blocks its
-        traces called, the default device and the default dtype (traces hold the ``device=``
-        and ``dtype=`` their factory calls got: devices.py, dtypes.py)."""
+        traces called, the default device, the default dtype and autocast's dtypes (traces hold
+        the ``device=`` and ``dtype=`` their factory calls got: devices.py, dtypes.py)."""
         fdev = getattr(_current(), "factory_device", None)
         visiting = visiting if visiting is not None else set()
         visiting.add(self)
@@ -619,7 +619,7 @@ class StaticBlock:
         parts = self._modules_fingerprint(modules, tensors)
         nested = tuple(b._fingerprint_now(visiting) for b in list(self.nested) if b not in visiting)
         glob = tuple(tuple(d) for d in (getattr(_nn_module, a, None) for a in _GLOBAL_HOOK_DICTS) if d is not None)
-        return tuple(parts) + nested + (fdev, torch.get_default_dtype(), glob)
+        return tuple(parts) + nested + (fdev, torch.get_default_dtype(), autocast_dtypes(), glob)
 
     # -- tracing -----------------------------------------------------------------------------------
     def _run_body(self, tracer, args, kwargs):

@@ -1,12 +1,14 @@
-"""The default dtype (``torch.set_default_dtype``) in static blocks' traces.
+"""The default dtype (``torch.set_default_dtype``) and autocast's dtypes in static blocks' traces.
 
 A block's trace is a program run at the flush, perhaps after instance code restored the default
 dtype it set before the call: a factory step without ``dtype=`` (``torch.zeros(2)``,
 ``torch.tensor(1.5)``) then made the flush's dtype, not the call's (reliability #271). As with
 the default device (devices.py), a trace's factory steps hold the ``dtype=`` eager's call got
 (:func:`with_default_dtype`), the default dtype is part of a block's fingerprint (blocks.py), and
-:class:`DefaultDtypeSetter` makes ``torch.set_default_dtype`` called while calls record tell the
-thread's recorder to check its blocks' fingerprints again.
+:class:`FingerprintSetter` makes ``torch.set_default_dtype`` called while calls record tell the
+thread's recorder to check its blocks' fingerprints again. Autocast's dtypes, which a body may read
+(``torch.get_autocast_dtype("cpu")``) while autocast is off, are in the fingerprint too, and
+``torch.set_autocast_dtype`` is followed the same way (reliability #263).
 """
 
 from __future__ import annotations
@@ -39,22 +41,23 @@ def with_default_dtype(func, args, kwargs: dict) -> dict:
 
 def _setter(original):
     @functools.wraps(original)
-    def set_default_dtype(d):
-        out = original(d)
+    def setter(*args, **kwargs):
+        out = original(*args, **kwargs)
         forget = getattr(stack.current(), "forget_block_checks", None)
         if forget is not None:  # (a recorder of this thread: its blocks compare fingerprints again)
             forget()
         return out
-    return set_default_dtype
+    return setter
 
 
-class DefaultDtypeSetter:
-    """Data descriptor: ``torch.set_default_dtype`` reads as torch's function followed by the
-    thread's recorder's ``forget_block_checks`` (a value set meanwhile is read as set)."""
+class FingerprintSetter:
+    """Data descriptor: ``torch.<name>`` (a setter of state in blocks' fingerprints) reads as
+    torch's function followed by the thread's recorder's ``forget_block_checks`` (a value set
+    meanwhile is read as set)."""
 
     __slots__ = ("name", "original", "wrapper")
 
-    def __init__(self, name: str = "set_default_dtype"):
+    def __init__(self, name: str):
         self.name = name
         self.original = getattr(torch, name)
         self.wrapper = _setter(self.original)
@@ -75,4 +78,4 @@ class DefaultDtypeSetter:
         del module.__dict__[self.name]
 
 
-__all__ = ["with_default_dtype", "DefaultDtypeSetter"]
+__all__ = ["with_default_dtype", "FingerprintSetter"]
