@@ -294,3 +294,55 @@ def test_an_op_that_needs_values_is_inferred_once(core, monkeypatch):
     monkeypatch.setattr(infer, "_infer", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     assert [o.tolist() for o in f(xs)] == [fn(x).tolist() for x in xs]
     assert torch.zeros not in calls and f.stats.eager_ops == 2
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_rows_picked_by_a_lazy_index_and_returned_alias_their_tensor(core):
+    # a hostile find (stop 49) on #288's fix: batched, the returned E[i] was a copy (eager: a view
+    # of E), and so was a returned y[i] of a returned y
+    E = torch.zeros(5, 3)
+
+    def picked(i):
+        return E[i]
+
+    out = autobatch(picked, core=core)([torch.tensor(1), torch.tensor(3)])
+    out[0].fill_(7.0)
+    assert E[1].tolist() == [7.0] * 3 and out[1]._base is E
+
+    def row_of_own(x):
+        y = x * 2
+        return y, y[torch.tensor(1)]
+
+    (y, r), _ = autobatch(row_of_own, core=core)([torch.randn(3, 2), torch.randn(3, 2)])
+    y[1, 0] = 100.0
+    assert r[0].item() == 100.0
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_setitem_at_a_lazy_index_stays_batched(core):
+    def fn(a):
+        i, x = a
+        y = x * 1
+        y[i] = 0.0
+        return y
+
+    xs = [(torch.tensor(k % 3), torch.randn(4)) for k in range(6)]
+    f = assert_matches_eager(fn, xs, [], core=core)
+    assert f.stats.eager_ops == 0
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_failing_group_names_the_earliest_instance(core):
+    # a hostile find (stop 49): the group's first failing node, not the earliest instance's
+    E = torch.randn(5, 3)
+
+    def fn(a):
+        steps, i = a
+        h = E[0]
+        for _ in range(steps):
+            h = h * 2
+        return E[i] + h
+
+    with pytest.raises(InstanceError) as info:
+        autobatch(fn, core=core)([(3, torch.tensor(7)), (0, torch.tensor(9))])
+    assert info.value.instance == 0

@@ -474,10 +474,14 @@ class Executor:
         reason = f"{type(cause).__name__}: {cause}"
         self.stats.note_fallback(f"{info.name}: whole group one instance at a time ({reason})", n)
         func = info.func.fn if hasattr(info.func, "record_in") else info.func
-        per_slot = None
         lens_all = rec.group_lens(nodes) if info.ragged else None
         offsets = [0] * len(rags)
-        for i, nd in enumerate(nodes):
+        # in instance order (ragged lists: in the group's, which their offsets follow), so that
+        # the earliest instance whose node fails names the error, as eager's order would
+        order = range(n) if info.ragged else sorted(range(n), key=lambda k: rec.node_inst(nodes[k]))
+        outs: list = [None] * n
+        for i in order:
+            nd = nodes[i]
             try:
                 with under(info.state):
                     if info.ragged:
@@ -493,11 +497,8 @@ class Executor:
                 raise err from exc
             flat: list = []
             flatten(out, flat, _NoLazy)
-            if per_slot is None:
-                per_slot = [[] for _ in flat]
-            for s, t in enumerate(flat):
-                per_slot[s].append(t)
-        return [torch.stack(ts) for ts in per_slot]
+            outs[i] = flat
+        return [torch.stack([o[s] for o in outs]) for s in range(len(outs[0]))]
 
     @staticmethod
     def _ragged_args(info, i, ins, rags, lens, offsets):

@@ -234,6 +234,13 @@ def inplace(rec, x, func, args, kwargs):
     oop, kw = _out_of_place(func, kwargs)
     new = rec.record(oop, args, kw or {})
     if name in _METADATA_ONLY:
+        if name == "resize_":
+            # eager's views of x keep their storage and x stops being laid out as a view of its
+            # base's: neither is re-derived from the resized value
+            views = getattr(rec, "views", None)
+            if views:
+                views.pop(id(x), None)
+            x.base = None
         rebind(rec, x, new)
         return x
     if type(new) is not type(x):

@@ -76,7 +76,7 @@ def _int_index(func, struct, leaf_specs) -> bool:
 
 
 #: batching rules whose tensor arguments are all data (a 0-d integer one is a value, not a dim)
-_DATA_RULES = frozenset({"elementwise", "direct", "weight", "rnn_cell", "matmul", "seq", "getitem"})
+_DATA_RULES = frozenset({"elementwise", "direct", "weight", "rnn_cell", "matmul", "seq", "getitem", "setitem"})
 
 
 def _used_as_int(func, leaf_specs) -> bool:

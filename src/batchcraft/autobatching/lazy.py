@@ -28,6 +28,9 @@ from batchcraft.errors import AutobatchError, UnsupportedOperationError
 
 _current = stack.current
 
+#: properties that are permuting views: all dims reversed, or the last two swapped
+_PERMUTING_PROPERTIES = {"T": "all", "H": "all", "mT": "last_two", "mH": "last_two"}
+
 #: Tensor methods and operators the base class forwards without ``__getattr__`` (hot paths).
 FAST_METHODS = (
     "sigmoid", "tanh", "relu", "exp", "log", "sum", "mean", "view", "reshape", "unsqueeze",
@@ -418,7 +421,16 @@ class LazyTensor(_Base):
             inplace.__name__ = name
             return inplace
         if not callable(method):
-            # properties such as .T, .mT, .H: computed through the recorder
+            # .T and .mT (.H and .mH of a real value) as the view calls they are, so that writes
+            # through them reach this value (a hostile find, stop 49: recorded as the property,
+            # not a view, they were lost)
+            swap = _PERMUTING_PROPERTIES.get(name)
+            if swap is not None and (name in ("T", "mT") or not self.dtype.is_complex) \
+                    and not user_mode_on_top(self.rec):  # (a mode of the user's sees the property)
+                if swap == "last_two":
+                    return self.transpose(-2, -1)
+                return self.permute(*reversed(range(self.dim()))) if self.dim() != 2 else self.t()
+            # other properties: computed through the recorder
             if hasattr(method, "__get__"):
                 return _call(method.__get__, (self,), {})
             raise AttributeError(name)

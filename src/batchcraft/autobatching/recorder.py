@@ -877,6 +877,8 @@ class RecorderBase:
             got = None
             if x.base is not None and not self.is_made_leaf_alias(x):
                 got = self._concrete_view(x, self.resolve(x.base, memo))
+            elif self.node_sid(x.node) != 0 and (x.node, x.slot) not in self.written_leaves:
+                got = self._shared_view(x)
             if got is None:
                 got = self._resolve_one(x, memo)
             memo[key] = got
@@ -896,12 +898,23 @@ class RecorderBase:
                 return v
         return self.materialize(x, "call .data_ptr()")
 
-    def _concrete_view(self, v, base):
-        """View ``v``'s operation applied to tensor ``base`` (None when it has other lazy arguments)."""
+    def _shared_view(self, v):
+        """``v``'s value as the view call of a tensor from outside the instance that made it
+        (``E[i]``, ``W.t()``), so that it aliases that tensor as eager's does; None otherwise."""
         info = SIGNATURES.by_sid[self.node_sid(v.node)]
-        leaves = self.node_leaves(v.node, first=base)
-        if any(type(t) is self.lazy_type for t in leaves) or not isinstance(base, torch.Tensor):
+        if not info.leaf_kinds or info.leaf_kinds[0] or info.func not in _views.VIEW_FUNCS:
             return None
+        leaves = self.node_leaves(v.node)
+        if not _views.is_view_call(info.func, info.struct, leaves):
+            return None
+        for j, t in enumerate(leaves):
+            if type(t) is self.lazy_type:
+                if not self.computed(t):
+                    return None
+                leaves[j] = self.materialize(t, "read a view's index")
+        return self._call_view(info, v.slot, leaves)
+
+    def _call_view(self, info, slot, leaves):
         it = iter(leaves)
         args = rebuild(info.struct[0], it)
         kwargs = rebuild(info.struct[1], it) if info.struct[1] is not None else {}
@@ -910,8 +923,26 @@ class RecorderBase:
         if not isinstance(out, torch.Tensor):
             flat: list = []
             flatten(out, flat, self.lazy_type)
-            out = flat[v.slot]
+            out = flat[slot]
         return out
+
+    def _concrete_view(self, v, base):
+        """View ``v``'s operation applied to tensor ``base``, the value of ``v.base``: None unless
+        ``v``'s node is a view call of that value (an in-place ``t_()`` or ``resize_()`` re-points
+        ``v`` at another call). Its other lazy arguments (``t[i]``) are read as values."""
+        if not isinstance(base, torch.Tensor) or self.node_sid(v.node) == 0:
+            return None
+        info = SIGNATURES.by_sid[self.node_sid(v.node)]
+        ins = self.replay_inputs(v.node)
+        if not info.view or not ins or (ins[0].node, ins[0].slot) != (v.base.node, v.base.slot):
+            return None
+        leaves = self.node_leaves(v.node, first=base)
+        for j, t in enumerate(leaves):
+            if j and type(t) is self.lazy_type:
+                if not self.computed(t):
+                    return None
+                leaves[j] = self.materialize(t, "read a view's index")
+        return self._call_view(info, v.slot, leaves)
 
     def _resolve_one(self, x, memo):
         node = x.node

@@ -508,6 +508,9 @@ class Runtime:
             root = tensor._base if tensor._base is not None else tensor  # (an input may be a view: big[i])
             grad = (value.requires_grad or tensor.requires_grad) and not (root.is_leaf and root.requires_grad)
             with torch.set_grad_enabled(grad):
+                if value.shape != tensor.shape:  # (``x.resize_(n)``: the caller's tensor is resized)
+                    with torch.no_grad():
+                        tensor.resize_(value.shape)
                 tensor.copy_(value)
         # ``x.requires_grad_(False)`` on an input leaf written without history (reliability #121):
         # the caller's tensor stops requiring grad, as eager's (the same tensor) did
