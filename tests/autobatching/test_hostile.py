@@ -867,3 +867,17 @@ def test_an_id_outside_a_per_instance_table_raises_eagers_error(core, ids):
     assert info.value.instance == 1
     out = autobatch(fn, core=core)([torch.tensor(v) for v in (0, 2, 1)])
     assert [o.tolist() for o in out] == [fn(torch.tensor(v)).tolist() for v in (0, 2, 1)]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_documented_a_value_written_in_place_gets_a_new_data_ptr(core):
+    # reliability #284, documented (LazyTensor.data_ptr): values are functional, so an in-place
+    # update gives the value a new address, where eager's stays
+    def fn(x):
+        y = x * 2
+        before = y.data_ptr()
+        y.add_(1)
+        return torch.tensor(before == y.data_ptr())
+
+    assert fn(torch.ones(2)).item() is True
+    assert autobatch(fn, core=core)([torch.ones(2)])[0].item() is False

@@ -250,7 +250,10 @@ def autobatch(fn: Callable, *, scheduler: str = "depth", fibers: bool | str = "a
         gradient), even for other instances' losses; forward values stay per instance.
         Outputs are views (rows) of the batched results, as ``torch.unbind`` gives: keeping one
         output keeps its whole batch's result tensor alive, so ``.clone()`` what you keep long.
-        Outputs that share memory in eager (``(a, a.t())``) come back equal but separate.
+        Outputs that are views of other outputs, of inputs or of shared tensors (``(a, a.t())``,
+        ``x[1:]``, ``E[i]``) alias them as in eager; lazy values have no strides of their own
+        and get a new ``data_ptr()`` when written in place. Set the default dtype around the
+        call, not inside instance code.
         Context variables set by instance code stay in that instance (each fiber runs in a copy
         of the caller's context).
     Source:
