@@ -19,6 +19,7 @@ import torch
 
 from batchcraft.autobatching import stack
 from batchcraft.autobatching.devices import device_constructors
+from batchcraft.autobatching.patches import WrappedAttr
 
 
 def with_default_dtype(func, args, kwargs: dict) -> dict:
@@ -50,32 +51,15 @@ def _setter(original):
     return setter
 
 
-class FingerprintSetter:
-    """Data descriptor: ``torch.<name>`` (a setter of state in blocks' fingerprints) reads as
-    torch's function followed by the thread's recorder's ``forget_block_checks`` (a value set
-    meanwhile is read as set)."""
+class FingerprintSetter(WrappedAttr):
+    """``torch.<name>`` (a setter of state in blocks' fingerprints) read as torch's function
+    followed by the thread's recorder's ``forget_block_checks``."""
 
-    __slots__ = ("name", "original", "wrapper")
+    __slots__ = ()
 
     def __init__(self, name: str):
-        self.name = name
-        self.original = getattr(torch, name)
-        self.wrapper = _setter(self.original)
-
-    def __get__(self, module, owner=None):
-        if module is None:
-            return self
-        try:
-            v = module.__dict__[self.name]
-        except KeyError:
-            raise AttributeError(f"module 'torch' has no attribute '{self.name}'") from None
-        return self.wrapper if v is self.original else v
-
-    def __set__(self, module, value) -> None:
-        module.__dict__[self.name] = self.original if value is self.wrapper else value
-
-    def __delete__(self, module) -> None:
-        del module.__dict__[self.name]
+        original = getattr(torch, name)
+        super().__init__(name, original, _setter(original))
 
 
 __all__ = ["with_default_dtype", "FingerprintSetter"]

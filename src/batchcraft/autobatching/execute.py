@@ -28,8 +28,8 @@ from batchcraft.autobatching import dedup as _dedup
 from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching import lookup as _lookup
-from batchcraft.autobatching.functional import make_leaf
 from batchcraft.autobatching.descs import DESCS, row_bytes
+from batchcraft.autobatching.functional import make_leaf
 from batchcraft.autobatching.gather import RowRefs, Rows, index_tensor, keep_requires_grad, materialize, take, take_all
 from batchcraft.autobatching.lower import Runner
 from batchcraft.autobatching.program import Program

@@ -15,6 +15,11 @@ A 0-d integer input may be a size or a count (``w.repeat(n, 1)``, ``w.narrow(0, 
 parser reads its value), and a rule's real placeholder is 0. Such a signature is inferred again
 with placeholders of 1: outputs that differ, or a call that then fails, depend on the value, and
 the call runs on values (reliability #277; before, the zeros' shapes were taken for every instance).
+Two values cannot show a dim (``x.sum(d)`` over dims of equal size), so a 0-d integer past the first
+input of a rule that takes dims or sizes runs on values at once (#278); a rule whose tensor
+arguments are all data (elementwise, products, ``cat``, indexing) keeps its 0-d integers batched,
+and ``x[i]`` with a 0-d integer ``i`` is inferred on real placeholders (its shape never depends on
+``i``; on ``meta`` torch cannot read the int, #288).
 """
 
 from __future__ import annotations

@@ -106,4 +106,41 @@ class ModuleClassPatch:
         return False
 
 
-__all__ = ["SharedPatch", "PatchSet", "ModuleClassPatch"]
+class WrappedAttr:
+    """Data descriptor for a :class:`ModuleClassPatch` class: ``module.<name>`` reads as
+    ``wrapper`` while the module's own entry is still ``original`` and :meth:`wanted` agrees,
+    else as the entry (a value set meanwhile is read as set). The wrapper written back stores
+    the original (``saved = torch.f; ...; torch.f = saved``).
+
+    Args:
+        name (str): the attribute.
+        original: the module's own value.
+        wrapper: what readers get instead.
+    """
+
+    __slots__ = ("name", "original", "wrapper")
+
+    def __init__(self, name: str, original, wrapper):
+        self.name, self.original, self.wrapper = name, original, wrapper
+
+    def wanted(self, depth: int) -> bool:
+        """Whether this read gets the wrapper (the reader is ``sys._getframe(depth)`` here)."""
+        return True
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        try:
+            v = module.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(f"module {module.__name__!r} has no attribute {self.name!r}") from None
+        return self.wrapper if v is self.original and self.wanted(2) else v
+
+    def __set__(self, module, value) -> None:
+        module.__dict__[self.name] = self.original if value is self.wrapper else value
+
+    def __delete__(self, module) -> None:
+        del module.__dict__[self.name]
+
+
+__all__ = ["SharedPatch", "PatchSet", "ModuleClassPatch", "WrappedAttr"]

@@ -36,11 +36,11 @@ from batchcraft.autobatching.infer import NeedsValues, infer_outputs
 from batchcraft.autobatching.lazy import ESCAPE_HINT, LazyTensor
 from batchcraft.autobatching.mode import outside_mode as _outside_mode
 from batchcraft.autobatching.plan import plan_rows
-from batchcraft.autobatching.torchclass import RECORDING_TORCH
 from batchcraft.autobatching.signature import (SCALAR_TYPES, SIGNATURES, SigInfo, flatten, rebuild,
                                                holds_these_shared, shared_descriptor)
 from batchcraft.autobatching.threadstate import op_state
 from batchcraft.autobatching.threadstate import under as _under
+from batchcraft.autobatching.torchclass import RECORDING_TORCH
 from batchcraft.errors import AutobatchError, StepLimitError, UnsupportedOperationError
 
 _Lazy = LazyTensor
@@ -874,7 +874,6 @@ class RecorderBase:
         key = (x.node, x.slot)
         got = memo.get(key)
         if got is None:
-            got = None
             if x.base is not None and not self.is_made_leaf_alias(x):
                 got = self._concrete_view(x, self.resolve(x.base, memo))
             elif self.node_sid(x.node) != 0 and (x.node, x.slot) not in self.written_leaves:

@@ -21,6 +21,7 @@ import sys
 import torch
 
 from batchcraft.autobatching import mode as _mode
+from batchcraft.autobatching.patches import WrappedAttr
 
 #: torch functions whose positional arguments are all sizes (``size (int...)`` in torch's docs)
 FACTORIES = ("zeros", "ones", "empty", "rand", "randn")
@@ -77,37 +78,19 @@ class Packed:
         return getattr(self.fn, name)
 
 
-class SizeArg:
-    """Data descriptor: ``torch.<name>`` reads as :func:`packed` of torch's function.
+class SizeArg(WrappedAttr):
+    """``torch.<name>`` read as :class:`Packed` of torch's function, only where a recorder gets
+    the call and a function of instance code reads it: elsewhere (other threads, a mode of the
+    user's and its handler, ``DisableTorchFunction``, torch's own code, a module body's
+    ``from torch import zeros``) ``func is torch.zeros`` holds."""
 
-    A value set meanwhile (``torch.zeros = mine``) is the module's own, read as set; the wrapper
-    written back restores torch's function.
-    """
-
-    __slots__ = ("name", "original", "wrapper")
+    __slots__ = ()
 
     def __init__(self, name: str, original):
-        self.name, self.original, self.wrapper = name, original, Packed(original)
+        super().__init__(name, original, Packed(original))
 
-    def __get__(self, module, owner=None):
-        if module is None:
-            return self
-        try:
-            v = module.__dict__[self.name]
-        except KeyError:
-            raise AttributeError(f"module 'torch' has no attribute '{self.name}'") from None
-        # only where a recorder gets the call, read by a function of instance code: elsewhere
-        # (other threads, a mode of the user's and its handler, DisableTorchFunction, torch's own
-        # code, a module body's ``from torch import zeros``) ``func is torch.zeros`` holds
-        if v is self.original and _mode.recording_here() and _user_function(sys._getframe(1).f_code):
-            return self.wrapper
-        return v
-
-    def __set__(self, module, value) -> None:
-        module.__dict__[self.name] = self.original if value is self.wrapper else value
-
-    def __delete__(self, module) -> None:
-        del module.__dict__[self.name]
+    def wanted(self, depth: int) -> bool:
+        return _mode.recording_here() and _user_function(sys._getframe(depth).f_code)
 
 
 def descriptors() -> dict:
