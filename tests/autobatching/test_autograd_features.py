@@ -817,14 +817,23 @@ def _made_leaf_written(x, w):
     return t, (t * w).sum() + t.sum()
 
 
+def _leaf_copied_from_an_input(x, w):
+    # (reliability #294: the copy was a view of x, which kept x's history under no_grad)
+    t = torch.zeros(4, requires_grad=True)
+    with torch.no_grad():
+        t.copy_(x)
+    return t, (t * w).sum()
+
+
 @pytest.mark.parametrize("core", CORES)
 @pytest.mark.parametrize("fn", [_leaf_made, _leaf_written_under_no_grad, _leaf_written_through_data,
-                                _made_leaf_written], ids=lambda f: f.__name__.strip("_"))
+                                _made_leaf_written, _leaf_copied_from_an_input],
+                         ids=lambda f: f.__name__.strip("_"))
 def test_a_leaf_made_or_written_in_instance_code_comes_back_a_leaf_with_its_grad(core, fn):
     # reliability #260 and #273: the returned value was a row of a batched tensor, not a leaf,
     # and its .grad stayed None after backward (eager: a leaf with its gradient)
     w = torch.randn(4, requires_grad=True)
-    xs = [torch.randn(4), torch.randn(4)]
+    xs = [torch.randn(4, requires_grad=fn is _leaf_copied_from_an_input) for _ in range(2)]
 
     def run(outs):
         sum(loss for _, loss in outs).backward()

@@ -88,7 +88,9 @@ def _out_of_place(func, kwargs):
 
 
 def _copy(x, src, non_blocking=False):
-    return src.expand_as(x).to(x.dtype)
+    # a new tensor, not a view of src: under no_grad a view of a src that requires grad would
+    # still require grad (its history, not x's: a hostile find, stop 49)
+    return src.expand_as(x).to(x.dtype, copy=True)
 
 
 def _zero(x):
