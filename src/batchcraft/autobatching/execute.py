@@ -429,6 +429,8 @@ class Executor:
         rec.buffers.append(out)
         rec.place(nodes, buf, 0)
         rec.own_values.update(zip(nodes, leaves))
+        if rec.hooks:
+            rec.attach_hooks(nodes)
         self.stats.gather_s += _perf() - t0
         self.stats.batched_calls += 1
         kinds = self.stats.groups_by_rule

@@ -425,6 +425,22 @@ def register_hook(rec, x, hook):
     return HookHandle(entries, entry)
 
 
+def leaf_hook(entries: list, slot: int):
+    """A hook on an instance's own leaf (a value given ``requires_grad_()``: execute.py) that
+    applies the hooks of ``entries`` for output ``slot``, before its ``.grad`` accumulates."""
+
+    def h(grad):
+        new = None
+        for s, fn in list(entries):
+            if s == slot:
+                r = fn(grad if new is None else new)
+                if r is not None:
+                    new = r
+        return new
+
+    return h
+
+
 def row_hook(row: int, entries: list, slot: int):
     """A hook on a batched gradient that applies the hooks of ``entries`` for output ``slot``
     (this instance's, read when the hook fires so that ``remove()`` still works) to row ``row``."""
@@ -447,7 +463,7 @@ def row_hook(row: int, entries: list, slot: int):
     return h
 
 
-__all__ = ["is_inplace_call", "inplace", "setitem", "set_requires_grad", "register_hook", "make_leaf",
+__all__ = ["is_inplace_call", "inplace", "setitem", "set_requires_grad", "register_hook", "make_leaf", "leaf_hook",
            "setitem_functional", "write", "row_hook", "HookHandle"]
 
 

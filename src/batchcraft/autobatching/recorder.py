@@ -1058,6 +1058,10 @@ class RecorderBase:
                 if (nd, slot) in self.hooked:
                     continue
                 self.hooked.add((nd, slot))
+                own = self.own_values.get(nd) if slot == 0 else None
+                if own is not None:  # a leaf of the instance's own: hooked as eager hooks it (#297)
+                    own.register_hook(_functional.leaf_hook(entries, slot))
+                    continue
                 t = self.buffers[buf + slot]
                 t.register_hook(_functional.row_hook(row, entries, slot))
 
