@@ -36,6 +36,12 @@ def describe(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device)
 
 
+def is_int_scalar(shape, dtype, with_bool: bool = True) -> bool:
+    """Whether values of ``shape`` and ``dtype`` are 0-d integers (what eager may read as an int:
+    a size, a dim, an index; ``with_bool=False`` leaves out bool, which indexes as a mask)."""
+    return not shape and not (dtype.is_floating_point or dtype.is_complex) and (with_bool or dtype is not torch.bool)
+
+
 def row_bytes(dids) -> int:
     """Bytes of one row of the outputs with descriptor ids ``dids``."""
     total = 0

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchcraft.autobatching.descs import DESCS, desc_id
+from batchcraft.autobatching.descs import DESCS, desc_id, is_int_scalar
 from batchcraft.autobatching.signature import LEAF, flatten, rebuild
 from batchcraft.autobatching.threadstate import outside_transforms
 
@@ -42,8 +42,7 @@ class NeedsValues(Exception):
 
 def _int_scalar(did: int) -> bool:
     """Whether values of descriptor ``did`` are 0-d integers (maybe a size: see the module docstring)."""
-    shape, dtype, _ = DESCS[did]
-    return not shape and not (dtype.is_floating_point or dtype.is_complex)
+    return is_int_scalar(*DESCS[did][:2])
 
 
 def _placeholder(did: int, rg: bool, device_kind: str, fill: int = 0):
@@ -76,8 +75,7 @@ def _int_index(func, struct, leaf_specs) -> bool:
     """``x[i]`` with ``i`` a 0-d integer lazy value: eager reads ``i``'s value as an int (a meta
     placeholder cannot give one), but the output's shape never depends on it."""
     return (func is torch.Tensor.__getitem__ and len(leaf_specs) == 2 and struct[0][1][1] is LEAF
-            and leaf_specs[1][0] == "lazy" and _int_scalar(leaf_specs[1][1])
-            and DESCS[leaf_specs[1][1]][1] is not torch.bool)
+            and leaf_specs[1][0] == "lazy" and is_int_scalar(*DESCS[leaf_specs[1][1]][:2], with_bool=False))
 
 
 #: batching rules whose tensor arguments are all data (a 0-d integer one is a value, not a dim)

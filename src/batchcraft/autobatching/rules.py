@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchcraft.autobatching.descs import is_int_scalar
 from batchcraft.autobatching.signature import LEAF, call_with, rebuild
 from batchcraft.autobatching.kernels import TORCH_LINEAR as _LINEAR
 
@@ -329,7 +330,7 @@ def rule_getitem(func, struct, leaves, mask, shapes, n):
         # x[i], i a per-instance 0-d integer (eager: x.select(0, int(i))): one advanced index
         # of the rows; an index out of range raises here and the group runs per instance
         x, i = leaves
-        if i.dtype is not torch.bool and not i.dtype.is_floating_point and not i.dtype.is_complex:
+        if is_int_scalar((), i.dtype, with_bool=False):
             return x[i] if not mask[0] else x[torch.arange(n, device=x.device), i]
     if len(leaves) != 1:  # a tensor index
         return rule_vmap(func, struct, leaves, mask, shapes, n)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.descs import DESCS, is_int_scalar
 from batchcraft.autobatching.signature import LEAF, rebuild
 
 T = torch.Tensor
@@ -28,9 +28,10 @@ def _is_basic(struct) -> bool:
 
 
 def _int_scalar_index(t) -> bool:
+    """A lazy value or tensor that indexes as an int (``x[i]``: eager's ``select``)."""
     did = getattr(t, "did", None)
-    shape, dtype = (DESCS[did][0], DESCS[did][1]) if did is not None else (tuple(t.shape), t.dtype)
-    return not shape and dtype is not torch.bool and not (dtype.is_floating_point or dtype.is_complex)
+    shape, dtype = DESCS[did][:2] if did is not None else (tuple(t.shape), t.dtype)
+    return is_int_scalar(shape, dtype, with_bool=False)
 
 
 def detached_alias(base, history):
