@@ -341,3 +341,23 @@ def test_device_objects_equal_to_the_cpu_and_others():
     for (o, devs), x in zip(autobatch(f, core="c")(xs), xs):
         ref, ref_devs = f(x)
         assert torch.equal(o, ref) and devs == ref_devs
+
+
+def test_the_innermost_frames_code_is_read_directly_on_python_3_11():
+    # read_by_user_function asks for the code of the frame reading torch.tensor once per read;
+    # on 3.11 the C core reads it from the interpreter frame (checked once against
+    # PyEval_GetFrame) instead of making a frame object per function call
+    import sys
+
+    from batchcraft.autobatching import _native
+
+    if _native.core is None:
+        pytest.skip("no C core built")
+
+    def fn(x):
+        return torch.tensor(3) + x
+
+    out = autobatch(fn, core="c")([torch.ones(2)])
+    torch.testing.assert_close(out[0], torch.full((2,), 4.0))
+    expected = 1 if sys.version_info[:2] == (3, 11) else 0
+    assert _native.core.frame_reader() == expected

@@ -270,3 +270,45 @@ def test_lazy_values_freed_and_made_again_keep_their_identity_rules(core):
     assert all(dead and still_dead for dead, still_dead, _ in seen)
     for o, x in zip(out, xs):
         torch.testing.assert_close(o, sum(x * k for k in range(1, 6)) + torch.tanh(x))
+
+
+def test_a_subclass_of_the_lazy_type_frees_with_balanced_type_references():
+    # LazyTensor's own dealloc is a C function that drops the type reference itself (in place of
+    # CPython's subtype_dealloc); reached as a further subclass's base dealloc it must leave that
+    # to the subclass's
+    import gc
+    import sys
+
+    from batchcraft.autobatching.lazy import LazyTensor
+
+    class Sub(LazyTensor):
+        __slots__ = ()
+
+    gc.collect()
+    sub_refs, lazy_refs = sys.getrefcount(Sub), sys.getrefcount(LazyTensor)
+    for _ in range(100):
+        Sub(None, 0, 0, 0)
+        LazyTensor(None, 0, 0, 0)
+    gc.collect()
+    assert sys.getrefcount(Sub) == sub_refs and sys.getrefcount(LazyTensor) == lazy_refs
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_calls_after_a_smaller_or_larger_one_record_the_same(core):
+    # the C recorder's arrays are reserved at the last call's size (api: reserve/sizes)
+    lin = torch.nn.Linear(4, 4)
+
+    def fn(n):
+        h = torch.zeros(4)
+        for _ in range(n):
+            h = torch.tanh(lin(h) + 1)
+        return h
+
+    f = autobatch(fn, core=core)
+    for ns in ([3, 1], [40, 70, 5], [2], [90] * 8):
+        out = f(ns)
+        for o, n in zip(out, ns):
+            torch.testing.assert_close(o, fn(n))
+    if core == "c":
+        nodes, inputs = f._sizes
+        assert nodes >= 8 * 90 * 2 and inputs > 0

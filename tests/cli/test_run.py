@@ -26,6 +26,7 @@ def test_run_table_and_list(capsys):
                  "--no-progress", "--profile"]) == 0
     out = capsys.readouterr().out
     assert "speed-up" in out and "batchcraft.autobatch" in out and "time split" in out
+    assert "more auto-batched passes run back to back" in out and "the timed pass" in out
     assert main(["run", "--list"]) == 0
     assert "treelstm" in capsys.readouterr().out
 

@@ -278,6 +278,17 @@ static void lazy_dealloc(LazyObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* tp_dealloc of the LazyTensor subclass itself (py_setup_lazy sets it where the subclass adds no
+   slots, dict or finaliser): what CPython's subtype_dealloc does for such a class (untrack, the base
+   dealloc, the type reference dropped), without its generic checks; a recorded TreeLSTM node frees
+   about six lazy values. Reached as a further subclass's base dealloc, it drops that subclass's
+   reference too: subtype_dealloc leaves it to a base that is a heap type. */
+static void lazy_subtype_dealloc(LazyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    lazy_dealloc(self);
+    Py_DECREF(tp);
+}
+
 static int lazy_init(LazyObject *self, PyObject *args, PyObject *kw) {
     PyObject *rec; Py_ssize_t node; int slot, did;
     if (!PyArg_ParseTuple(args, "Onii", &rec, &node, &slot, &did)) return -1;
@@ -798,6 +809,8 @@ typedef struct {
     PyObject *leaf_py;     /* list: python scalar or None */
     IVec leaf_did;         /* per leaf */
     PyObject *pending_leaves; /* dict did -> list of nodes */
+    int last_leaf_did;     /* the did add_leaf_c appended to last, and its list there (borrowed; */
+    PyObject *last_leaf_list; /* NULL whenever pending_leaves loses an entry) */
     /* buckets */
     Bucket *bk; Py_ssize_t bk_n, bk_cap;
     Py_ssize_t *bk_tab; Py_ssize_t bk_tab_cap;  /* open addressing: index+1 into bk */
@@ -847,6 +860,7 @@ static int rec_traverse(RecObject *self, visitproc visit, void *arg) {
 }
 
 static int rec_clear_refs(RecObject *self) {
+    self->last_leaf_list = NULL;
     Py_CLEAR(self->leaf_obj); Py_CLEAR(self->leaf_py); Py_CLEAR(self->pending_leaves);
     Py_CLEAR(self->runtime); Py_CLEAR(self->views); Py_CLEAR(self->checked); Py_CLEAR(self->dict);
     Py_CLEAR(self->factory_funcs); Py_CLEAR(self->factory_device); Py_CLEAR(self->dev_dids); Py_CLEAR(self->mode);
@@ -891,14 +905,41 @@ static PyObject *rec_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 #define GROW(field, type) do { type *p_ = (type *)PyMem_Realloc(self->field, nc * sizeof(type)); \
     if (!p_) { PyErr_NoMemory(); return -1; } self->field = p_; } while (0)
 
-static int rec_reserve(RecObject *self) {
-    if (self->n < self->cap) return 0;
-    Py_ssize_t nc = self->cap ? self->cap * 2 : 1024;
+static int rec_grow_to(RecObject *self, Py_ssize_t nc) {
     GROW(sid, int32_t); GROW(depth, int32_t); GROW(phase, int32_t); GROW(inst, int32_t); GROW(in_count, int32_t);
     GROW(lens_start, int32_t); GROW(loc_buf, int32_t); GROW(loc_row, int32_t); GROW(leaf_idx, int32_t);
     GROW(in_start, int64_t); GROW(rgbits, uint64_t); GROW(live, uint64_t);
     self->cap = nc;
     return 0;
+}
+
+static int rec_reserve(RecObject *self) {
+    if (self->n < self->cap) return 0;
+    return rec_grow_to(self, self->cap ? self->cap * 2 : 1024);
+}
+
+static int ivec_reserve(IVec *a, Py_ssize_t n) {
+    if (a->cap >= n) return 0;
+    int32_t *nv = (int32_t *)PyMem_Realloc(a->v, n * sizeof(int32_t));
+    if (!nv) { PyErr_NoMemory(); return -1; }
+    a->v = nv; a->cap = n;
+    return 0;
+}
+
+/* reserve(nodes, inputs): room for that many nodes and node inputs up front (an autobatch object
+   passes its last call's counts: the arrays are not grown, copied and grown again every call) */
+static PyObject *rec_reserve_py(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "reserve(nodes, inputs)"); return NULL; }
+    Py_ssize_t nodes = PyLong_AsSsize_t(args[0]), inputs = PyLong_AsSsize_t(args[1]);
+    if ((nodes == -1 || inputs == -1) && PyErr_Occurred()) return NULL;
+    if (nodes > self->cap && rec_grow_to(self, nodes) < 0) return NULL;
+    if (inputs > 0 && (ivec_reserve(&self->in_node, inputs) < 0 || ivec_reserve(&self->in_slot, inputs) < 0)) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* (nodes, inputs) recorded so far: the sizes reserve() takes */
+static PyObject *rec_sizes(RecObject *self, PyObject *noargs) {
+    return Py_BuildValue("(nn)", self->n, self->in_node.n);
 }
 
 static Bucket *bucket_for(RecObject *self, int32_t phase, int32_t depth, int32_t sid) {
@@ -1252,16 +1293,20 @@ static PyObject *rec_append(RecObject *self, PyObject *const *args, Py_ssize_t n
    its index, or -1 with an error. */
 static Py_ssize_t add_leaf_c(RecObject *self, PyObject *value, PyObject *pyvalue, int did, int rg) {
     if (rec_reserve(self) < 0) return -1;
-    PyObject *key = PyLong_FromLong(did);
-    if (!key) return -1;
-    PyObject *lst = PyDict_GetItemWithError(self->pending_leaves, key);  /* borrowed */
-    if (!lst) {
-        if (PyErr_Occurred()) { Py_DECREF(key); return -1; }
-        lst = PyList_New(0);
-        if (!lst || PyDict_SetItem(self->pending_leaves, key, lst) < 0) { Py_XDECREF(lst); Py_DECREF(key); return -1; }
-        Py_DECREF(lst);
+    PyObject *lst = self->last_leaf_list;  /* (a model makes its leaves of one or two dids) */
+    if (!lst || self->last_leaf_did != did) {
+        PyObject *key = PyLong_FromLong(did);
+        if (!key) return -1;
+        lst = PyDict_GetItemWithError(self->pending_leaves, key);  /* borrowed */
+        if (!lst) {
+            if (PyErr_Occurred()) { Py_DECREF(key); return -1; }
+            lst = PyList_New(0);
+            if (!lst || PyDict_SetItem(self->pending_leaves, key, lst) < 0) { Py_XDECREF(lst); Py_DECREF(key); return -1; }
+            Py_DECREF(lst);
+        }
+        Py_DECREF(key);
+        self->last_leaf_did = did; self->last_leaf_list = lst;
     }
-    Py_DECREF(key);
     Py_ssize_t node = self->n;
     PyObject *nd = PyLong_FromSsize_t(node);
     if (!nd) return -1;
@@ -2216,6 +2261,7 @@ static PyObject *rec_take_pending_leaves(RecObject *self, PyObject *arg) {
     PyObject *lst = PyDict_GetItemWithError(self->pending_leaves, arg);
     if (!lst) { if (PyErr_Occurred()) return NULL; return PyList_New(0); }
     Py_INCREF(lst);
+    self->last_leaf_list = NULL;
     if (PyDict_DelItem(self->pending_leaves, arg) < 0) { Py_DECREF(lst); return NULL; }
     return lst;
 }
@@ -2250,6 +2296,7 @@ static PyObject *rec_take_scalar_values(RecObject *self, PyObject *arg) {
         }
     }
     Py_INCREF(lst);
+    self->last_leaf_list = NULL;
     if (PyDict_DelItem(self->pending_leaves, arg) < 0) { Py_DECREF(lst); Py_DECREF(buf); return NULL; }
     return Py_BuildValue("(NNO)", lst, buf, is_float ? Py_True : Py_False);
 }
@@ -2356,6 +2403,8 @@ static PyMethodDef rec_methods[] = {
     {"leaf_record", (PyCFunction)rec_leaf_record, METH_O, NULL},
     {"set_leaf", (PyCFunction)(void (*)(void))rec_set_leaf, METH_FASTCALL, NULL},
     {"take_pending_leaves", (PyCFunction)rec_take_pending_leaves, METH_O, NULL},
+    {"reserve", (PyCFunction)(void (*)(void))rec_reserve_py, METH_FASTCALL, NULL},
+    {"sizes", (PyCFunction)rec_sizes, METH_NOARGS, NULL},
     {"group_instances", (PyCFunction)rec_group_instances, METH_O, NULL},
     {"take_scalar_values", (PyCFunction)rec_take_scalar_values, METH_O, NULL},
     {"mode_scalar", (PyCFunction)rec_mode_scalar, METH_O, NULL},
@@ -2892,10 +2941,51 @@ typedef struct { PyObject_HEAD PyObject *name, *original, *fast, *other; } RecAt
    torch.tensor`), and not torch's own code (TorchScript resolves the function by identity). */
 static PyCodeObject *g_last_code = NULL;  /* the code read_by_user_function judged last (a reference) */
 static int g_last_ok = 0;
-static int read_by_user_function(void) {
+
+/* The code object of the innermost Python frame, a new reference (NULL: none). PyEval_GetFrame
+   makes a frame object for the interpreter's frame (about 45 ns, and its teardown when the
+   function returns: once per TreeLSTM node); on CPython 3.11 the code is read from the thread's
+   current interpreter frame instead, whose first fields are f_func, f_globals, f_builtins,
+   f_locals, f_code (Include/internal/pycore_frame.h). The layout is checked once against
+   PyEval_GetFrame (g_iframe_ok) and not used if it differs. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+typedef struct { PyObject *f_func, *f_globals, *f_builtins, *f_locals; PyCodeObject *f_code; } IFrameHead;
+static int g_iframe_ok = -1;  /* -1 not checked yet, 0 the layout differs, 1 use it */
+static PyCodeObject *iframe_code(void) {
+    PyThreadState *ts = PyThreadState_Get();
+    IFrameHead *f = ts->cframe ? (IFrameHead *)ts->cframe->current_frame : NULL;
+    return f ? f->f_code : NULL;
+}
+#endif
+static PyCodeObject *current_code(void) {
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+    if (g_iframe_ok == 1) {
+        PyCodeObject *co = iframe_code();
+        if (co && PyCode_Check(co)) { Py_INCREF(co); return co; }
+    }
+#endif
     PyFrameObject *f = PyEval_GetFrame();  /* borrowed */
-    if (!f) return 0;
+    if (!f) return NULL;
     PyCodeObject *co = PyFrame_GetCode(f);
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+    if (g_iframe_ok < 0) g_iframe_ok = iframe_code() == co;
+#endif
+    return co;
+}
+
+/* frame_reader() -> 1 when current_code reads the interpreter frame directly, 0 when it asks
+   PyEval_GetFrame (another Python, the layout differs), -1 when not checked yet */
+static PyObject *py_frame_reader(PyObject *m, PyObject *noargs) {
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+    return PyLong_FromLong(g_iframe_ok);
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
+static int read_by_user_function(void) {
+    PyCodeObject *co = current_code();
+    if (!co) return 0;
     if (co == g_last_code) { Py_DECREF(co); return g_last_ok; }  /* a recursive model asks from one function */
     int ok = (co->co_flags & CO_OPTIMIZED) && !code_is_handler(co) && !code_in_torch(co);
     if (PyErr_Occurred()) { PyErr_Clear(); ok = 0; }
@@ -3072,18 +3162,43 @@ static int require_setup(void);
 
 typedef struct { PyObject_HEAD vectorcallfunc vectorcall; } BlockCallObject;
 
+/* The block of a static-block module is its __dict__'s `_batchcraft_block`. A few (module, dict,
+   dict version) -> block pairs are kept: on CPython 3.11 a dict's version tag is unique over the
+   process and changes with any change to the dict, so an equal triple is the same unchanged entry
+   (the dict holds the block; nothing here holds a reference). Other versions look it up each call. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#define BC_CACHE 16
+static struct { PyObject *self, *dict, *block; uint64_t ver; } g_bc_cache[BC_CACHE];
+#endif
+
 static PyObject *blockcall_vectorcall(BlockCallObject *bc, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs < 1) { PyErr_SetString(PyExc_TypeError, "block call needs self"); return NULL; }
     if (require_setup() < 0) return NULL;
     PyObject *self = args[0];
-    PyObject *block;
+    PyObject *block = NULL;
+#ifdef BC_CACHE
+    unsigned slot = (unsigned)(((uintptr_t)self >> 4) % BC_CACHE);
+    PyObject **dp = Py_TYPE(self)->tp_dictoffset ? _PyObject_GetDictPtr(self) : NULL;
+    PyObject *d0 = dp ? *dp : NULL;
+    if (d0 && g_bc_cache[slot].self == self && g_bc_cache[slot].dict == d0
+        && g_bc_cache[slot].ver == ((PyDictObject *)d0)->ma_version_tag) {
+        block = g_bc_cache[slot].block;
+        Py_INCREF(block);
+    } else
+#endif
     if (PyObject_TypeCheck(self, (PyTypeObject *)g_StaticBlock)) { block = self; Py_INCREF(block); }
     else {
         PyObject *d = PyObject_GenericGetDict(self, NULL);
         if (!d) return NULL;
         block = PyDict_GetItemWithError(d, s_batchcraft_block);
         Py_XINCREF(block);
+#ifdef BC_CACHE
+        if (block && PyDict_CheckExact(d)) {
+            g_bc_cache[slot].self = self; g_bc_cache[slot].dict = d; g_bc_cache[slot].block = block;
+            g_bc_cache[slot].ver = ((PyDictObject *)d)->ma_version_tag;
+        }
+#endif
         Py_DECREF(d);
         if (!block) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "static block module without its block");
@@ -3155,6 +3270,86 @@ static PyObject *push_mode(PyObject *mode, PyObject *out) {
     PyErr_Restore(et, ev, tb);
     return out;
 }
+
+/* ---- TensorMeta: a metadata property of plain tensors while calls record (tensormeta.py) --------
+   `W.device`, `W.shape` of a parameter read by instance code: with the recording mode on the
+   torch-function stack, torch hands every such read to the mode through Python-level machinery
+   (about 1 µs, against 0.09 µs plainly), and the mode answers with the plain read (plain_property).
+   Set on torch.Tensor over TensorBase's getset descriptor, this one makes the plain read itself,
+   with the mode briefly off the stack, where the mode would: a plain Tensor or Parameter, in a
+   thread whose C recorder's mode is the only one on the stack and enabled. Anything else (a
+   subclass, another thread, a mode of the user's, DisableTorchFunction, the class itself) reads
+   through the original descriptor. */
+typedef struct { PyObject_HEAD PyObject *orig; } TensorMetaObject;
+
+static PyObject *tmeta_get(TensorMetaObject *self, PyObject *obj, PyObject *type) {
+    descrgetfunc get = Py_TYPE(self->orig)->tp_descr_get;
+    if (obj && obj != Py_None) {
+        PyObject *t = (PyObject *)Py_TYPE(obj);
+        PyObject *rec = (t == g_plain_tensor || t == g_parameter) ? current_rec() : NULL;
+        if (rec && PyObject_TypeCheck(rec, &RecorderType)) {
+            /* the stack is exactly [the recorder's mode] (by identity: a DeviceContext that
+               set_default_device put below the mode may be all that is left while it is off) */
+            int en = q_tf_mode_enabled();
+            if (en < 0) return NULL;
+            Py_ssize_t len = en ? q_tf_len() : 0;
+            if (len < 0 && PyErr_Occurred()) return NULL;
+            PyObject *mode = len == 1 ? rec_mode_ref(rec) : NULL;
+            if (len == 1 && !mode) PyErr_Clear();
+            if (mode) {
+                PyObject *top = PyObject_CallFunction(g_tf_at, "n", (Py_ssize_t)0);
+                if (!top) { Py_DECREF(mode); return NULL; }
+                int ours = top == mode;
+                Py_DECREF(top);
+                if (ours) {
+                    PyObject *r = PyObject_CallNoArgs(g_tf_pop);
+                    if (!r) { Py_DECREF(mode); return NULL; }
+                    Py_DECREF(r);
+                    return push_mode(mode, get(self->orig, obj, type));  /* (steals mode) */
+                }
+                Py_DECREF(mode);
+            }
+        }
+    }
+    return get(self->orig, obj, type);
+}
+
+static int tmeta_set(TensorMetaObject *self, PyObject *obj, PyObject *value) {
+    descrsetfunc set = Py_TYPE(self->orig)->tp_descr_set;
+    if (!set) { PyErr_SetString(PyExc_AttributeError, "read-only attribute"); return -1; }
+    return set(self->orig, obj, value);
+}
+
+static int tmeta_traverse(TensorMetaObject *self, visitproc visit, void *arg) { Py_VISIT(self->orig); return 0; }
+static int tmeta_clear(TensorMetaObject *self) { Py_CLEAR(self->orig); return 0; }
+static void tmeta_dealloc(TensorMetaObject *self) { PyObject_GC_UnTrack(self); tmeta_clear(self); Py_TYPE(self)->tp_free((PyObject *)self); }
+
+static PyObject *tmeta_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    PyObject *orig;
+    if (!PyArg_ParseTuple(args, "O:TensorMeta", &orig)) return NULL;
+    if (!Py_TYPE(orig)->tp_descr_get) { PyErr_SetString(PyExc_TypeError, "TensorMeta: not a descriptor"); return NULL; }
+    TensorMetaObject *self = (TensorMetaObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    Py_INCREF(orig); self->orig = orig;
+    return (PyObject *)self;
+}
+
+static PyMemberDef tmeta_members[] = {{"original", T_OBJECT, offsetof(TensorMetaObject, orig), READONLY, NULL}, {NULL}};
+
+static PyTypeObject TensorMetaType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "batchcraft.autobatching._core.TensorMeta",
+    .tp_basicsize = sizeof(TensorMetaObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A plain tensor's metadata property, read without the recording mode's dispatch.",
+    .tp_traverse = (traverseproc)tmeta_traverse,
+    .tp_clear = (inquiry)tmeta_clear,
+    .tp_dealloc = (destructor)tmeta_dealloc,
+    .tp_descr_get = (descrgetfunc)tmeta_get,
+    .tp_descr_set = (descrsetfunc)tmeta_set,
+    .tp_new = tmeta_new,
+    .tp_members = tmeta_members,
+};
 
 /* ---- FastFn: a torch function read by the recording thread (ccore.FAST_FACTORIES) ------------
    torch.sigmoid(x) on a lazy value goes through torch's dispatch to the innermost mode, the
@@ -3796,6 +3991,14 @@ static PyObject *py_setup_lazy(PyObject *m, PyObject *args) {
     if (!PyType_IsSubtype((PyTypeObject *)cls, &LazyBaseType)) { PyErr_SetString(PyExc_TypeError, "not a LazyBase subclass"); return NULL; }
     Py_INCREF(cls);
     g_LazyType = (PyTypeObject *)cls;
+    {
+        PyTypeObject *t = (PyTypeObject *)cls;
+        /* no added slots, dict or finaliser: the subclass's instances are LazyBase's (see
+           lazy_subtype_dealloc); the object-cache of the type is unaffected */
+        if (t->tp_basicsize == LazyBaseType.tp_basicsize && t->tp_dictoffset == 0 && t->tp_finalize == NULL
+            && t->tp_del == NULL && t->tp_base == &LazyBaseType && (t->tp_flags & Py_TPFLAGS_HEAPTYPE))
+            t->tp_dealloc = (destructor)lazy_subtype_dealloc;
+    }
     for (int i = 0; i < OP_COUNT; i++) {
         PyObject *f = PyDict_GetItemString(methods, op_names[i]);
         if (!f) f = PyDict_GetItemString(inplace, op_names[i]);
@@ -3829,6 +4032,7 @@ static PyObject *py_type_version(PyObject *m, PyObject *cls) {
 }
 
 static PyMethodDef module_methods[] = {
+    {"frame_reader", py_frame_reader, METH_NOARGS, "how the innermost frame's code is read (1: directly)"},
     {"current", py_current, METH_NOARGS, "The innermost active recorder of this thread, or None."},
     {"type_version", py_type_version, METH_O, "type_version(cls): the type's version tag (renewed when it or a base changes; 0: none yet)."},
     {"push", py_push, METH_O, "Make a recorder (or None) the active one of this thread."},
@@ -3859,7 +4063,7 @@ static struct PyModuleDef coremodule = {PyModuleDef_HEAD_INIT, "_core",
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyThread_tss_create(&g_tss) != 0) return NULL;
     if (PyType_Ready(&LazyBaseType) < 0 || PyType_Ready(&LazyMethodType) < 0 || PyType_Ready(&RecorderType) < 0
-        || PyType_Ready(&ModeType) < 0 || PyType_Ready(&BlockCallType) < 0 || PyType_Ready(&ModuleAttrType) < 0
+        || PyType_Ready(&ModeType) < 0 || PyType_Ready(&TensorMetaType) < 0 || PyType_Ready(&BlockCallType) < 0 || PyType_Ready(&ModuleAttrType) < 0
         || PyType_Ready(&RecAttrType) < 0 || PyType_Ready(&FastCallType) < 0
         || PyType_Ready(&FastFnType) < 0) return NULL;
 #define INTERN(var, s) do { var = PyUnicode_InternFromString(s); if (!var) return NULL; } while (0)
@@ -3886,6 +4090,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_INCREF(&RecorderType); PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType);
     Py_INCREF(&ModeType); PyModule_AddObject(m, "Mode", (PyObject *)&ModeType);
     Py_INCREF(&BlockCallType); PyModule_AddObject(m, "BlockCall", (PyObject *)&BlockCallType);
+    Py_INCREF(&TensorMetaType); PyModule_AddObject(m, "TensorMeta", (PyObject *)&TensorMetaType);
     Py_INCREF(&ModuleAttrType); PyModule_AddObject(m, "ModuleAttr", (PyObject *)&ModuleAttrType);
     Py_INCREF(&RecAttrType); PyModule_AddObject(m, "RecordingAttr", (PyObject *)&RecAttrType);
     Py_INCREF(&FastCallType); PyModule_AddObject(m, "FastCall", (PyObject *)&FastCallType);

@@ -74,6 +74,7 @@ class AutoBatched:
         self._warned_modes = False
         # fibers="auto": did a call of this function see a value wait? (None: no call finished yet)
         self._waits: bool | None = None
+        self._sizes: tuple | None = None  # (nodes, inputs) the last call recorded (C core)
 
     def __call__(self, instances: Sequence) -> list:
         if isinstance(instances, torch.Tensor):
@@ -100,10 +101,14 @@ class AutoBatched:
         if fibers == "auto":
             fibers = self._waits is not False
         rt = Runtime(self.fn, self.options, fibers)
+        if self._sizes is not None and hasattr(rt.rec, "reserve"):
+            rt.rec.reserve(*self._sizes)  # the C core's arrays, sized as the last call's
         try:
             return rt.run(instances)
         finally:
             self.stats = rt.stats
+            if hasattr(rt.rec, "sizes"):
+                self._sizes = rt.rec.sizes()
             if self._waits is not True and len(instances):  # a wait once: fibers from then on
                 self._waits = rt.stats.syncs > 0
 

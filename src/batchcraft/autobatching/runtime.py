@@ -37,6 +37,7 @@ from batchcraft.autobatching.cells import FAST_CELLS
 from batchcraft.autobatching.modcalls import FAST_CALLS
 from batchcraft.autobatching.devices import SET_DEFAULT_DEVICE, factory_device, global_context, set_global_context
 from batchcraft.autobatching.dispatch import FAST_DISPATCH
+from batchcraft.autobatching.tensormeta import TENSOR_META
 from batchcraft.autobatching.modstate import resolve_module_state
 from batchcraft.autobatching import core as _core
 from batchcraft.autobatching import buffers as _buffers
@@ -322,6 +323,7 @@ class Runtime:
         cells = FAST_CELLS if self.options.fast_modules else nullcontext()  # cells.py
         dispatch = FAST_DISPATCH if self.options.fast_modules else nullcontext()  # dispatch.py
         calls = FAST_CALLS if self.options.fast_modules else nullcontext()  # modcalls.py
+        meta = TENSOR_META if self.options.fast_modules and self.rec.core == "c" else nullcontext()  # tensormeta.py
         measured = getattr(self.executor.kernels, "n_measured", 0)
         retention = _memory.retain(self.options.retain_memory)
         faults = _minor_faults()
@@ -336,7 +338,7 @@ class Runtime:
         try:  # everything after gc.disable() inside: no path leaves GC off or the intercept on
             _functional.intercept_function_apply(True)
             install_train_hook()
-            with (isolated, attrs, cells, calls, dispatch, retention, SET_DEFAULT_DEVICE, ATOMIC_PRINT,
+            with (isolated, attrs, cells, calls, dispatch, meta, retention, SET_DEFAULT_DEVICE, ATOMIC_PRINT,
                   SAVED_TENSORS_HOOKS, DISPATCH_MODES):
                 return self._run(instances, t_start)
         finally:

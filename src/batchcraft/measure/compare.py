@@ -34,7 +34,7 @@ def batches(items: Sequence, size: int) -> list:
 def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, scheduler: str = "depth",
                   progress: bool = False, warmup: bool = True, grad: bool = False,
                   reference: Callable[[list], list] | None = None,
-                  work: Callable[[object], int] | None = None) -> dict:
+                  work: Callable[[object], int] | None = None, split_passes: int = 0) -> dict:
     """Run ``fn`` eagerly (one instance at a time) and auto-batched; return figures.
 
     Args:
@@ -47,6 +47,11 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
         work (callable, optional): ``work(instance) -> units`` (tree nodes, tokens) for the
             recording cost per unit (``record_us_per_unit``). Default: ``len(instance)`` where the
             instance has a length, else 1.
+        split_passes (int): after the timed pass, this many more auto-batched passes over the
+            batches, back to back (no eager loop in between, as in a user's loop of calls): the
+            per-batch medians of their time split give ``steady_record_ms`` (and schedule, gather,
+            kernel) and ``steady_record_us_per_unit``; the timed pass's figures stay as they are.
+            Default 0 (none).
     Returns:
         dict with ``eager_ms`` and ``batchcraft_ms`` (median ms per batch), ``speedup``,
         ``instances_per_s_eager`` / ``_batchcraft`` (instances per batch, on average, over the median batch time), ``max_abs_diff``, ``batched_calls`` and
@@ -95,6 +100,12 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
             st = f.stats
             for k in totals:
                 totals[k] += getattr(st, k)
+        steady = {k: [[] for _ in bs] for k in ("record_s", "schedule_s", "gather_s", "kernel_s")}
+        for _ in range(split_passes):
+            for i, b in enumerate(bs):
+                f(b)
+                for k, per_batch in steady.items():
+                    per_batch[i].append(getattr(f.stats, k))
     nb = max(len(bs), 1)
     e_ms = statistics.median(eager_t) * 1e3 if eager_t else 0.0
     b_ms = statistics.median(bc_t) * 1e3 if bc_t else 0.0
@@ -132,6 +143,11 @@ def compare_eager(fn: Callable, instances: Sequence, *, batch_size: int = 64, sc
     units = sum(work(x) for b in bs for x in b) / nb
     res["work_units"] = units
     res["record_us_per_unit"] = totals["record_s"] / nb * 1e6 / units if units else 0.0
+    if split_passes > 0 and bs:
+        res["split_passes"] = split_passes
+        for k, per_batch in steady.items():  # per batch: the median over the passes; then the mean per batch
+            res["steady_" + k.replace("_s", "_ms")] = sum(statistics.median(v) for v in per_batch) / nb * 1e3
+        res["steady_record_us_per_unit"] = res["steady_record_ms"] * 1e3 / units if units else 0.0
     if first_ms is not None:
         res["first_call_ms"] = first_ms
         steady = bc_t[0] * 1e3 if bc_t else 0.0
