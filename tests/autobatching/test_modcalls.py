@@ -331,3 +331,74 @@ def test_classes_made_in_a_loop_do_not_pile_up_in_the_caches(core, monkeypatch):
         out = autobatch(lambda x: lin(x * 1), core=core)([torch.ones(3)])
         torch.testing.assert_close(out[0], lin(torch.ones(3)))
     assert len(modcalls._LINEAR_OK) <= 8 and len(modcalls._MRO_DICTS) <= 8
+
+
+class _Scale(nn.Module):
+    """A model called once per instance (the top-level call that runtime makes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x) * 2
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_the_models_own_call_runs_hooks_added_by_instance_code_as_in_eager(core):
+    # the per-instance call of a model goes to its forward only while Module.__call__ would run
+    # nothing else (runtime: modcalls.plain_forward_call), checked at every instance
+    def run(f):
+        m = _Scale()
+        torch.manual_seed(0)
+        m.lin.reset_parameters()
+        seen = []
+
+        class Hooking(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m = m
+
+            def forward(self, x):
+                if not self._forward_hooks:
+                    self.register_forward_hook(lambda mod, args, out: seen.append(1) or out + 100)
+                return self.m(x)
+
+        model = Hooking()
+        out = f(model, [torch.ones(3) * k for k in range(3)])
+        return out, len(seen)
+
+    eager, n_eager = run(lambda model, xs: [model(x) for x in xs])
+    batched, n_batched = run(lambda model, xs: autobatch(model, core=core)(xs))
+    assert n_eager == n_batched == 2  # instances 1 and 2 run the hook instance 0 registered
+    for b, e in zip(batched, eager):
+        torch.testing.assert_close(b, e)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_the_models_own_call_keeps_global_hooks_call_overrides_and_instance_forwards(core):
+    from torch.nn.modules.module import register_module_forward_hook
+
+    m = _Scale()
+    xs = [torch.randn(3) for _ in range(3)]
+    handle = register_module_forward_hook(lambda mod, args, out: out + 1 if mod is m else out)
+    try:
+        ref = [m(x) for x in xs]
+        out = autobatch(m, core=core)(xs)
+    finally:
+        handle.remove()
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+
+    class OwnCallImpl(_Scale):
+        def _call_impl(self, *args, **kwargs):
+            return super()._call_impl(*args, **kwargs) - 5
+
+    m2 = OwnCallImpl()
+    for o, x in zip(autobatch(m2, core=core)(xs), xs):
+        torch.testing.assert_close(o, m2(x))
+
+    m3 = _Scale()
+    m3.forward = lambda x: m3.lin(x) + 7  # an instance-level forward: Module.__call__ calls it
+    for o, x in zip(autobatch(m3, core=core)(xs), xs):
+        torch.testing.assert_close(o, m3(x))

@@ -3980,6 +3980,52 @@ static PyObject *py_set_autocast_key(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* plain_forward(module, arg, calls, module_ns, tracing, declined): module.forward(arg) where
+   calling the module would run only that: its type's __call__ and _call_impl are `calls`
+   (nn.Module's), no
+   hook of its own or global (`module_ns`: torch.nn.modules.module's namespace), no compiled call,
+   no instance-level forward or _call_impl, no JIT tracing (`tracing()` is None), as
+   Module._call_impl's own test (and modcalls' FastCall). Else `declined`, for the caller to call
+   the module. The per-instance call of a model (runtime: about 0.8 µs of Module.__call__'s two
+   Python frames and hook reads each instance). */
+static PyObject *py_plain_forward(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "plain_forward(module, arg, calls, module_ns, tracing, declined)"); return NULL; }
+    PyObject *mod = args[0], *arg = args[1], *mcall = args[2], *ns = args[3], *tracing = args[4], *declined = args[5];
+    static PyObject *s_call = NULL;
+    if (!s_call && !(s_call = PyUnicode_InternFromString("__call__"))) return NULL;
+    /* mcall: (Module.__call__, Module._call_impl) as torch defines them */
+    if (!PyTuple_CheckExact(mcall) || PyTuple_GET_SIZE(mcall) != 2 || !PyDict_Check(ns)
+        || _PyType_Lookup(Py_TYPE(mod), s_call) != PyTuple_GET_ITEM(mcall, 0)
+        || _PyType_Lookup(Py_TYPE(mod), s_call_impl) != PyTuple_GET_ITEM(mcall, 1)) goto decline;
+    PyObject **dp = _PyObject_GetDictPtr(mod);
+    PyObject *d = dp ? *dp : NULL;
+    if (!d || !PyDict_CheckExact(d)) goto decline;
+    for (int i = 0; i < 4; i++) {
+        int r = missing_or_true(d, s_hook_names[i]);
+        if (r) { if (r < 0) return NULL; goto decline; }
+        PyObject *g = PyDict_GetItemWithError(ns, s_global_hook_names[i]);
+        if (!g) { if (PyErr_Occurred()) return NULL; goto decline; }
+        r = PyObject_IsTrue(g);
+        if (r) { if (r < 0) return NULL; goto decline; }
+    }
+    PyObject *v = PyDict_GetItemWithError(d, s_compiled_call);
+    if (!v && PyErr_Occurred()) return NULL;
+    if (v && v != Py_None) goto decline;
+    int r = PyDict_Contains(d, s_forward);
+    if (r) { if (r < 0) return NULL; goto decline; }
+    r = PyDict_Contains(d, s_call_impl);
+    if (r) { if (r < 0) return NULL; goto decline; }
+    PyObject *tr = PyObject_CallNoArgs(tracing);
+    if (!tr) return NULL;
+    int traced = tr != Py_None;
+    Py_DECREF(tr);
+    if (traced) goto decline;
+    return PyObject_CallMethodOneArg(mod, s_forward, arg);
+decline:
+    Py_INCREF(declined);
+    return declined;
+}
+
 static PyObject *py_any_autocast(PyObject *m, PyObject *noargs) {
     int r = q_any_autocast();
     return r < 0 ? NULL : PyBool_FromLong(r);
@@ -4032,6 +4078,7 @@ static PyObject *py_type_version(PyObject *m, PyObject *cls) {
 }
 
 static PyMethodDef module_methods[] = {
+    {"plain_forward", (PyCFunction)(void (*)(void))py_plain_forward, METH_FASTCALL, "module.forward(arg) where calling the module runs only that"},
     {"frame_reader", py_frame_reader, METH_NOARGS, "how the innermost frame's code is read (1: directly)"},
     {"current", py_current, METH_NOARGS, "The innermost active recorder of this thread, or None."},
     {"type_version", py_type_version, METH_O, "type_version(cls): the type's version tag (renewed when it or a base changes; 0: none yet)."},

@@ -34,7 +34,7 @@ import torch
 from batchcraft.autobatching import attrs as _attrs
 from batchcraft.autobatching.blocks import install_train_hook
 from batchcraft.autobatching.cells import FAST_CELLS
-from batchcraft.autobatching.modcalls import FAST_CALLS
+from batchcraft.autobatching.modcalls import FAST_CALLS, plain_forward_call
 from batchcraft.autobatching.devices import SET_DEFAULT_DEVICE, factory_device, global_context, set_global_context
 from batchcraft.autobatching.dispatch import FAST_DISPATCH
 from batchcraft.autobatching.tensormeta import TENSOR_META
@@ -58,6 +58,7 @@ from batchcraft.autobatching.threadstate import (DISPATCH_MODES, SAVED_TENSORS_H
 from batchcraft.errors import AutobatchError, BatchcraftError, InstanceError
 
 _perf = time.perf_counter
+_PLAIN_FORWARD = plain_forward_call()
 
 try:
     import resource as _resource
@@ -215,6 +216,9 @@ class Runtime:
         self.stats = RunStats()
         self.rec = _core.make_recorder(self, options)
         self.stats.core = self.rec.core
+        # the per-instance call of a model: its forward where Module.__call__ would run only that
+        self.module_call = _PLAIN_FORWARD if (isinstance(fn, torch.nn.Module) and options.fast_modules
+                                              and self.rec.core == "c") else None
         self.stats.fibers = self.fibers
         self.executor = Executor(self.rec, self.stats, options, _kernels.selector(options.kernels))
         self.main = None
@@ -307,6 +311,8 @@ class Runtime:
         return inst
 
     def _body(self, i: int, inst):
+        if self.module_call is not None:
+            return self.module_call(self.fn, self._wrap_instance(inst))
         return self.fn(self._wrap_instance(inst))
 
     def run(self, instances: Sequence) -> list:
