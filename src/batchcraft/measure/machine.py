@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 
 
+@functools.lru_cache(maxsize=1)  # read once a process: kernel choices ask at every check
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
