@@ -16,7 +16,8 @@ Usage:
 
 Per process: build the suite model on the first ``--sentences`` UD EWT dev sentences, one
 warm-up call of ``batchcraft.autobatch`` on all of them (one batch), then ``--calls`` timed
-calls in inference; the process reports the median call (ms).
+calls in inference; the process reports the median call (ms), or with ``--metric record`` the
+median recording time (``stats.record_s``) per tree node / token (µs).
 """
 
 from __future__ import annotations
@@ -38,15 +39,19 @@ import batchcraft
 from batchcraft.data import load_sentences
 from batchcraft.models import suite
 name, hidden, calls, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+metric = sys.argv[6] if len(sys.argv) > 6 else "call"
 torch.set_num_threads(threads)
 task = suite.build(name, load_sentences(limit=n), hidden=hidden)
 fn = batchcraft.autobatch(task.fn)
 with torch.no_grad():
     fn(task.instances)
-    ts = []
+    ts, rec = [], []
     for _ in range(calls):
         t0 = time.perf_counter(); fn(task.instances); ts.append(time.perf_counter() - t0)
-print(json.dumps({"ms": statistics.median(ts) * 1e3, "file": batchcraft.__file__}))
+        rec.append(fn.stats.record_s)
+units = sum(len(x) if hasattr(x, "__len__") else 1 for x in task.instances)
+value = statistics.median(ts) * 1e3 if metric == "call" else statistics.median(rec) * 1e6 / units
+print(json.dumps({"ms": value, "file": batchcraft.__file__}))
 """
 
 
@@ -64,7 +69,8 @@ def _checkout(ref: str, tmp: str) -> Path:
 def _one(src: Path, model: str, hidden: int, args) -> float:
     env = dict(os.environ, PYTHONPATH=str(src))
     out = subprocess.run([sys.executable, "-c", WORKER, model, str(hidden), str(args.calls), str(args.threads),
-                          str(args.sentences)], env=env, check=True, capture_output=True, text=True, cwd=ROOT)
+                          str(args.sentences), args.metric], env=env, check=True, capture_output=True, text=True,
+                         cwd=ROOT)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     if not res["file"].startswith(str(src)):
         raise SystemExit(f"ab_versions: the worker imported {res['file']}, not the version under {src}")
@@ -82,13 +88,17 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sentences", type=int, default=64)
+    ap.add_argument("--metric", choices=("call", "record"), default="call",
+                    help="call: ms a call; record: host µs of recording per unit (tree node / token: "
+                         "stats.record_s over the instances' lengths)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="batchcraft-ab-") as tmp:
         old, new = _checkout(args.old, tmp), _checkout(args.new, tmp)
         try:
             print(f"old: {old}\nnew: {new}\n{args.threads} thread(s), {args.sentences} sentences in one batch, "
                   f"median of {args.calls} calls per process, {args.rounds} rounds")
-            print("| model | hidden | old ms (median of rounds) | new ms | new faster by [interval] coverage |")
+            unit = "ms" if args.metric == "call" else "record µs/node"
+            print(f"| model | hidden | old {unit} (median of rounds) | new {unit} | new faster by [interval] coverage |")
             print("|---|---|---|---|---|")
             for spec in args.models.split(","):
                 model, hidden = spec.split(":")
