@@ -1033,19 +1033,25 @@ static Py_ssize_t append_node(RecObject *self, int sid, uint64_t rg_mask, const 
     return node;
 }
 
+/* d[key], a list made and stored there if missing (borrowed; NULL with an error set) */
+static PyObject *list_at(PyObject *d, PyObject *key) {
+    PyObject *lst = PyDict_GetItemWithError(d, key);
+    if (lst || PyErr_Occurred()) return lst;
+    lst = PyList_New(0);
+    if (!lst) return NULL;
+    int r = PyDict_SetItem(d, key, lst);
+    Py_DECREF(lst);  /* (the dict holds it) */
+    return r < 0 ? NULL : lst;
+}
+
 static int register_view(RecObject *self, LazyObject *out, PyObject *base) {
     Py_INCREF(base);
     Py_XSETREF(out->base, base);
     PyObject *key = PyLong_FromVoidPtr(base);
     if (!key) return -1;
-    PyObject *lst = PyDict_GetItemWithError(self->views, key);
-    if (!lst) {
-        if (PyErr_Occurred()) { Py_DECREF(key); return -1; }
-        lst = PyList_New(0);
-        if (!lst || PyDict_SetItem(self->views, key, lst) < 0) { Py_XDECREF(lst); Py_DECREF(key); return -1; }
-        Py_DECREF(lst);
-    }
+    PyObject *lst = list_at(self->views, key);
     Py_DECREF(key);
+    if (!lst) return -1;
     PyObject *w = PyWeakref_NewRef((PyObject *)out, NULL);
     if (!w) return -1;
     int r = PyList_Append(lst, w);
@@ -1297,14 +1303,9 @@ static Py_ssize_t add_leaf_c(RecObject *self, PyObject *value, PyObject *pyvalue
     if (!lst || self->last_leaf_did != did) {
         PyObject *key = PyLong_FromLong(did);
         if (!key) return -1;
-        lst = PyDict_GetItemWithError(self->pending_leaves, key);  /* borrowed */
-        if (!lst) {
-            if (PyErr_Occurred()) { Py_DECREF(key); return -1; }
-            lst = PyList_New(0);
-            if (!lst || PyDict_SetItem(self->pending_leaves, key, lst) < 0) { Py_XDECREF(lst); Py_DECREF(key); return -1; }
-            Py_DECREF(lst);
-        }
+        lst = list_at(self->pending_leaves, key);
         Py_DECREF(key);
+        if (!lst) return -1;
         self->last_leaf_did = did; self->last_leaf_list = lst;
     }
     Py_ssize_t node = self->n;
