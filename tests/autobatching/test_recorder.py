@@ -312,3 +312,19 @@ def test_calls_after_a_smaller_or_larger_one_record_the_same(core):
     if core == "c":
         nodes, inputs = f._sizes
         assert nodes >= 8 * 90 * 2 and inputs > 0
+
+
+def test_a_long_chain_of_lazy_views_frees_without_exhausting_the_c_stack():
+    # each view holds its base; the lazy type's own dealloc (in place of CPython's subtype_dealloc)
+    # keeps the interpreter's trashcan, so freeing the head of a long chain does not recurse
+    # once per link on the C stack (run in a subprocess: without it, the process crashes)
+    import subprocess
+    import sys
+
+    code = ("from batchcraft.autobatching.lazy import LazyTensor\n"
+            "x = LazyTensor(None, 0, 0, 0)\n"
+            "for _ in range(1_000_000):\n"
+            "    y = LazyTensor(None, 0, 0, 0); y.base = x; x = y\n"
+            "del y; x = None\nprint('freed')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "freed" in out.stdout, out.stderr[-2000:]

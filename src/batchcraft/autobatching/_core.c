@@ -285,8 +285,11 @@ static void lazy_dealloc(LazyObject *self) {
    reference too: subtype_dealloc leaves it to a base that is a heap type. */
 static void lazy_subtype_dealloc(LazyObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    Py_TRASHCAN_BEGIN(self, lazy_subtype_dealloc)  /* (a long chain of views, each holding its base) */
     lazy_dealloc(self);
     Py_DECREF(tp);
+    Py_TRASHCAN_END
 }
 
 static int lazy_init(LazyObject *self, PyObject *args, PyObject *kw) {
