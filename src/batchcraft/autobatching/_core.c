@@ -3552,13 +3552,15 @@ static int missing_or_true(PyObject *d, PyObject *key) {
     return PyObject_IsTrue(v);
 }
 
-/* 1 when the plain forward is all Module.__call__ would run for this instance (dict d), 0 if
-   not, -1 on error: modcalls._hooked and _own_call */
-static int fc_plain_call(FastCallObject *fc, PyObject *self, PyObject *d) {
+/* 1 when Module.__call__ on an instance with dict d would only call its forward, as far as the
+   instance and the process tell: no hook of its own or global (`ns`: torch.nn.modules.module's
+   namespace), no compiled call, no instance-level forward or _call_impl, none of `names` (NULL:
+   none) in d, no JIT tracing (`tracing()` is None); 0 if not, -1 on error (modcalls._hooked) */
+static int forward_only(PyObject *d, PyObject *ns, PyObject *names, PyObject *tracing) {
     for (int i = 0; i < 4; i++) {
         int r = missing_or_true(d, s_hook_names[i]);
         if (r) return r < 0 ? -1 : 0;
-        PyObject *g = PyDict_GetItemWithError(fc->module_ns, s_global_hook_names[i]);
+        PyObject *g = PyDict_GetItemWithError(ns, s_global_hook_names[i]);
         if (!g) return PyErr_Occurred() ? -1 : 0;
         r = PyObject_IsTrue(g);
         if (r) return r < 0 ? -1 : 0;
@@ -3570,16 +3572,23 @@ static int fc_plain_call(FastCallObject *fc, PyObject *self, PyObject *d) {
     if (r) return r < 0 ? -1 : 0;
     r = PyDict_Contains(d, s_call_impl);
     if (r) return r < 0 ? -1 : 0;
-    Py_ssize_t nn = PyTuple_GET_SIZE(fc->names);
+    Py_ssize_t nn = names ? PyTuple_GET_SIZE(names) : 0;
     for (Py_ssize_t i = 0; i < nn; i++) {
-        r = PyDict_Contains(d, PyTuple_GET_ITEM(fc->names, i));
+        r = PyDict_Contains(d, PyTuple_GET_ITEM(names, i));
         if (r) return r < 0 ? -1 : 0;
     }
-    PyObject *tr = PyObject_CallNoArgs(fc->tracing);
+    PyObject *tr = PyObject_CallNoArgs(tracing);
     if (!tr) return -1;
     int traced = tr != Py_None;
     Py_DECREF(tr);
-    if (traced) return 0;
+    return !traced;
+}
+
+/* 1 when the plain forward is all Module.__call__ would run for this instance (dict d), 0 if
+   not, -1 on error: modcalls._hooked and _own_call */
+static int fc_plain_call(FastCallObject *fc, PyObject *self, PyObject *d) {
+    int r = forward_only(d, fc->module_ns, fc->names, fc->tracing);
+    if (r <= 0) return r;
     PyTypeObject *cls = Py_TYPE(self);
     PyObject *got = PyDict_GetItemWithError(fc->verdicts, (PyObject *)cls);
     if (!got && PyErr_Occurred()) return -1;
@@ -4004,26 +4013,9 @@ static PyObject *py_plain_forward(PyObject *m, PyObject *const *args, Py_ssize_t
     PyObject **dp = _PyObject_GetDictPtr(mod);
     PyObject *d = dp ? *dp : NULL;
     if (!d || !PyDict_CheckExact(d)) goto decline;
-    for (int i = 0; i < 4; i++) {
-        int r = missing_or_true(d, s_hook_names[i]);
-        if (r) { if (r < 0) return NULL; goto decline; }
-        PyObject *g = PyDict_GetItemWithError(ns, s_global_hook_names[i]);
-        if (!g) { if (PyErr_Occurred()) return NULL; goto decline; }
-        r = PyObject_IsTrue(g);
-        if (r) { if (r < 0) return NULL; goto decline; }
-    }
-    PyObject *v = PyDict_GetItemWithError(d, s_compiled_call);
-    if (!v && PyErr_Occurred()) return NULL;
-    if (v && v != Py_None) goto decline;
-    int r = PyDict_Contains(d, s_forward);
-    if (r) { if (r < 0) return NULL; goto decline; }
-    r = PyDict_Contains(d, s_call_impl);
-    if (r) { if (r < 0) return NULL; goto decline; }
-    PyObject *tr = PyObject_CallNoArgs(tracing);
-    if (!tr) return NULL;
-    int traced = tr != Py_None;
-    Py_DECREF(tr);
-    if (traced) goto decline;
+    int r = forward_only(d, ns, NULL, tracing);
+    if (r < 0) return NULL;
+    if (!r) goto decline;
     return PyObject_CallMethodOneArg(mod, s_forward, arg);
 decline:
     Py_INCREF(declined);
