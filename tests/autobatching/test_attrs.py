@@ -19,7 +19,7 @@ from torch import nn
 from torch.func import functional_call
 
 from batchcraft import autobatch
-from batchcraft.autobatching import _native
+from batchcraft.autobatching import _native, attrs
 from equivalence import CORES
 
 ORIGINAL = nn.Module.__getattr__
@@ -425,3 +425,128 @@ def test_class_attributes_set_and_removed_between_two_reads_are_seen(fast_module
         for o, r in zip(out, ref):
             for a, b in zip(o, r):
                 torch.testing.assert_close(a, b)
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sub = nn.Linear(2, 2)
+        self.other = nn.Linear(2, 2)
+        # made outside the call (instance code may not make parameters or modules)
+        self.__dict__["spares"] = dict(param=nn.Parameter(torch.ones(2)), buffer=torch.full((2,), 3.0),
+                                       modules=[nn.Linear(2, 2) for _ in range(4)])
+
+
+def _spare_module(p):
+    return p.spares["modules"].pop()
+
+
+# each step changes what ``pair.sub`` reads, in one of the ways a read remembered by the C
+# descriptor (Python 3.11: the dicts' version tags) must notice; the read after each is compared
+MUTATIONS = {
+    "parameter_shadows": lambda p: p._parameters.__setitem__("sub", p.spares["param"]),
+    "parameter_removed": lambda p: p._parameters.pop("sub", None),
+    "buffer_shadows": lambda p: p._buffers.__setitem__("sub", p.spares["buffer"]),
+    "buffer_removed": lambda p: p._buffers.pop("sub", None),
+    "module_replaced": lambda p: p._modules.__setitem__("sub", p.other),
+    "modules_table_replaced": lambda p: p.__dict__.__setitem__("_modules", {"sub": _spare_module(p),
+                                                                            "other": p.other}),
+    "instance_dict_shadows": lambda p: p.__dict__.__setitem__("sub", "in __dict__"),
+    "instance_dict_cleared": lambda p: p.__dict__.pop("sub", None),
+    "setattr_module": lambda p: setattr(p, "sub", _spare_module(p)),
+    "unrelated_write": lambda p: setattr(p, "flag", True),
+    "deleted": lambda p: p._modules.pop("sub", None),
+}
+
+
+def _reads(pairs, order):
+    """What ``pair.sub`` reads (by kind and identity) after each mutation, alternating instances."""
+    out = []
+    for name in order:
+        for p in pairs:
+            MUTATIONS[name](p)
+            try:
+                v = p.sub
+            except AttributeError as e:
+                out.append(("error", str(e)))
+                continue
+            out.append((type(v).__name__, id(v)))
+    return out
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_repeated_reads_see_every_change_between_them(core):
+    order = list(MUTATIONS) + ["setattr_module", "module_replaced", "parameter_shadows", "buffer_shadows",
+                               "parameter_removed", "buffer_removed", "deleted", "setattr_module"]
+    assert order.count("setattr_module") + order.count("modules_table_replaced") <= 4  # (spare modules)
+
+    def run(batched):
+        torch.manual_seed(0)
+        a, b = _Pair(), _Pair()
+        pairs = [a, b]
+        seen = []
+
+        def fn(x):  # (a and b in its closure: their class gets the descriptors)
+            seen.append(_reads([a, b], order))
+            seen.append(type(vars(_Pair).get("sub")).__name__)
+            return x * 2
+
+        xs = [torch.ones(1)]
+        if batched:
+            autobatch(fn, core=core)(xs)
+        else:
+            fn(xs[0])
+        # ids are compared through the objects still held (each run builds its own)
+        return [[(kind, ident if kind == "error" else _index_of(ident, pairs)) for kind, ident in seen[0]],
+                seen[1]]
+
+    got, ref = run(True), run(False)
+    assert got[0] == ref[0]
+    assert got[1] == ("ModuleAttr" if core == "c" and _native.available else "NoneType")
+
+
+def _index_of(ident, pairs):
+    """A stable name for an object read: which pair's table holds it now, or 'gone'."""
+    for i, p in enumerate(pairs):
+        for table in ("_parameters", "_buffers", "_modules"):
+            for k, v in vars(p)[table].items():  # (a table made by "modules_table_replaced" too)
+                if id(v) == ident:
+                    return (i, table, k)
+        if vars(p).get("sub") is not None and id(vars(p)["sub"]) == ident:
+            return (i, "__dict__", "sub")
+    return "gone"
+
+
+class _Getattr(nn.Linear):
+    pass
+
+
+@needs_c
+def test_the_plan_kept_between_calls_follows_every_change_to_the_module_tree():
+    # AutoBatched keeps the last plan (attrs.PlanCache) while the walked modules' token is equal
+    # (Python 3.11: the dicts' version tags); after each change a call must use what a fresh walk gives
+    net = Net()
+    spare = nn.Linear(2, 2)
+    fn = autobatch(lambda x: net(x))
+    changes = [
+        lambda: None,
+        lambda: net.add_module("c", nn.Linear(2, 2)),  # a new submodule: its class and names
+        lambda: setattr(net.a, "extra", nn.Parameter(torch.ones(1))),  # a new parameter name
+        lambda: net.b.register_buffer("running", torch.zeros(1)),
+        lambda: delattr(net, "c"),
+        lambda: setattr(net.a, "__class__", _Getattr),  # a module's class changed
+        lambda: setattr(_Getattr, "__getattr__", lambda self, name: nn.Module.__getattr__(self, name)),
+        lambda: delattr(_Getattr, "__getattr__"),
+        lambda: net._modules.__setitem__("b", spare),  # same names, another module
+        lambda: spare.register_parameter("bias", None),
+    ]
+    xs = [torch.randn(2) for _ in range(2)]
+    for change in changes:
+        change()
+        fn(xs)
+        assert fn._plans.pairs == attrs.plan(lambda x: net(x)), change
+    # a function reaching other modules: other roots
+    other = Net()
+    fn2 = autobatch(lambda x: other(x) + net(x))
+    fn2(xs)
+    assert {c for c, _ in fn2._plans.pairs} >= {Net, nn.Linear}

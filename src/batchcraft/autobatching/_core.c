@@ -39,6 +39,7 @@ static PyObject *g_plain_tensor = NULL, *g_parameter = NULL, *g_method_wrapper =
 static PyObject *g_DtypeType = NULL;       /* torch.dtype */
 static PyObject *g_torch_tensor = NULL;    /* torch.tensor */
 static PyObject *g_torch_as_tensor = NULL; /* torch.as_tensor: of Python scalars, what torch.tensor makes */
+static PyObject *g_set_grad_enabled = NULL; /* torch._C._set_grad_enabled: `with torch.no_grad():` reaches modes as it */
 static PyObject *g_const_factories = NULL; /* consts.CONST_FACTORIES: const_leaf_c, else rec.mode_call */
 static PyObject *g_const_cache = NULL;     /* bytes of a constant call's key -> (did, ConstLeaf) */
 #define MAX_CONST_KEYS 1024
@@ -2439,6 +2440,14 @@ typedef struct { PyObject_HEAD PyObject *recorder; PyObject *dict; Py_ssize_t de
 
 /* a keyword of torch.tensor(scalar, ...) that the C path takes: device= and dtype= (borrowed) */
 static int scalar_kws(PyObject *k, PyObject *val, PyObject **dt, PyObject **dev) {
+    /* (keyword names from code objects are interned: a pointer compare finds them) */
+    static PyObject *s_device = NULL, *s_dtype = NULL;
+    if (!s_device) {
+        s_device = PyUnicode_InternFromString("device"); s_dtype = PyUnicode_InternFromString("dtype");
+        if (!s_device || !s_dtype) PyErr_Clear();  /* (the compares below still answer) */
+    }
+    if (k == s_device) { *dev = val; return 1; }
+    if (k == s_dtype) { *dt = val; return 1; }
     if (PyUnicode_CompareWithASCIIString(k, "device") == 0) { *dev = val; return 1; }
     if (PyUnicode_CompareWithASCIIString(k, "dtype") == 0) { *dt = val; return 1; }
     return 0;
@@ -2647,6 +2656,18 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
         if (!fkw) Py_XDECREF(kw);
     } else if (PyObject_TypeCheck(rec, &RecorderType)) {
         Py_ssize_t n = PyTuple_GET_SIZE(targs);
+        if (func == g_set_grad_enabled && n == 1 && !fkw && PyBool_Check(PyTuple_GET_ITEM(targs, 0))) {
+            /* `with torch.no_grad():` in instance code (and the runtime's own state restore): the
+               Python path's run_concrete calls it under DisableTorchFunction, 4.7 µs; with no
+               other mode on the stack that is this plain call (each op reads grad mode itself) */
+            int e = stack_empty();
+            if (e < 0) { Py_DECREF(targs); return NULL; }
+            if (e == 1) {
+                r = PyObject_Call(func, targs, NULL);
+                Py_DECREF(targs);
+                return r;
+            }
+        }
         if (n == 1 && !fkw && (PyObject *)Py_TYPE(func) == g_method_wrapper) {
             r = plain_property(func, PyTuple_GET_ITEM(targs, 0));
             if (r || PyErr_Occurred()) { Py_DECREF(targs); return r; }
@@ -2738,9 +2759,23 @@ static PyObject *bind_to_instance(PyObject *self, PyObject *obj, PyObject *type)
    `verified`, the types checked at install, is kept only for the constructor). A miss, or a type
    whose __getattr__ is not `guard`
    (nn.Module's own), raises a bare AttributeError, and the type's __getattr__ then runs. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#define MODATTR_CACHE 1
+#else
+#define MODATTR_CACHE 0
+#endif
 typedef struct {
     PyObject_HEAD PyObject *name; PyObject *guard; PyObject *owner; PyObject *verified;
     PyTypeObject *clear_type; unsigned int clear_tag;  /* a type whose MRO walk found nothing, at version tag */
+#if MODATTR_CACHE
+    /* the last hit (Python 3.11): the instance __dict__ and its three tables at their version tags,
+       and the value found. Borrowed pointers, read only while the __dict__ is the same object at
+       the same tag (CPython gives every change, and every new dict, a new tag): it then still holds
+       the same tables, and unchanged tables still hold the value. */
+    PyObject *c_dict; uint64_t c_dtag;
+    PyObject *c_tb[3]; uint64_t c_tbtag[3];
+    PyObject *c_value;
+#endif
 } ModuleAttrObject;
 
 /* the first definition of `name` after `owner` in type t's MRO (borrowed), or NULL */
@@ -2794,6 +2829,18 @@ static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *ty
     PyObject **dp = _PyObject_GetDictPtr(obj);
     PyObject *d = dp ? *dp : NULL;
     if (!d) goto miss;
+#if MODATTR_CACHE
+    /* the same lookups as before give the same value while nothing they read changed: about 800
+       instructions a read (six dict lookups) become a few compares, two reads a TreeLSTM node */
+    if (d == self->c_dict && PyDict_CheckExact(d) && ((PyDictObject *)d)->ma_version_tag == self->c_dtag) {
+        int same = 1;
+        for (int i = 0; i < 3 && same; i++)
+            same = !self->c_tb[i] || ((PyDictObject *)self->c_tb[i])->ma_version_tag == self->c_tbtag[i];
+        if (same) return Py_NewRef(self->c_value);
+    }
+    PyObject *seen[3] = {NULL, NULL, NULL};
+    int cacheable = PyDict_CheckExact(d);
+#endif
     PyObject *keys[3] = {s_key_params, s_key_buffers, s_key_modules};
     Py_INCREF(d);
     for (int i = 0; i < 3; i++) {
@@ -2801,10 +2848,25 @@ static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *ty
         if (!tb) { if (PyErr_Occurred()) { Py_DECREF(d); return NULL; } continue; }
         if (PyDict_CheckExact(tb)) {  /* the common case: no Python-level __contains__ to call */
             PyObject *r = PyDict_GetItemWithError(tb, self->name);
+#if MODATTR_CACHE
+            seen[i] = tb;
+            if (r && cacheable) {
+                /* (the tables after this one are not read: a change to them cannot change the value) */
+                self->c_dict = d; self->c_dtag = ((PyDictObject *)d)->ma_version_tag;
+                for (int j = 0; j < 3; j++) {
+                    self->c_tb[j] = seen[j];
+                    self->c_tbtag[j] = seen[j] ? ((PyDictObject *)seen[j])->ma_version_tag : 0;
+                }
+                self->c_value = r;
+            }
+#endif
             if (r) { Py_INCREF(r); Py_DECREF(d); return r; }
             if (PyErr_Occurred()) { Py_DECREF(d); return NULL; }
             continue;
         }
+#if MODATTR_CACHE
+        cacheable = 0;
+#endif
         Py_INCREF(tb);
         int c = PySequence_Contains(tb, self->name);
         if (c < 0) { Py_DECREF(tb); Py_DECREF(d); return NULL; }
@@ -3171,7 +3233,9 @@ typedef struct { PyObject_HEAD vectorcallfunc vectorcall; } BlockCallObject;
    process and changes with any change to the dict, so an equal triple is the same unchanged entry
    (the dict holds the block; nothing here holds a reference). Other versions look it up each call. */
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-#define BC_CACHE 16
+#define BC_CACHE 32
+/* two ways a set: two block modules whose addresses share a set (a TreeLSTM's input and cell
+   blocks, one run in 16) do not evict each other at every call */
 static struct { PyObject *self, *dict, *block; uint64_t ver; } g_bc_cache[BC_CACHE];
 #endif
 
@@ -3182,12 +3246,15 @@ static PyObject *blockcall_vectorcall(BlockCallObject *bc, PyObject *const *args
     PyObject *self = args[0];
     PyObject *block = NULL;
 #ifdef BC_CACHE
-    unsigned slot = (unsigned)(((uintptr_t)self >> 4) % BC_CACHE);
+    unsigned slot = (unsigned)(((uintptr_t)self >> 4) % (BC_CACHE / 2)) * 2;
     PyObject **dp = Py_TYPE(self)->tp_dictoffset ? _PyObject_GetDictPtr(self) : NULL;
     PyObject *d0 = dp ? *dp : NULL;
-    if (d0 && g_bc_cache[slot].self == self && g_bc_cache[slot].dict == d0
-        && g_bc_cache[slot].ver == ((PyDictObject *)d0)->ma_version_tag) {
-        block = g_bc_cache[slot].block;
+    int way = -1;
+    for (int w = 0; d0 && w < 2; w++)
+        if (g_bc_cache[slot + w].self == self && g_bc_cache[slot + w].dict == d0
+            && g_bc_cache[slot + w].ver == ((PyDictObject *)d0)->ma_version_tag) { way = w; break; }
+    if (way >= 0) {
+        block = g_bc_cache[slot + way].block;
         Py_INCREF(block);
     } else
 #endif
@@ -3198,7 +3265,8 @@ static PyObject *blockcall_vectorcall(BlockCallObject *bc, PyObject *const *args
         block = PyDict_GetItemWithError(d, s_batchcraft_block);
         Py_XINCREF(block);
 #ifdef BC_CACHE
-        if (block && PyDict_CheckExact(d)) {
+        if (block && PyDict_CheckExact(d)) {  /* the set's newer entry becomes its older one */
+            if (g_bc_cache[slot].self != self) g_bc_cache[slot + 1] = g_bc_cache[slot];
             g_bc_cache[slot].self = self; g_bc_cache[slot].dict = d; g_bc_cache[slot].block = block;
             g_bc_cache[slot].ver = ((PyDictObject *)d)->ma_version_tag;
         }
@@ -3871,6 +3939,7 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
 #define GET(var, key) do { PyObject *o_ = PyDict_GetItemString(d, key); \
     if (!o_) { PyErr_Format(PyExc_KeyError, "setup: missing %s", key); return NULL; } Py_INCREF(o_); Py_XSETREF(var, o_); } while (0)
     GET(g_TensorType, "Tensor"); GET(g_DtypeType, "dtype"); GET(g_torch_tensor, "tensor"); GET(g_torch_as_tensor, "as_tensor");
+    GET(g_set_grad_enabled, "set_grad_enabled");
     GET(g_is_grad_q, "is_grad_enabled"); GET(g_any_autocast_q, "any_autocast"); GET(g_is_inference_q, "is_inference");
     GET(g_tf_push, "tf_push"); GET(g_tf_pop, "tf_pop"); GET(g_get_default_dtype, "get_default_dtype");
     GET(g_rebuild, "rebuild"); GET(g_escape, "escape"); GET(g_StaticBlock, "StaticBlock"); GET(g_float_dids, "float_dids");
@@ -4073,8 +4142,58 @@ static PyObject *py_type_version(PyObject *m, PyObject *cls) {
     return PyLong_FromUnsignedLong((unsigned long)((PyTypeObject *)cls)->tp_version_tag);
 }
 
+/* tree_token(modules, guard): bytes naming, for each module of the list, its type, whether its
+   type's __getattr__ is `guard`, and its __dict__ and _parameters/_buffers/_modules tables at
+   their version tags (Python 3.11, where every change to a dict, and every new dict, gets a new
+   tag); None elsewhere, or where a __dict__ or table is not a dict. Equal tokens of the same
+   module list: the same tree below it (a walk follows _modules), the same classes and the same
+   table keys, so attrs.plan's answer stands (the list holds the modules: no address is reused). */
+static PyObject *py_tree_token(PyObject *m, PyObject *args) {
+    PyObject *mods, *guard;
+    if (!PyArg_ParseTuple(args, "O!O:tree_token", &PyList_Type, &mods, &guard)) return NULL;
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+    static PyObject *s_ga = NULL;
+    if (!s_ga && !(s_ga = PyUnicode_InternFromString("__getattr__"))) return NULL;
+    if (!s_key_params) {
+        s_key_params = PyUnicode_InternFromString("_parameters");
+        s_key_buffers = PyUnicode_InternFromString("_buffers");
+        s_key_modules = PyUnicode_InternFromString("_modules");
+        if (!s_key_params || !s_key_buffers || !s_key_modules) return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(mods);
+    uint64_t *w = PyMem_Malloc((size_t)(n > 0 ? n : 1) * 10 * sizeof(uint64_t));
+    if (!w) return PyErr_NoMemory();
+    Py_ssize_t k = 0;
+    PyObject *keys[3] = {s_key_params, s_key_buffers, s_key_modules};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyList_GET_ITEM(mods, i);
+        PyTypeObject *t = Py_TYPE(o);
+        w[k++] = (uint64_t)(uintptr_t)t;
+        w[k++] = _PyType_Lookup(t, s_ga) == guard;
+        PyObject **dp = _PyObject_GetDictPtr(o);
+        PyObject *d = dp ? *dp : NULL;
+        if (!d || !PyDict_CheckExact(d)) { PyMem_Free(w); Py_RETURN_NONE; }
+        w[k++] = (uint64_t)(uintptr_t)d;
+        w[k++] = ((PyDictObject *)d)->ma_version_tag;
+        for (int j = 0; j < 3; j++) {
+            PyObject *tb = PyDict_GetItemWithError(d, keys[j]);
+            if (!tb && PyErr_Occurred()) { PyMem_Free(w); return NULL; }
+            if (tb && !PyDict_CheckExact(tb)) { PyMem_Free(w); Py_RETURN_NONE; }
+            w[k++] = (uint64_t)(uintptr_t)tb;
+            w[k++] = tb ? ((PyDictObject *)tb)->ma_version_tag : 0;
+        }
+    }
+    PyObject *r = PyBytes_FromStringAndSize((const char *)w, k * (Py_ssize_t)sizeof(uint64_t));
+    PyMem_Free(w);
+    return r;
+#else
+    Py_RETURN_NONE;
+#endif
+}
+
 static PyMethodDef module_methods[] = {
     {"plain_forward", (PyCFunction)(void (*)(void))py_plain_forward, METH_FASTCALL, "module.forward(arg) where calling the module runs only that"},
+    {"tree_token", py_tree_token, METH_VARARGS, "tree_token(modules, guard): bytes that change when the module tree's tables or classes do (Python 3.11), else None"},
     {"frame_reader", py_frame_reader, METH_NOARGS, "how the innermost frame's code is read (1: directly)"},
     {"current", py_current, METH_NOARGS, "The innermost active recorder of this thread, or None."},
     {"type_version", py_type_version, METH_O, "type_version(cls): the type's version tag (renewed when it or a base changes; 0: none yet)."},

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from batchcraft.autobatching import stack
+from batchcraft.autobatching.attrs import PlanCache
 from batchcraft.autobatching.options import Options
 from batchcraft.autobatching.runtime import Runtime
 from batchcraft.autobatching.stats import RunStats
@@ -75,6 +76,7 @@ class AutoBatched:
         # fibers="auto": did a call of this function see a value wait? (None: no call finished yet)
         self._waits: bool | None = None
         self._sizes: tuple | None = None  # (nodes, inputs) the last call recorded (C core)
+        self._plans = PlanCache()  # the module-attribute descriptors' plan of the last call (attrs.py)
 
     def __call__(self, instances: Sequence) -> list:
         if isinstance(instances, torch.Tensor):
@@ -100,7 +102,7 @@ class AutoBatched:
         fibers = self.options.fibers
         if fibers == "auto":
             fibers = self._waits is not False
-        rt = Runtime(self.fn, self.options, fibers)
+        rt = Runtime(self.fn, self.options, fibers, self._plans)
         if self._sizes is not None and hasattr(rt.rec, "reserve"):
             rt.rec.reserve(*self._sizes)  # the C core's arrays, sized as the last call's
         try:

@@ -45,6 +45,7 @@ def _setup() -> None:
                   for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
     _c.setup(dict(
         Tensor=torch._C.TensorBase, dtype=torch.dtype, tensor=torch.tensor, as_tensor=torch.as_tensor, is_grad_enabled=torch.is_grad_enabled,
+        set_grad_enabled=torch._C._set_grad_enabled,
         any_autocast=getattr(torch._C, "_is_any_autocast_enabled", lambda: torch.is_autocast_enabled()),
         is_inference=torch.is_inference_mode_enabled, tf_push=torch._C._push_on_torch_function_stack,
         tf_pop=torch._C._pop_torch_function_stack, get_default_dtype=torch.get_default_dtype, rebuild=rebuild,

@@ -208,8 +208,9 @@ def _left_text(left: list) -> str:
 class Runtime:
     """State of one call of an auto-batched function over a sequence of instances."""
 
-    def __init__(self, fn: Callable, options, fibers: bool | None = None):
+    def __init__(self, fn: Callable, options, fibers: bool | None = None, plans: _attrs.PlanCache | None = None):
         self.fn = fn
+        self.plans = plans  # the function's attrs.PlanCache (AutoBatched keeps it across calls)
         self.options = options
         self.fibers = bool(options.fibers) if fibers is None else fibers  # ("auto" is decided by the caller)
         self.scheduler = make_scheduler(options.scheduler)
@@ -324,7 +325,7 @@ class Runtime:
         t_start = _perf()
         # Recording allocates many small objects; cyclic GC passes over them cost more than the
         # recording itself, and the graph has no cycles to collect. Re-enabled on exit.
-        attrs = (_attrs.for_call(self.fn) if self.options.fast_attributes and self.rec.core == "c" else None) \
+        attrs = (_attrs.for_call(self.fn, self.plans) if self.options.fast_attributes and self.rec.core == "c" else None) \
             or nullcontext()  # attrs.py
         cells = FAST_CELLS if self.options.fast_modules else nullcontext()  # cells.py
         dispatch = FAST_DISPATCH if self.options.fast_modules else nullcontext()  # dispatch.py
@@ -381,7 +382,8 @@ class Runtime:
             finally:
                 try:
                     if self.main_state is not None:
-                        self.main_state._apply(True)
+                        with torch._C.DisableTorchFunction():  # (its grad-mode switch would reach the mode)
+                            self.main_state._apply(True)
                     set_autocast_dtypes(dtypes)  # as eager's autocast exit restores them
                 finally:
                     mode.__exit__(None, None, None)
