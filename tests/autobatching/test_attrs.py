@@ -550,3 +550,22 @@ def test_the_plan_kept_between_calls_follows_every_change_to_the_module_tree():
     fn2 = autobatch(lambda x: other(x) + net(x))
     fn2(xs)
     assert {c for c, _ in fn2._plans.pairs} >= {Net, nn.Linear}
+
+
+@pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
+def test_a_compiled_model_gets_no_descriptors_and_matches_eager(how):
+    # dynamo reads class attributes statically and cannot call a ModuleAttr: before the fix a
+    # compiled model under autobatch failed with "'ModuleAttr' object is not callable"
+    torch.manual_seed(0)
+    net = Net()
+    model = torch.compile(net, backend="eager") if how == "torch.compile" else net
+    if how == "module.compile":
+        net.compile(backend="eager")
+    xs = [torch.randn(2) for _ in range(3)]
+    ref = [model(x) for x in xs]
+    f = autobatch(model)
+    for _ in range(2):
+        for o, r in zip(f(xs), ref):
+            torch.testing.assert_close(o, r)
+    assert f._plans.pairs == [] or not _native.available
+    assert not any(type(v).__name__ == "ModuleAttr" for v in vars(Net).values())

@@ -33,6 +33,7 @@ leave removes the descriptor, unless someone replaced it meanwhile.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from torch import nn
@@ -124,7 +125,21 @@ def _walk(rs) -> list:
     return out
 
 
+def _compiled(m) -> bool:
+    """``m.compile()`` was called, or ``m`` is what ``torch.compile(module)`` returns."""
+    if m.__dict__.get("_compiled_call_impl") is not None:
+        return True
+    ev = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: no compiled module exists)
+    opt = getattr(ev, "OptimizedModule", None) if ev is not None else None
+    return opt is not None and isinstance(m, opt)
+
+
 def _pairs(modules) -> list:
+    """The pairs of ``modules`` (see :func:`plan`); none at all where one of them is compiled:
+    dynamo reads class attributes itself and cannot call the descriptors (``'ModuleAttr' object is
+    not callable`` under ``model.compile()``, found by a hostile helper at stop 50)."""
+    if any(_compiled(m) for m in modules):
+        return []
     pairs, seen_pairs, ok_cls = [], set(), {}
     for m in modules:
         cls = type(m)
