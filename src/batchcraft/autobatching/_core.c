@@ -2465,18 +2465,27 @@ static inline int code_in_torch(PyCodeObject *co) {
     return g_torch_dir && PyUnicode_Tailmatch(co->co_filename, g_torch_dir, 0, PY_SSIZE_T_MAX, -1) == 1;
 }
 
-static int called_from_handler(void) {
+/* Who made the torch call the mode sees, torch's own frames skipped: 1, a `__torch_function__`
+   handler (a mode of the user's calling `func(*args)` with lazy values; the recorder's
+   `for_handler` checks the handler's owner, bug #56); 2, a module or class body (code run by an
+   import inside instance code: `EPS = torch.tensor(1e-3)` at module level, whose tensor eager keeps
+   as a plain tensor, reliability #313); 0, a function (the common case). */
+#define CALLER_FUNCTION 0
+#define CALLER_HANDLER 1
+#define CALLER_MODULE_CODE 2
+static int caller_kind(void) {
     PyFrameObject *f = PyEval_GetFrame();
-    if (!f || !g_torch_dir) return 0;
+    if (!f || !g_torch_dir) return CALLER_FUNCTION;
     Py_INCREF(f);
-    int res = 0;
+    int res = CALLER_FUNCTION;
     for (int hop = 0; hop < 4 && f; hop++) {
         PyCodeObject *co = PyFrame_GetCode(f);
         int tf = code_is_handler(co);
         int in_torch = !tf && code_in_torch(co);
+        int body = !(co->co_flags & CO_OPTIMIZED);
         Py_DECREF(co);
-        if (tf) { res = 1; break; }
-        if (!in_torch) break;
+        if (tf) { res = CALLER_HANDLER; break; }
+        if (!in_torch) { res = body ? CALLER_MODULE_CODE : CALLER_FUNCTION; break; }
         PyFrameObject *b = PyFrame_GetBack(f);
         Py_DECREF(f);
         f = b;
@@ -2484,6 +2493,26 @@ static int called_from_handler(void) {
     Py_XDECREF(f);
     if (PyErr_Occurred()) PyErr_Clear();
     return res;
+}
+
+
+/* 1 when an argument (or an item of a list or tuple argument, or a keyword's value) is a lazy value */
+static int any_lazy_arg(PyObject *targs, PyObject *fkw) {
+    Py_ssize_t n = PyTuple_GET_SIZE(targs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(targs, i);
+        if (PyObject_TypeCheck(a, &LazyBaseType)) return 1;
+        if (PyList_CheckExact(a) || PyTuple_CheckExact(a)) {
+            Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
+            for (Py_ssize_t j = 0; j < m; j++)
+                if (PyObject_TypeCheck(PySequence_Fast_GET_ITEM(a, j), &LazyBaseType)) return 1;
+        }
+    }
+    if (fkw) {
+        Py_ssize_t pos = 0; PyObject *k, *v;
+        while (PyDict_Next(fkw, &pos, &k, &v)) if (PyObject_TypeCheck(v, &LazyBaseType)) return 1;
+    }
+    return 0;
 }
 
 /* A factory call while a default device applies (the recorder's factory_funcs is a set holding
@@ -2648,12 +2677,15 @@ static PyObject *mode_torch_function(ModeObject *self, PyObject *const *args, Py
     if (!targs) return NULL;
     PyObject *rec = current_rec();
     PyObject *r = NULL;
+    int kind = CALLER_FUNCTION;
     if (!rec) {
         r = PyObject_Call(func, targs, fkw);
-    } else if (called_from_handler()) {
+    } else if ((kind = caller_kind()) == CALLER_HANDLER) {
         PyObject *kw = fkw ? fkw : PyDict_New();
         r = kw ? PyObject_CallMethodObjArgs(rec, s_for_handler, func, targs, kw, NULL) : NULL;
         if (!fkw) Py_XDECREF(kw);
+    } else if (kind == CALLER_MODULE_CODE && !any_lazy_arg(targs, fkw)) {
+        r = PyObject_Call(func, targs, fkw);  /* import-time code: plain tensors, as in eager */
     } else if (PyObject_TypeCheck(rec, &RecorderType)) {
         Py_ssize_t n = PyTuple_GET_SIZE(targs);
         if (func == g_set_grad_enabled && n == 1 && !fkw && PyBool_Check(PyTuple_GET_ITEM(targs, 0))) {
@@ -3463,7 +3495,7 @@ static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size
             if (top < 0) return NULL;
             int dfac = top ? is_device_factory((RecObject *)rec, ff->original) : 1;
             if (dfac < 0) return NULL;
-            if (!dfac && !called_from_handler()) {
+            if (!dfac && caller_kind() == CALLER_FUNCTION) {
                 PyObject *kw = NULL;
                 if (kwnames && PyTuple_GET_SIZE(kwnames)) {
                     kw = kwnames_to_dict(args, nargs, kwnames);
@@ -3486,7 +3518,7 @@ static PyObject *fastfn_vectorcall(FastFnObject *ff, PyObject *const *args, size
             if (enabled < 0) return NULL;
             int top = enabled ? rec_mode_on_top(rec) : 0;
             if (top < 0) return NULL;
-            if (top && !called_from_handler()) {
+            if (top && caller_kind() == CALLER_FUNCTION) {
                 PyObject *kw = NULL;
                 if (kwnames && PyTuple_GET_SIZE(kwnames)) {
                     kw = kwnames_to_dict(args, nargs, kwnames);

@@ -10,6 +10,7 @@ interleave enter/exit between fibers). The C core has its own mode object, whose
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -24,6 +25,7 @@ NOT_ON_TOP = object()
 #: torch's package directory: frames there are skipped when looking for the caller of a torch call
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 TF_NAME = "__torch_function__"
+_CO_OPTIMIZED = inspect.CO_OPTIMIZED
 
 
 def handler_mode(frame):
@@ -48,6 +50,28 @@ def handler_mode(frame):
     return None
 
 
+def module_code(frame) -> bool:
+    """Whether the torch call that ``frame`` (torch's frames above it skipped) is in comes from a
+    module or class body: code run by an import inside instance code (``EPS = torch.tensor(1e-3)``
+    at module level), whose tensors eager keeps as plain tensors (reliability #313)."""
+    for _ in range(4):
+        if frame is None:
+            return False
+        co = frame.f_code
+        if not co.co_filename.startswith(TORCH_DIR):
+            return not co.co_flags & _CO_OPTIMIZED
+        frame = frame.f_back
+    return False
+
+
+def has_lazy(args, kwargs, lazy_type) -> bool:
+    """Whether an argument, an item of a list or tuple argument, or a keyword's value is lazy."""
+    for a in args:
+        if isinstance(a, lazy_type) or (type(a) in (list, tuple) and any(isinstance(b, lazy_type) for b in a)):
+            return True
+    return any(isinstance(v, lazy_type) for v in kwargs.values()) if kwargs else False
+
+
 class RecordingMode(TorchFunctionMode):
     """Sends each torch call to the active recorder's ``mode_call``."""
 
@@ -62,6 +86,8 @@ class RecordingMode(TorchFunctionMode):
         frame = sys._getframe(1)
         if handler_mode(frame) is not None:  # a mode of the user's handler called func (bug #56)
             return rec.for_handler(func, args, kwargs or {}, frame)
+        if module_code(frame) and not has_lazy(args, kwargs, rec.lazy_type):
+            return func(*args, **(kwargs or {}))  # import-time code: plain tensors, as in eager
         return rec.mode_call(func, args, kwargs or {})
 
 
