@@ -57,10 +57,10 @@ def test_plain_modules_match_eager(core):
 
 
 @pytest.mark.parametrize("core", CORES)
-@pytest.mark.parametrize("where", ["forward", "forward_pre", "global_forward", pytest.param(
-    "full_backward", marks=pytest.mark.xfail(strict=True, reason="reliability #122: a full backward hook of a module "
-                                                                 "called on a lazy value does not fire"))])
+@pytest.mark.parametrize("where", ["forward", "forward_pre", "global_forward", "full_backward"])
 def test_hooks_fire_per_instance_as_in_eager(core, where):
+    # full_backward: reliability #122, a full backward hook of a module called on a lazy value did
+    # not fire; a call reaching a module with one now runs one instance at a time, counted
     emb, lin, cell, score = _model()
     seen = []
     handles = []
@@ -402,3 +402,38 @@ def test_the_models_own_call_keeps_global_hooks_call_overrides_and_instance_forw
     m3.forward = lambda x: m3.lin(x) + 7  # an instance-level forward: Module.__call__ calls it
     for o, x in zip(autobatch(m3, core=core)(xs), xs):
         torch.testing.assert_close(o, m3(x))
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("kind", ["module", "global", "pre"])
+def test_a_backward_hook_makes_the_call_run_one_instance_at_a_time_counted(core, kind):
+    # reliability #122: such hooks see each instance's gradients only when it runs alone
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    seen = []
+    if kind == "module":
+        handle = net[2].register_full_backward_hook(lambda m, gi, go: seen.append(go[0].shape))
+    elif kind == "pre":
+        handle = net[0].register_full_backward_pre_hook(lambda m, go: seen.append(go[0].shape))
+    else:
+        handle = nn.modules.module.register_module_full_backward_hook(
+            lambda m, gi, go: seen.append(go[0].shape) if isinstance(m, nn.Tanh) else None)
+    xs = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    try:
+        sum(net(x).sum() for x in xs).backward()
+        eager_seen, eager_grads = list(seen), [x.grad.clone() for x in xs]
+        seen.clear()
+        for x in xs:
+            x.grad = None
+        f = autobatch(net, core=core)
+        with pytest.warns(RuntimeWarning, match="backward hook"):
+            out = f(xs)
+        sum(o.sum() for o in out).backward()
+        assert seen == eager_seen and len(seen) == 3
+        for x, g in zip(xs, eager_grads):
+            torch.testing.assert_close(x.grad, g)
+        assert f.stats.fallbacks == 3 and "backward hook" in next(iter(f.stats.fallback_reasons))
+    finally:
+        handle.remove()
+    f(xs)  # the hook removed: the next call batches
+    assert f.stats.fallbacks == 0 and f.stats.batched_calls > 0

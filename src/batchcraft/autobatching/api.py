@@ -9,6 +9,7 @@ import torch
 
 from batchcraft.autobatching import stack
 from batchcraft.autobatching.attrs import PlanCache
+from batchcraft.autobatching.modcalls import backward_hooked
 from batchcraft.autobatching.options import Options
 from batchcraft.autobatching.runtime import Runtime
 from batchcraft.autobatching.stats import RunStats
@@ -98,7 +99,16 @@ class AutoBatched:
             return _one_by_one(self.fn, instances, inline=True)  # (errors as a call of its own raises them)
         modes = caller_modes()
         if modes:
-            return self._eager(instances, modes)
+            return self._eager(instances, f"a mode active around the call ({', '.join(modes)}) must see every "
+                                          f"operation of every instance, as in eager",
+                               "to batch the rest, enter a torch-function mode inside the per-instance function "
+                               "around only the code it must see: the calls under it run per instance, the others "
+                               "batch")
+        hooked = backward_hooked(self._plans.refresh(self.fn))
+        if hooked:
+            return self._eager(instances, f"{hooked}: backward hooks see each instance's gradients only when it "
+                                          f"runs alone",
+                               "to batch, remove the backward hooks while calling it (forward hooks are fine)")
         fibers = self.options.fibers
         if fibers == "auto":
             fibers = self._waits is not False
@@ -114,19 +124,17 @@ class AutoBatched:
             if self._waits is not True and len(instances):  # a wait once: fibers from then on
                 self._waits = rt.stats.syncs > 0
 
-    def _eager(self, instances, modes) -> list:
+    def _eager(self, instances, why: str, hint: str) -> list:
         """Run the instances one at a time, as eager, counted as fallbacks with the reason; an
         instance's error names it, as in a batched call (``max_steps`` does not apply)."""
-        reason = (f"a mode active around the call ({', '.join(modes)}) must see every operation of every "
-                  f"instance, as in eager: the instances ran one at a time")
+        reason = f"{why}: the instances ran one at a time"
         st = RunStats(instances=len(instances), fallbacks=len(instances), fibers=False)
         st.note_fallback(reason, len(instances))
         self.stats = st
         if not self._warned_modes:
             self._warned_modes = True
-            warnings.warn(f"{self.__name__}: {reason} (to batch the rest, enter a torch-function mode inside the "
-                          f"per-instance function around only the code it must see: the calls under it run per "
-                          f"instance, the others batch; see RunStats.fallback_reasons)", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{self.__name__}: {reason} ({hint}; see RunStats.fallback_reasons)",
+                          RuntimeWarning, stacklevel=3)
         return _one_by_one(self.fn, instances)
 
     def __repr__(self) -> str:

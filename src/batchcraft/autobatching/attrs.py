@@ -100,15 +100,28 @@ def _verified(cls, name: str, subs: list | None, later: list | None) -> set | No
 
 
 class PlanCache:
-    """The last :func:`plan` of one auto-batched function: its roots, the modules walked, their
-    :func:`tree_token <batchcraft.autobatching._core>` and the pairs. A call whose roots are the
-    same objects and whose token is equal gets the same pairs without the walk (about 14 µs a
-    call for the TreeLSTM, more with cold caches after the previous call's kernels)."""
+    """What one auto-batched function reached at its last call: its roots, the modules walked
+    below them, their :func:`tree_token <batchcraft.autobatching._core>` and the pairs of
+    :func:`plan`. A call whose roots are the same objects and whose token is equal reuses them
+    without the walk (about 14 µs a call for the TreeLSTM, more with cold caches after the
+    previous call's kernels). Without the C core every call walks."""
 
     __slots__ = ("roots", "modules", "token", "pairs")
 
     def __init__(self):
-        self.roots, self.modules, self.token, self.pairs = (), [], None, []
+        self.roots, self.modules, self.token, self.pairs = (), [], None, None
+
+    def refresh(self, fn) -> list:
+        """The modules ``fn`` reaches now (:func:`_walk` of :func:`modstate.roots`), walked again
+        only where the roots or the token changed (then :attr:`pairs` is recomputed on demand)."""
+        rs = roots(fn)
+        core = _native.core
+        if (self.token is not None and len(rs) == len(self.roots) and all(a is b for a, b in zip(rs, self.roots))
+                and core.tree_token(self.modules, MODULE_GETATTR) == self.token):
+            return self.modules
+        self.roots, self.modules, self.pairs = tuple(rs), _walk(rs), None
+        self.token = core.tree_token(self.modules, MODULE_GETATTR) if core is not None else None
+        return self.modules
 
 
 def _walk(rs) -> list:
@@ -167,18 +180,12 @@ def plan(fn, cache: PlanCache | None = None) -> list:
     parameters, buffers and submodules (:class:`ClassAttrs` leaves out, when it installs, the names
     a class or its bases define). With ``cache`` (the function's :class:`PlanCache`), the last
     answer is reused while the roots and the walked modules' token are unchanged."""
-    rs = roots(fn)
-    core = _native.core
-    if (cache is not None and cache.token is not None and len(rs) == len(cache.roots)
-            and all(a is b for a, b in zip(rs, cache.roots))
-            and core.tree_token(cache.modules, MODULE_GETATTR) == cache.token):
-        return cache.pairs
-    modules = _walk(rs)
-    pairs = _pairs(modules)
-    if cache is not None and core is not None:
-        cache.roots, cache.modules, cache.pairs = tuple(rs), modules, pairs
-        cache.token = core.tree_token(modules, MODULE_GETATTR)
-    return pairs
+    if cache is None:
+        return _pairs(_walk(roots(fn)))
+    modules = cache.refresh(fn)
+    if cache.pairs is None:
+        cache.pairs = _pairs(modules)
+    return cache.pairs
 
 
 class ClassAttrs:

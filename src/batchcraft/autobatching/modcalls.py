@@ -55,6 +55,23 @@ def _hooked(d) -> bool:
                 or _module._global_backward_hooks or _module._global_backward_pre_hooks or _tracing() is not None)
 
 
+def backward_hooked(modules) -> str | None:
+    """Why a call reaching ``modules`` must run one instance at a time, as eager, or None.
+
+    A module's full backward hooks (``register_full_backward_hook``, also the older
+    ``register_backward_hook`` and the pre-hooks) see each instance's gradients through autograd
+    nodes that ``Module.__call__`` puts around plain tensors: on lazy values torch warns that the
+    output is not a Tensor and the hooks never ran (reliability #122). The global ones apply to
+    every module called."""
+    if _module._global_backward_hooks or _module._global_backward_pre_hooks:
+        return "a global module backward hook (register_module_full_backward_hook) is registered"
+    for m in modules:
+        d = m.__dict__
+        if d.get("_backward_hooks") or d.get("_backward_pre_hooks"):
+            return f"a module it calls ({type(m).__name__}) has a backward hook"
+    return None
+
+
 def _own_call(cls, d, names, verdicts) -> bool:
     """True when calling a module of class ``cls`` (instance dict ``d``) is ``nn.Module``'s own call
     of its forward, which reads the registered parameters ``names``: no instance attribute
