@@ -567,5 +567,125 @@ def test_a_compiled_model_gets_no_descriptors_and_matches_eager(how):
     for _ in range(2):
         for o, r in zip(f(xs), ref):
             torch.testing.assert_close(o, r)
-    assert f._plans.pairs == [] or not _native.available
+    assert not f._plans.pairs or not _native.available
     assert not any(type(v).__name__ == "ModuleAttr" for v in vars(Net).values())
+
+
+class _CollidingKey(str):
+    """A table key whose hash equals "w"'s: its __eq__ runs inside the lookup of "w"."""
+
+    armed: list = []
+
+    def __hash__(self):
+        return hash("w")
+
+    def __eq__(self, other):
+        if _CollidingKey.armed:
+            m, p = _CollidingKey.armed.pop()
+            m._parameters["w"] = p  # a table already read changes during the lookup
+        return False
+
+
+class _WithColliding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._buffers[_CollidingKey("zz")] = torch.zeros(1)
+        self._buffers["w"] = torch.full((1,), 1.0)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_lookup_that_changes_a_table_already_read_is_not_remembered(core):
+    # hostile helper, stop 51: the C descriptor remembered the hit with the tags after the
+    # lookups, so the second read returned the buffer eager no longer finds first
+    def run(batched):
+        m, spare = _WithColliding(), nn.Parameter(torch.full((1,), 7.0))
+
+        def fn(x):
+            _CollidingKey.armed.append((m, spare))
+            a = m.w  # the buffer (1.0); its lookup registers the parameter "w" (7.0)
+            b = m.w  # eager: the parameter
+            return x + 10 * a + b
+
+        xs = [torch.ones(1)]
+        return [o.item() for o in (autobatch(fn, core=core)(xs) if batched else map(fn, xs))]
+
+    assert run(True) == run(False) == [18.0]
+
+
+def test_the_kept_plan_does_not_keep_dropped_modules_alive():
+    # hostile helper, stop 51: the plan kept between calls held the last call's modules strongly
+    import gc
+    import weakref
+
+    holder = {"model": nn.Sequential(nn.Linear(4, 4), nn.Tanh())}
+    model = holder["model"]
+    f = autobatch(lambda x: model(x))
+    f([torch.randn(4)])
+    old_sub = weakref.ref(model[0])
+    model[0] = nn.Linear(4, 4)  # a submodule replaced between calls
+    gc.collect()
+    assert old_sub() is None
+    f([torch.randn(4)])  # the next call walks again and still matches eager
+    x = torch.randn(4)
+    torch.testing.assert_close(f([x])[0], model(x))
+    old_model = weakref.ref(model)
+    model = nn.Sequential(nn.Linear(4, 4))  # the closure's model replaced
+    del holder
+    gc.collect()
+    assert old_model() is None
+    torch.testing.assert_close(f([x])[0], model(x))
+
+
+class _RefusingMeta(type):
+    def __setattr__(cls, name, value):
+        if name == "b":
+            raise RuntimeError("class attribute b is read-only")
+        super().__setattr__(name, value)
+
+
+class _Refusing(nn.Module, metaclass=_RefusingMeta):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(2))
+        self.b = nn.Parameter(torch.full((2,), 2.0))
+
+    def forward(self, x):
+        return x * self.a + self.b
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_class_that_refuses_a_descriptor_keeps_eager_reads_and_nothing_stays(core):
+    # hostile helper, stop 51 (present before): only TypeError/AttributeError were caught, so the
+    # call raised and the descriptors set before stayed on the class
+    m = _Refusing()
+    xs = [torch.ones(2), torch.zeros(2)]
+    out = autobatch(lambda x: m(x), core=core)(xs)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, m(x))
+    assert not [k for k, v in vars(_Refusing).items() if type(v).__name__ == "ModuleAttr"]
+
+
+class _DefaultingLinear(nn.Linear):
+    def __getattribute__(self, name):
+        try:
+            return object.__getattribute__(self, name)
+        except AttributeError:
+            if name != "scale":
+                raise
+            return torch.full((2,), 5.0)  # never reaches nn.Module.__getattr__
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_class_with_its_own_getattribute_gets_no_descriptor(core):
+    # hostile helper, stop 51 (present before): object.__getattribute__ found the descriptor, so
+    # a registered parameter was read where eager's lookup raised and the class's default answered
+    lin = _DefaultingLinear(2, 2)
+    lin._parameters["scale"] = nn.Parameter(torch.ones(2))
+    assert lin.scale.sum().item() == 10.0  # eager: the class's default, not the parameter
+
+    def fn(x):
+        return lin(x) * lin.scale.sum()
+
+    xs = [torch.ones(2), torch.zeros(2)]
+    for o, x in zip(autobatch(fn, core=core)(xs), xs):
+        torch.testing.assert_close(o, fn(x))

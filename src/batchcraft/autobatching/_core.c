@@ -2870,42 +2870,55 @@ static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *ty
             same = !self->c_tb[i] || ((PyDictObject *)self->c_tb[i])->ma_version_tag == self->c_tbtag[i];
         if (same) return Py_NewRef(self->c_value);
     }
-    PyObject *seen[3] = {NULL, NULL, NULL};
+    /* tags taken before each lookup and checked again after the hit: a lookup can run Python code
+       (a key's __eq__) that changes a table already read; then the hit is not remembered (a
+       hostile helper's find, stop 51) */
+    uint64_t dtag0 = PyDict_CheckExact(d) ? ((PyDictObject *)d)->ma_version_tag : 0;
+    uint64_t seen_tag[3] = {0, 0, 0};
     int cacheable = PyDict_CheckExact(d);
 #endif
+    PyObject *seen[3] = {NULL, NULL, NULL};  /* the tables read, held while in use */
     PyObject *keys[3] = {s_key_params, s_key_buffers, s_key_modules};
+    PyObject *result = NULL;
+    int found = 0;
     Py_INCREF(d);
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 3 && !found; i++) {
         PyObject *tb = PyDict_GetItemWithError(d, keys[i]);
-        if (!tb) { if (PyErr_Occurred()) { Py_DECREF(d); return NULL; } continue; }
+        if (!tb) { if (PyErr_Occurred()) goto done; continue; }
+        Py_INCREF(tb);
+        seen[i] = tb;
         if (PyDict_CheckExact(tb)) {  /* the common case: no Python-level __contains__ to call */
-            PyObject *r = PyDict_GetItemWithError(tb, self->name);
 #if MODATTR_CACHE
-            seen[i] = tb;
-            if (r && cacheable) {
+            seen_tag[i] = ((PyDictObject *)tb)->ma_version_tag;
+#endif
+            PyObject *r = PyDict_GetItemWithError(tb, self->name);
+            if (!r) { if (PyErr_Occurred()) goto done; continue; }
+            result = Py_NewRef(r);
+            found = 1;
+#if MODATTR_CACHE
+            int unchanged = cacheable && ((PyDictObject *)d)->ma_version_tag == dtag0;
+            for (int j = 0; j <= i && unchanged; j++)
+                unchanged = !seen[j] || ((PyDictObject *)seen[j])->ma_version_tag == seen_tag[j];
+            if (unchanged) {
                 /* (the tables after this one are not read: a change to them cannot change the value) */
-                self->c_dict = d; self->c_dtag = ((PyDictObject *)d)->ma_version_tag;
-                for (int j = 0; j < 3; j++) {
-                    self->c_tb[j] = seen[j];
-                    self->c_tbtag[j] = seen[j] ? ((PyDictObject *)seen[j])->ma_version_tag : 0;
-                }
+                self->c_dict = d; self->c_dtag = dtag0;
+                for (int j = 0; j < 3; j++) { self->c_tb[j] = seen[j]; self->c_tbtag[j] = seen[j] ? seen_tag[j] : 0; }
                 self->c_value = r;
             }
 #endif
-            if (r) { Py_INCREF(r); Py_DECREF(d); return r; }
-            if (PyErr_Occurred()) { Py_DECREF(d); return NULL; }
             continue;
         }
 #if MODATTR_CACHE
         cacheable = 0;
 #endif
-        Py_INCREF(tb);
         int c = PySequence_Contains(tb, self->name);
-        if (c < 0) { Py_DECREF(tb); Py_DECREF(d); return NULL; }
-        if (c) { PyObject *r = PyObject_GetItem(tb, self->name); Py_DECREF(tb); Py_DECREF(d); return r; }
-        Py_DECREF(tb);
+        if (c < 0) goto done;
+        if (c) { result = PyObject_GetItem(tb, self->name); found = 1; if (!result) goto done; }
     }
+done:
+    for (int j = 0; j < 3; j++) Py_XDECREF(seen[j]);
     Py_DECREF(d);
+    if (found || PyErr_Occurred()) return result;
 miss:
     PyErr_SetObject(PyExc_AttributeError, self->name);
     return NULL;
@@ -4175,7 +4188,7 @@ static PyObject *py_type_version(PyObject *m, PyObject *cls) {
 }
 
 /* tree_token(modules, guard): bytes naming, for each module of the list, its type, whether its
-   type's __getattr__ is `guard`, and its __dict__ and _parameters/_buffers/_modules tables at
+   type's __getattr__ is `guard` and its __getattribute__ object's, and its __dict__ and _parameters/_buffers/_modules tables at
    their version tags (Python 3.11, where every change to a dict, and every new dict, gets a new
    tag); None elsewhere, or where a __dict__ or table is not a dict. Equal tokens of the same
    module list: the same tree below it (a walk follows _modules), the same classes and the same
@@ -4184,8 +4197,10 @@ static PyObject *py_tree_token(PyObject *m, PyObject *args) {
     PyObject *mods, *guard;
     if (!PyArg_ParseTuple(args, "O!O:tree_token", &PyList_Type, &mods, &guard)) return NULL;
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-    static PyObject *s_ga = NULL;
+    static PyObject *s_ga = NULL, *s_gab = NULL;
     if (!s_ga && !(s_ga = PyUnicode_InternFromString("__getattr__"))) return NULL;
+    if (!s_gab && !(s_gab = PyUnicode_InternFromString("__getattribute__"))) return NULL;
+    PyObject *obj_gab = _PyType_Lookup(&PyBaseObject_Type, s_gab);  /* (plan's test: object's own) */
     if (!s_key_params) {
         s_key_params = PyUnicode_InternFromString("_parameters");
         s_key_buffers = PyUnicode_InternFromString("_buffers");
@@ -4201,7 +4216,7 @@ static PyObject *py_tree_token(PyObject *m, PyObject *args) {
         PyObject *o = PyList_GET_ITEM(mods, i);
         PyTypeObject *t = Py_TYPE(o);
         w[k++] = (uint64_t)(uintptr_t)t;
-        w[k++] = _PyType_Lookup(t, s_ga) == guard;
+        w[k++] = (_PyType_Lookup(t, s_ga) == guard) | ((_PyType_Lookup(t, s_gab) == obj_gab) << 1);
         PyObject **dp = _PyObject_GetDictPtr(o);
         PyObject *d = dp ? *dp : NULL;
         if (!d || !PyDict_CheckExact(d)) { PyMem_Free(w); Py_RETURN_NONE; }

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 
 from torch import nn
 
@@ -43,6 +44,8 @@ from batchcraft.autobatching.modstate import roots
 
 #: ``nn.Module``'s own ``__getattr__``: classes (and instances' types) with another one keep theirs
 MODULE_GETATTR = nn.Module.__dict__["__getattr__"]
+
+_OBJECT_GETATTRIBUTE = object.__getattribute__
 
 #: at most this many modules are walked per call to find classes and names (a larger model's
 #: further modules read their attributes the ordinary way)
@@ -104,24 +107,34 @@ class PlanCache:
     below them, their :func:`tree_token <batchcraft.autobatching._core>` and the pairs of
     :func:`plan`. A call whose roots are the same objects and whose token is equal reuses them
     without the walk (about 14 µs a call for the TreeLSTM, more with cold caches after the
-    previous call's kernels). Without the C core every call walks."""
+    previous call's kernels). Without the C core every call walks.
+
+    Roots and modules are held by weak references: a model or submodule the caller drops
+    between calls is freed as in eager (a hostile helper's find, stop 51); one that died makes
+    the next call walk again."""
 
     __slots__ = ("roots", "modules", "token", "pairs")
 
     def __init__(self):
-        self.roots, self.modules, self.token, self.pairs = (), [], None, None
+        self.roots, self.modules, self.token, self.pairs = (), (), None, None
 
     def refresh(self, fn) -> list:
         """The modules ``fn`` reaches now (:func:`_walk` of :func:`modstate.roots`), walked again
         only where the roots or the token changed (then :attr:`pairs` is recomputed on demand)."""
         rs = roots(fn)
         core = _native.core
-        if (self.token is not None and len(rs) == len(self.roots) and all(a is b for a, b in zip(rs, self.roots))
-                and core.tree_token(self.modules, MODULE_GETATTR) == self.token):
-            return self.modules
-        self.roots, self.modules, self.pairs = tuple(rs), _walk(rs), None
-        self.token = core.tree_token(self.modules, MODULE_GETATTR) if core is not None else None
-        return self.modules
+        if self.token is not None and len(rs) == len(self.roots) and all(a is r() for a, r in zip(rs, self.roots)):
+            modules = [r() for r in self.modules]
+            if None not in modules and core.tree_token(modules, MODULE_GETATTR) == self.token:
+                return modules
+        modules = _walk(rs)
+        self.pairs = None
+        self.token = core.tree_token(modules, MODULE_GETATTR) if core is not None else None
+        try:
+            self.roots, self.modules = tuple(map(weakref.ref, rs)), tuple(map(weakref.ref, modules))
+        except TypeError:  # (a module class without weak references: nothing kept)
+            self.roots, self.modules, self.token = (), (), None
+        return modules
 
 
 def _walk(rs) -> list:
@@ -158,7 +171,10 @@ def _pairs(modules) -> list:
         cls = type(m)
         ok = ok_cls.get(cls)
         if ok is None:  # (never nn.Module itself: every module class would reach it)
-            ok = ok_cls[cls] = cls is not nn.Module and getattr(cls, "__getattr__", None) is MODULE_GETATTR
+            # (a class's own __getattribute__ may catch the AttributeError that eager's lookup
+            # raises before __getattr__: the descriptor would answer it; hostile helper, stop 51)
+            ok = ok_cls[cls] = (cls is not nn.Module and getattr(cls, "__getattr__", None) is MODULE_GETATTR
+                                and getattr(cls, "__getattribute__", None) is _OBJECT_GETATTRIBUTE)
         if not ok:
             continue
         d = m.__dict__
@@ -198,6 +214,14 @@ class ClassAttrs:
         self.entered: list = []
 
     def __enter__(self) -> "ClassAttrs":
+        try:
+            self._install()
+        except BaseException:  # (an error while walking a class: nothing of this call stays)
+            self.__exit__()
+            raise
+        return self
+
+    def _install(self) -> None:
         make = _native.core.ModuleAttr
         subclasses: dict = {}  # one walk per class, not per name: (subclasses, classes after it)
         with _lock:
@@ -217,12 +241,11 @@ class ClassAttrs:
                     d = make(name, MODULE_GETATTR, cls, verified)
                     try:
                         setattr(cls, name, d)
-                    except (TypeError, AttributeError):  # a class that refuses attributes
+                    except Exception:  # a class (or metaclass) that refuses the attribute: reads stay eager's
                         continue
                     e = _installed[key] = [0, d]
                 e[0] += 1
                 self.entered.append(key)
-        return self
 
     def __exit__(self, *exc) -> bool:
         with _lock:
@@ -233,7 +256,10 @@ class ClassAttrs:
                     del _installed[key]
                     cls, name = key
                     if vars(cls).get(name) is e[1]:
-                        delattr(cls, name)
+                        try:
+                            delattr(cls, name)
+                        except Exception:  # (a metaclass refusing it: the descriptor answers as __getattr__)
+                            pass
             self.entered = []
         return False
 
