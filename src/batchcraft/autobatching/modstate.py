@@ -112,6 +112,10 @@ def _resolve_inside(m, name: str, v, rec, lazy_type, replaced: list, left: list 
             replaced.append(f"{type(m).__name__}.{name}[{k!r}]")
 
 
+def _dict_or_empty(table) -> dict:
+    return table if isinstance(table, dict) else {}
+
+
 def resolve_module_state(fn, rec, lazy_type, interleaved: bool, nested=(), left: list | None = None) -> list[str]:
     """Replace the lazy values of recorder ``rec`` on ``fn``'s modules by ``rec.resolve(value)``;
     return what was replaced (``"Type.name"``). ``interleaved``: the call had value waits.
@@ -125,7 +129,8 @@ def resolve_module_state(fn, rec, lazy_type, interleaved: bool, nested=(), left:
                 continue
             seen.add(id(m))
             d = m.__dict__
-            for table in (d, d.get("_buffers") or {}, d.get("_parameters") or {}):
+            # (a scripted module's tables are wrappers that iterate by index: not searched)
+            for table in (d, _dict_or_empty(d.get("_buffers")), _dict_or_empty(d.get("_parameters"))):
                 # (a module's own tables and hooks are most of its __dict__: left out by a set
                 # difference, not one test per entry)
                 for name in (table.keys() - _MODULE_INTERNALS if table is d else list(table)):
