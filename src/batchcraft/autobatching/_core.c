@@ -169,6 +169,7 @@ static inline Py_ssize_t q_tf_len(void) {  /* -1 with an error set */
 }
 static PyObject *g_tf_at = NULL;           /* torch._C._get_function_stack_at */
 static PyObject *g_torch_dir = NULL;       /* torch's package directory, ending in the separator */
+static PyObject *g_own_dir = NULL;         /* batchcraft's package directory, ending in the separator */
 static int g_ready = 0;                    /* setup() ran */
 
 static PyObject *s_leaf = NULL;
@@ -2467,25 +2468,57 @@ static inline int code_in_torch(PyCodeObject *co) {
 
 /* Who made the torch call the mode sees, torch's own frames skipped: 1, a `__torch_function__`
    handler (a mode of the user's calling `func(*args)` with lazy values; the recorder's
-   `for_handler` checks the handler's owner, bug #56); 2, a module or class body (code run by an
-   import inside instance code: `EPS = torch.tensor(1e-3)` at module level, whose tensor eager keeps
-   as a plain tensor, reliability #313); 0, a function (the common case). */
+   `for_handler` checks the handler's owner, bug #56); 2, the body of a module being imported
+   (an import inside instance code: `EPS = torch.tensor(1e-3)` at module level, whose tensor eager
+   keeps as a plain tensor, reliability #313; class bodies and exec'd code run per instance and
+   record as functions do); 0, anything else (the common case). */
 #define CALLER_FUNCTION 0
 #define CALLER_HANDLER 1
 #define CALLER_MODULE_CODE 2
+
+/* 1 when frame f runs the body of a module that is being imported (its globals' __spec__ has
+   _initializing set, as importlib sets it while the module's code runs) */
+static int importing_body(PyFrameObject *f, PyCodeObject *co) {
+    static PyObject *s_module = NULL, *s_spec = NULL, *s_init = NULL;
+    if (!s_module) {
+        s_module = PyUnicode_InternFromString("<module>"); s_spec = PyUnicode_InternFromString("__spec__");
+        s_init = PyUnicode_InternFromString("_initializing");
+        if (!s_module || !s_spec || !s_init) { PyErr_Clear(); s_module = NULL; return 0; }
+    }
+    if ((co->co_flags & CO_OPTIMIZED) || PyUnicode_Compare(co->co_name, s_module) != 0) return 0;
+    PyObject *g = PyFrame_GetGlobals(f);
+    if (!g) { PyErr_Clear(); return 0; }
+    PyObject *spec = PyDict_Check(g) ? PyDict_GetItemWithError(g, s_spec) : NULL;  /* borrowed */
+    int res = 0;
+    if (spec && spec != Py_None) {
+        PyObject *v = PyObject_GetAttr(spec, s_init);
+        res = v ? PyObject_IsTrue(v) == 1 : 0;
+        Py_XDECREF(v);
+    }
+    Py_DECREF(g);
+    if (PyErr_Occurred()) PyErr_Clear();
+    return res;
+}
+
 static int caller_kind(void) {
     PyFrameObject *f = PyEval_GetFrame();
     if (!f || !g_torch_dir) return CALLER_FUNCTION;
     Py_INCREF(f);
-    int res = CALLER_FUNCTION;
-    for (int hop = 0; hop < 4 && f; hop++) {
+    int res = CALLER_FUNCTION, own = 0;
+    for (int hop = 0; hop < 8 && f; hop++) {
         PyCodeObject *co = PyFrame_GetCode(f);
-        int tf = code_is_handler(co);
+        int tf = !own && code_is_handler(co);
         int in_torch = !tf && code_in_torch(co);
-        int body = !(co->co_flags & CO_OPTIMIZED);
+        /* (batchcraft's own frames, a module call's Python path, are skipped only to find an
+           imported module's body: a handler is looked for up to the first other frame) */
+        int in_own = !tf && !in_torch && g_own_dir
+                     && PyUnicode_Tailmatch(co->co_filename, g_own_dir, 0, PY_SSIZE_T_MAX, -1) == 1;
+        int body = !tf && !in_torch && !in_own && importing_body(f, co);
         Py_DECREF(co);
         if (tf) { res = CALLER_HANDLER; break; }
-        if (!in_torch) { res = body ? CALLER_MODULE_CODE : CALLER_FUNCTION; break; }
+        if (!in_torch && !in_own) { res = body ? CALLER_MODULE_CODE : CALLER_FUNCTION; break; }
+        if (in_own) own = 1;
+        if (hop >= 3 && !own) break;  /* (as before: a handler is at most four frames up) */
         PyFrameObject *b = PyFrame_GetBack(f);
         Py_DECREF(f);
         f = b;
@@ -2495,24 +2528,27 @@ static int caller_kind(void) {
     return res;
 }
 
-
-/* 1 when an argument (or an item of a list or tuple argument, or a keyword's value) is a lazy value */
-static int any_lazy_arg(PyObject *targs, PyObject *fkw) {
-    Py_ssize_t n = PyTuple_GET_SIZE(targs);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a = PyTuple_GET_ITEM(targs, i);
-        if (PyObject_TypeCheck(a, &LazyBaseType)) return 1;
-        if (PyList_CheckExact(a) || PyTuple_CheckExact(a)) {
-            Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
-            for (Py_ssize_t j = 0; j < m; j++)
-                if (PyObject_TypeCheck(PySequence_Fast_GET_ITEM(a, j), &LazyBaseType)) return 1;
-        }
-    }
-    if (fkw) {
+/* 1 when a lazy value is among the arguments: in them, in lists, tuples and dicts inside them (to
+   a depth of 4, 256 items each), or a keyword's value; 1 also where the walk stops early (unsure) */
+static int lazy_inside(PyObject *a, int depth) {
+    if (PyObject_TypeCheck(a, &LazyBaseType)) return 1;
+    if (PyList_CheckExact(a) || PyTuple_CheckExact(a)) {
+        Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
+        if (m == 0) return 0;
+        if (depth >= 4 || m > 256) return 1;
+        for (Py_ssize_t j = 0; j < m; j++) if (lazy_inside(PySequence_Fast_GET_ITEM(a, j), depth + 1)) return 1;
+    } else if (PyDict_CheckExact(a)) {
+        if (PyDict_GET_SIZE(a) == 0) return 0;
+        if (depth >= 4 || PyDict_GET_SIZE(a) > 256) return 1;
         Py_ssize_t pos = 0; PyObject *k, *v;
-        while (PyDict_Next(fkw, &pos, &k, &v)) if (PyObject_TypeCheck(v, &LazyBaseType)) return 1;
+        while (PyDict_Next(a, &pos, &k, &v)) if (lazy_inside(v, depth + 1)) return 1;
     }
     return 0;
+}
+
+static int any_lazy_arg(PyObject *targs, PyObject *fkw) {
+    if (lazy_inside(targs, 0)) return 1;
+    return fkw ? lazy_inside(fkw, 0) : 0;
 }
 
 /* A factory call while a default device applies (the recorder's factory_funcs is a set holding
@@ -3997,7 +4033,7 @@ static PyObject *py_setup(PyObject *m, PyObject *args) {
     g_is_grad_q_fn = noarg_fn(g_is_grad_q); g_any_autocast_q_fn = noarg_fn(g_any_autocast_q);
     g_is_inference_q_fn = noarg_fn(g_is_inference_q); g_tf_mode_enabled_q_fn = noarg_fn(g_tf_mode_enabled_q);
     g_tf_len_q_fn = noarg_fn(g_tf_len_q); g_tf_enabled_q_fn = noarg_fn(g_tf_enabled_q);
-    GET(g_torch_dir, "torch_dir");
+    GET(g_torch_dir, "torch_dir"); GET(g_own_dir, "own_dir");
     PyObject *o = PyDict_GetItemString(d, "const_factories");
     Py_XINCREF(o); Py_XSETREF(g_const_factories, o);
     if (!g_const_cache && !(g_const_cache = PyDict_New())) return NULL;

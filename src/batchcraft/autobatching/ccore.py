@@ -39,7 +39,7 @@ def _escape(func):
 
 def _setup() -> None:
     from batchcraft.autobatching.blocks import StaticBlock
-    from batchcraft.autobatching.mode import TORCH_DIR
+    from batchcraft.autobatching.mode import OWN_DIR, TORCH_DIR
 
     float_dids = {dt: desc_id(((), dt, torch.device("cpu")))
                   for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
@@ -60,7 +60,7 @@ def _setup() -> None:
         list_did=lambda elem, n: desc_id(((n,),) + DESCS[elem][1:]),  # torch.tensor([...]) leaves
         tf_mode_enabled=torch._C._is_torch_function_mode_enabled, tf_len=torch._C._len_torch_function_stack,
         tf_at=torch._C._get_function_stack_at, tf_enabled=torch._C._is_torch_function_enabled,
-        const_factories=tuple(CONST_FACTORIES), torch_dir=TORCH_DIR, plain_tensor=torch.Tensor,
+        const_factories=tuple(CONST_FACTORIES), torch_dir=TORCH_DIR, own_dir=OWN_DIR, plain_tensor=torch.Tensor,
         parameter=torch.nn.Parameter, method_wrapper=type(torch.Tensor.data.__get__)))
     SIGNATURES.on_clear(_c.clear_signatures)
     consts.on_clear(_c.clear_const_cache)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import torch.overrides
 
 from batchcraft.autobatching import stack as _stack
-from batchcraft.autobatching.mode import NOT_ON_TOP, TF_NAME, as_mode_handler
+from batchcraft.autobatching.mode import NOT_ON_TOP, TF_NAME, as_mode_handler, has_lazy, import_body
 from batchcraft.autobatching.patches import SharedPatch
 
 _original = torch.overrides.handle_torch_function
@@ -36,6 +36,8 @@ def handle_torch_function(public_api, relevant_args, *args, **kwargs):
         caller = frame.f_back
         if caller is not None and caller.f_code.co_name == TF_NAME:  # maybe a user mode's handler (bug #56)
             result = rec.for_handler(public_api, args, kwargs, frame)
+        elif import_body(caller) and not has_lazy(args, kwargs, rec.lazy_type):
+            result = public_api(*args, **kwargs)  # an imported module's body: plain tensors (#313)
         else:
             result = rec.record(public_api, args, kwargs)  # as the mode would (F.* is not a factory)
         if result is NotImplemented:  # the subclasses' turn, the mode still off, as in torch

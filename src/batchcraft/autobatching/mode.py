@@ -24,6 +24,8 @@ NOT_ON_TOP = object()
 
 #: torch's package directory: frames there are skipped when looking for the caller of a torch call
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+#: batchcraft's package directory (a module call's Python path runs there)
+OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 TF_NAME = "__torch_function__"
 _CO_OPTIMIZED = inspect.CO_OPTIMIZED
 
@@ -50,26 +52,36 @@ def handler_mode(frame):
     return None
 
 
-def module_code(frame) -> bool:
-    """Whether the torch call that ``frame`` (torch's frames above it skipped) is in comes from a
-    module or class body: code run by an import inside instance code (``EPS = torch.tensor(1e-3)``
-    at module level), whose tensors eager keeps as plain tensors (reliability #313)."""
-    for _ in range(4):
+def import_body(frame) -> bool:
+    """Whether the torch call that ``frame`` (torch's frames above it skipped) is in comes from the
+    body of a module being imported (an import inside instance code: ``EPS = torch.tensor(1e-3)``
+    at module level), whose tensors eager keeps as plain tensors (reliability #313). Class bodies
+    and ``exec``'d code run per instance and record as functions do."""
+    for _ in range(8):
         if frame is None:
             return False
         co = frame.f_code
-        if not co.co_filename.startswith(TORCH_DIR):
-            return not co.co_flags & _CO_OPTIMIZED
+        if not co.co_filename.startswith(TORCH_DIR) and not co.co_filename.startswith(OWN_DIR):
+            if co.co_flags & _CO_OPTIMIZED or co.co_name != "<module>":
+                return False
+            spec = frame.f_globals.get("__spec__")
+            return bool(getattr(spec, "_initializing", False)) if spec is not None else False
         frame = frame.f_back
     return False
 
 
-def has_lazy(args, kwargs, lazy_type) -> bool:
-    """Whether an argument, an item of a list or tuple argument, or a keyword's value is lazy."""
-    for a in args:
-        if isinstance(a, lazy_type) or (type(a) in (list, tuple) and any(isinstance(b, lazy_type) for b in a)):
+def has_lazy(args, kwargs, lazy_type, depth: int = 0) -> bool:
+    """Whether a lazy value is among ``args`` (in lists, tuples and dicts inside them, to a depth
+    of 4 and 256 items each) or ``kwargs``' values; True also where the walk stops early."""
+    for a in (args if depth or not kwargs else (*args, *kwargs.values())):
+        if isinstance(a, lazy_type):
             return True
-    return any(isinstance(v, lazy_type) for v in kwargs.values()) if kwargs else False
+        t = type(a)
+        if t in (list, tuple, dict) and a:
+            items = a.values() if t is dict else a
+            if depth >= 3 or len(a) > 256 or has_lazy(tuple(items), None, lazy_type, depth + 1):
+                return True
+    return False
 
 
 class RecordingMode(TorchFunctionMode):
@@ -86,7 +98,7 @@ class RecordingMode(TorchFunctionMode):
         frame = sys._getframe(1)
         if handler_mode(frame) is not None:  # a mode of the user's handler called func (bug #56)
             return rec.for_handler(func, args, kwargs or {}, frame)
-        if module_code(frame) and not has_lazy(args, kwargs, rec.lazy_type):
+        if import_body(frame) and not has_lazy(args, kwargs, rec.lazy_type):
             return func(*args, **(kwargs or {}))  # import-time code: plain tensors, as in eager
         return rec.mode_call(func, args, kwargs or {})
 
