@@ -689,3 +689,56 @@ def test_a_class_with_its_own_getattribute_gets_no_descriptor(core):
     xs = [torch.ones(2), torch.zeros(2)]
     for o, x in zip(autobatch(fn, core=core)(xs), xs):
         torch.testing.assert_close(o, fn(x))
+
+
+class _ScaledNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class _ScaledSub(_ScaledNet):
+    def __getattribute__(self, n):
+        try:
+            return object.__getattribute__(self, n)
+        except AttributeError:
+            if n == "scale" and object.__getattribute__(self, "__dict__").get("ready"):
+                return torch.full((3,), 5.0)
+            raise
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_subclass_with_its_own_getattribute_misses_its_bases_descriptor(core):
+    # hostile helper, stop 51: the base class got the descriptor; the subclass inherited it
+    m, s = _ScaledNet(), _ScaledSub()
+    s.ready = True
+    fn = lambda x: m(x) + s.scale  # noqa: E731
+    xs = [torch.zeros(3), torch.ones(3)]
+    for o, x in zip(autobatch(fn, core=core)(xs), xs):
+        torch.testing.assert_close(o, fn(x))
+
+
+class _RefuseDel(type(nn.Module)):
+    def __delattr__(cls, n):
+        raise TypeError("no deletes")
+
+
+class _DelNet(nn.Module, metaclass=_RefuseDel):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_metaclass_refusing_deletes_still_loses_the_descriptor(core):
+    m = _DelNet()
+    xs = [torch.randn(3) for _ in range(2)]
+    for o, x in zip(autobatch(lambda x: m(x), core=core)(xs), xs):
+        torch.testing.assert_close(o, m(x))
+    assert "lin" not in vars(_DelNet)

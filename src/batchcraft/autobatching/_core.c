@@ -2869,10 +2869,22 @@ static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *ty
            (a base class's property set meanwhile, reliability #139); a walk of a few dicts */
         /* the walk's "nothing later" is kept per type version: any change to the type or a base
            (a class attribute set) gives the type a new tag (CPython's PyType_Modified) */
+        /* also kept: whether the type's __getattribute__ is object's. A type with its own (a
+           subclass of a class with descriptors) may answer eager's AttributeError itself, before
+           __getattr__: for it the descriptor misses (a hostile helper's find, stop 51) */
+        static PyObject *s_gab = NULL, *obj_gab = NULL;
+        if (!s_gab) {
+            if (!(s_gab = PyUnicode_InternFromString("__getattribute__"))) return NULL;
+            obj_gab = _PyType_Lookup(&PyBaseObject_Type, s_gab);
+        }
         int tagged = (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) != 0;
-        PyObject *later = (tagged && t == self->clear_type && t->tp_version_tag == self->clear_tag)
-                          ? NULL : modattr_after(self, t);
-        if (!later && tagged && !PyErr_Occurred()) { self->clear_type = t; self->clear_tag = t->tp_version_tag; }
+        int cached = tagged && t == self->clear_type && t->tp_version_tag == self->clear_tag;
+        PyObject *later = cached ? NULL : modattr_after(self, t);
+        int own_gab = 0;
+        if (!cached && !later && !PyErr_Occurred()) {
+            own_gab = _PyType_Lookup(t, s_gab) != obj_gab;
+            if (!own_gab && tagged) { self->clear_type = t; self->clear_tag = t->tp_version_tag; }
+        }
         if (later) {  /* what the lookup finds without the descriptor */
             descrgetfunc f = Py_TYPE(later)->tp_descr_get;
             if (f) return f(later, (obj == Py_None) ? NULL : obj, (PyObject *)t);
@@ -2880,6 +2892,7 @@ static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *ty
             return later;
         }
         if (PyErr_Occurred()) return NULL;
+        if (own_gab && obj != NULL && obj != Py_None) goto miss;
     }
     if (obj == NULL || obj == Py_None) {
         PyErr_Format(PyExc_AttributeError, "type object '%s' has no attribute '%U'", t ? t->tp_name : "?", self->name);
