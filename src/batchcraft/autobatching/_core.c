@@ -830,6 +830,9 @@ typedef struct {
     PyObject *runtime;
     PyObject *views;       /* dict id(base) -> list of weakrefs */
     PyObject *checked;     /* set of blocks whose fingerprint was checked this call */
+    PyObject *chk_last[4]; /* the last blocks added to `checked` (borrowed: the set holds them; emptied
+                              with it by clear_checked): found without a set lookup */
+    int chk_n;
     PyObject *factory_funcs; /* None, or the functions the Python mode_call gives a default device= */
     PyObject *factory_device; /* None, or the device of the innermost DeviceContext on the mode stack */
     PyObject *dev_dids;    /* dict device -> dict dtype -> did of torch.tensor(scalar) leaves (filled by Python) */
@@ -867,7 +870,7 @@ static int rec_traverse(RecObject *self, visitproc visit, void *arg) {
 static int rec_clear_refs(RecObject *self) {
     self->last_leaf_list = NULL;
     Py_CLEAR(self->leaf_obj); Py_CLEAR(self->leaf_py); Py_CLEAR(self->pending_leaves);
-    Py_CLEAR(self->runtime); Py_CLEAR(self->views); Py_CLEAR(self->checked); Py_CLEAR(self->dict);
+    Py_CLEAR(self->runtime); Py_CLEAR(self->views); Py_CLEAR(self->checked); self->chk_n = 0; Py_CLEAR(self->dict);
     Py_CLEAR(self->factory_funcs); Py_CLEAR(self->factory_device); Py_CLEAR(self->dev_dids); Py_CLEAR(self->mode);
     return 0;
 }
@@ -943,6 +946,14 @@ static PyObject *rec_reserve_py(RecObject *self, PyObject *const *args, Py_ssize
 }
 
 /* (nodes, inputs) recorded so far: the sizes reserve() takes */
+/* clear_checked(): every block's fingerprint is checked again at its next call (a default dtype or
+   device changed: RecorderBase.forget_block_checks) */
+static PyObject *rec_clear_checked(RecObject *self, PyObject *noargs) {
+    self->chk_n = 0;
+    if (PySet_Clear(self->checked) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *rec_sizes(RecObject *self, PyObject *noargs) {
     return Py_BuildValue("(nn)", self->n, self->in_node.n);
 }
@@ -1519,13 +1530,15 @@ static inline int lazy_rg(RecObject *self, LazyObject *x) { return (int)((self->
 /* Record a call of static block `block` with positional args. */
 static PyObject *record_block(RecObject *self, PyObject *block, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwargs) {
-    int contains = PySet_Contains(self->checked, block);
-    if (contains < 0) return NULL;
+    int contains = 0;
+    for (int c = 0; c < self->chk_n; c++) if (self->chk_last[c] == block) { contains = 1; break; }
+    if (!contains && (contains = PySet_Contains(self->checked, block)) < 0) return NULL;
     if (!contains) {
         PyObject *r = PyObject_CallMethodNoArgs(block, s_check_fp);
         if (!r) return NULL;
         Py_DECREF(r);
         if (PySet_Add(self->checked, block) < 0) return NULL;
+        if (self->chk_n < 4) self->chk_last[self->chk_n++] = block;
     }
     /* two spellings: ragged (lists keyed empty/non-empty) and per-length */
     KeyBuf kr, kp;   /* on this frame: a fiber may switch inside the slow path */
@@ -2370,7 +2383,7 @@ static PyMemberDef rec_members[] = {
     {"caller_inference", T_INT, offsetof(RecObject, caller_inference), 0, "the caller's inference mode (0/1)"},
     {"runtime", T_OBJECT, offsetof(RecObject, runtime), 0, "owning runtime"},
     {"views", T_OBJECT, offsetof(RecObject, views), READONLY, "id(base) -> weakrefs of its views"},
-    {"checked_blocks", T_OBJECT, offsetof(RecObject, checked), READONLY, "blocks checked this call"},
+    {"checked_blocks", T_OBJECT, offsetof(RecObject, checked), READONLY, "blocks checked this call (emptied by clear_checked only)"},
     {"factory_device", T_OBJECT, offsetof(RecObject, factory_device), 0,
      "None, or the device factory calls without device= use (a DeviceContext below the mode)"},
     {"dev_dids", T_OBJECT, offsetof(RecObject, dev_dids), READONLY,
@@ -2411,6 +2424,7 @@ static PyMethodDef rec_methods[] = {
     {"take_pending_leaves", (PyCFunction)rec_take_pending_leaves, METH_O, NULL},
     {"reserve", (PyCFunction)(void (*)(void))rec_reserve_py, METH_FASTCALL, NULL},
     {"sizes", (PyCFunction)rec_sizes, METH_NOARGS, NULL},
+    {"clear_checked", (PyCFunction)rec_clear_checked, METH_NOARGS, "forget which blocks' fingerprints were checked"},
     {"group_instances", (PyCFunction)rec_group_instances, METH_O, NULL},
     {"take_scalar_values", (PyCFunction)rec_take_scalar_values, METH_O, NULL},
     {"mode_scalar", (PyCFunction)rec_mode_scalar, METH_O, NULL},
@@ -3093,7 +3107,12 @@ static PyObject *py_fast_tensor(PyObject *m, PyObject *const *args, size_t nargs
    install (mock.patch) see the module's dict: `func is torch.tensor` holds for them. An optional
    `other`, a descriptor, answers for an unchanged entry where `fast` does not apply
    (sizeargs.SizeArg: `torch.zeros(n, 2)` with a lazy `n` from a static block's trace). */
-typedef struct { PyObject_HEAD PyObject *name, *original, *fast, *other; } RecAttrObject;
+typedef struct {
+    PyObject_HEAD PyObject *name, *original, *fast, *other;
+    /* the module dict's entry at the dict's version tag (Python 3.11; borrowed, held by the dict
+       while the tag is unchanged): `torch`'s dict is large, a lookup costs about 180 instructions */
+    PyObject *c_dict; uint64_t c_tag; PyObject *c_value;
+} RecAttrObject;
 
 /* 1 when the innermost Python frame is a function (not a module or class body, whose names may
    outlive the call: `from torch import tensor` in a module first imported by instance code), not
@@ -3157,7 +3176,19 @@ static int read_by_user_function(void) {
 static PyObject *recattr_get(RecAttrObject *self, PyObject *obj, PyObject *type) {
     if (!obj) { Py_INCREF(self); return (PyObject *)self; }
     PyObject *d = PyModule_Check(obj) ? PyModule_GetDict(obj) : NULL;  /* borrowed */
-    PyObject *v = d ? PyDict_GetItemWithError(d, self->name) : NULL;
+    PyObject *v;
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+    if (d && d == self->c_dict && ((PyDictObject *)d)->ma_version_tag == self->c_tag) v = self->c_value;
+    else {
+        uint64_t tag0 = d ? ((PyDictObject *)d)->ma_version_tag : 0;
+        v = d ? PyDict_GetItemWithError(d, self->name) : NULL;
+        if (v && ((PyDictObject *)d)->ma_version_tag == tag0) {  /* (nothing changed it meanwhile) */
+            self->c_dict = d; self->c_tag = tag0; self->c_value = v;
+        }
+    }
+#else
+    v = d ? PyDict_GetItemWithError(d, self->name) : NULL;
+#endif
     if (!v) {
         if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, self->name);  /* module __getattr__ next */
         return NULL;

@@ -122,7 +122,7 @@ class CRecorder(_c.Recorder, RecorderBase):
 
     def forget_block_checks(self) -> None:
         RecorderBase.forget_block_checks(self)
-        self.checked_blocks.clear()  # the C fast path's own set (record_block)
+        self.clear_checked()  # the C fast path's own set and its last entries (record_block)
 
     def set_factory_device(self, device) -> None:
         # a default device applies: factory calls go to mode_call, which adds device= (the C
