@@ -870,3 +870,57 @@ def test_a_hook_on_a_made_leaf_changes_its_grad_as_in_eager(core, when):
     sum(loss for _, loss in out).backward()
     for (t, _), (e, _) in zip(out, eager):
         torch.testing.assert_close(t.grad, e.grad)
+
+
+class _ClipOld(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(-1, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (x.abs() <= 1)
+
+
+class _ClipNew(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.clamp(-1, 1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (x.abs() <= 1)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("fn_cls", [_ClipOld, _ClipNew])
+def test_custom_functions_match_eager_and_say_why_they_run_per_instance(core, fn_cls):
+    # a new user's report (stop 51): the reason repeated the name and quoted functorch's error
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 5)
+    xs = [torch.randn(5) * 2 for _ in range(6)]
+    f = autobatch(lambda x: fn_cls.apply(lin(x)), core=core)
+    out = f(xs)
+    for o, x in zip(out, xs):
+        torch.testing.assert_close(o, fn_cls.apply(lin(x)))
+    sum(o.sum() for o in out).backward()
+    g_batched = lin.weight.grad.clone()
+    lin.weight.grad = None
+    sum(fn_cls.apply(lin(x)).sum() for x in xs).backward()
+    torch.testing.assert_close(g_batched, lin.weight.grad)
+    reasons = list(f.stats.fallback_reasons)
+    if fn_cls is _ClipOld:
+        assert len(reasons) == 1 and reasons[0].startswith("_ClipOld.apply: a custom autograd.Function without "
+                                                           "setup_context")
+        assert reasons[0].count("_ClipOld.apply") == 1
+    else:
+        assert not reasons  # batched by its vmap rule

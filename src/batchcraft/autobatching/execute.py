@@ -374,8 +374,8 @@ class Executor:
             st.note_fallback(f"{info.name}: products not accumulated ({runner.rewrite_error})", n)
         if runner.fallback_steps:
             st.fallbacks += n * runner.fallback_steps
-            for reason in runner.fallbacks.values():
-                st.note_fallback(f"{info.name}: {reason}", n)
+            for reason in runner.fallbacks.values():  # (a one-step program's step has its name)
+                st.note_fallback(reason if reason.startswith(f"{info.name}: ") else f"{info.name}: {reason}", n)
         placed = None
         if rows is None and self.arenas and not info.grad and not info.state[1]:
             # (a group of the same op recorded with grad on must keep its own autograd history)

@@ -422,7 +422,7 @@ class Runner:
                 if exc.index in self.fallbacks or (self.ragged_plan is not None and exc.index in self.ragged_plan):
                     raise AutobatchError(f"step {st.name} of {self.program.name} failed one instance at a time too: "
                                          f"{exc.reason}") from exc.__cause__
-                self.fallbacks[exc.index] = f"{st.name}: {exc.reason}"
+                self.fallbacks[exc.index] = f"{st.name}: {_explained(exc.reason)}"
                 self._checked = None
                 continue
             self._fast, self.source, self.rules, deferred = self._build(checked=False)
@@ -434,6 +434,15 @@ class Runner:
     @property
     def fallback_steps(self) -> int:
         return len(self.fallbacks)
+
+
+def _explained(reason: str) -> str:
+    """A step's failure as its fallback reason, with what the user can do where that is known."""
+    if "setup_context staticmethod" in reason:  # torch's vmap of a custom autograd.Function
+        return ("a custom autograd.Function without setup_context runs one instance at a time (torch's vmap "
+                "needs forward(*args) plus setup_context(ctx, inputs, output), and a vmap staticmethod or "
+                "generate_vmap_rule = True, to batch it)")
+    return reason
 
 
 def _unread_inputs(prog) -> frozenset:
