@@ -29,6 +29,16 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Python 3.11: every dict carries a version tag that each change to it, and each new dict, renews
+   (PEP 509). The caches of module attributes, of torch's dict entries, of static blocks and the
+   module tree's token key on it; on other versions they are off. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#define DICT_TAGS 1
+static inline uint64_t dict_tag(PyObject *d) { return ((PyDictObject *)d)->ma_version_tag; }
+#else
+#define DICT_TAGS 0
+#endif
+
 /* ------------------------------------------------------------------------------------------ */
 /* globals set by setup()                                                                       */
 /* ------------------------------------------------------------------------------------------ */
@@ -2841,15 +2851,10 @@ static PyObject *bind_to_instance(PyObject *self, PyObject *obj, PyObject *type)
    `verified`, the types checked at install, is kept only for the constructor). A miss, or a type
    whose __getattr__ is not `guard`
    (nn.Module's own), raises a bare AttributeError, and the type's __getattr__ then runs. */
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-#define MODATTR_CACHE 1
-#else
-#define MODATTR_CACHE 0
-#endif
 typedef struct {
     PyObject_HEAD PyObject *name; PyObject *guard; PyObject *owner; PyObject *verified;
     PyTypeObject *clear_type; unsigned int clear_tag;  /* a type whose MRO walk found nothing, at version tag */
-#if MODATTR_CACHE
+#if DICT_TAGS
     /* the last hit (Python 3.11): the instance __dict__ and its three tables at their version tags,
        and the value found. Borrowed pointers, read only while the __dict__ is the same object at
        the same tag (CPython gives every change, and every new dict, a new tag): it then still holds
@@ -2924,19 +2929,19 @@ static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *ty
     PyObject **dp = _PyObject_GetDictPtr(obj);
     PyObject *d = dp ? *dp : NULL;
     if (!d) goto miss;
-#if MODATTR_CACHE
+#if DICT_TAGS
     /* the same lookups as before give the same value while nothing they read changed: about 800
        instructions a read (six dict lookups) become a few compares, two reads a TreeLSTM node */
-    if (d == self->c_dict && PyDict_CheckExact(d) && ((PyDictObject *)d)->ma_version_tag == self->c_dtag) {
+    if (d == self->c_dict && PyDict_CheckExact(d) && dict_tag(d) == self->c_dtag) {
         int same = 1;
         for (int i = 0; i < 3 && same; i++)
-            same = !self->c_tb[i] || ((PyDictObject *)self->c_tb[i])->ma_version_tag == self->c_tbtag[i];
+            same = !self->c_tb[i] || dict_tag(self->c_tb[i]) == self->c_tbtag[i];
         if (same) return Py_NewRef(self->c_value);
     }
     /* tags taken before each lookup and checked again after the hit: a lookup can run Python code
        (a key's __eq__) that changes a table already read; then the hit is not remembered (a
        hostile helper's find, stop 51) */
-    uint64_t dtag0 = PyDict_CheckExact(d) ? ((PyDictObject *)d)->ma_version_tag : 0;
+    uint64_t dtag0 = PyDict_CheckExact(d) ? dict_tag(d) : 0;
     uint64_t seen_tag[3] = {0, 0, 0};
     int cacheable = PyDict_CheckExact(d);
 #endif
@@ -2951,17 +2956,17 @@ static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *ty
         Py_INCREF(tb);
         seen[i] = tb;
         if (PyDict_CheckExact(tb)) {  /* the common case: no Python-level __contains__ to call */
-#if MODATTR_CACHE
-            seen_tag[i] = ((PyDictObject *)tb)->ma_version_tag;
+#if DICT_TAGS
+            seen_tag[i] = dict_tag(tb);
 #endif
             PyObject *r = PyDict_GetItemWithError(tb, self->name);
             if (!r) { if (PyErr_Occurred()) goto done; continue; }
             result = Py_NewRef(r);
             found = 1;
-#if MODATTR_CACHE
-            int unchanged = cacheable && ((PyDictObject *)d)->ma_version_tag == dtag0;
+#if DICT_TAGS
+            int unchanged = cacheable && dict_tag(d) == dtag0;
             for (int j = 0; j <= i && unchanged; j++)
-                unchanged = !seen[j] || ((PyDictObject *)seen[j])->ma_version_tag == seen_tag[j];
+                unchanged = !seen[j] || dict_tag(seen[j]) == seen_tag[j];
             if (unchanged) {
                 /* (the tables after this one are not read: a change to them cannot change the value) */
                 self->c_dict = d; self->c_dtag = dtag0;
@@ -2971,7 +2976,7 @@ static PyObject *modattr_get(ModuleAttrObject *self, PyObject *obj, PyObject *ty
 #endif
             continue;
         }
-#if MODATTR_CACHE
+#if DICT_TAGS
         cacheable = 0;
 #endif
         int c = PySequence_Contains(tb, self->name);
@@ -3177,12 +3182,12 @@ static PyObject *recattr_get(RecAttrObject *self, PyObject *obj, PyObject *type)
     if (!obj) { Py_INCREF(self); return (PyObject *)self; }
     PyObject *d = PyModule_Check(obj) ? PyModule_GetDict(obj) : NULL;  /* borrowed */
     PyObject *v;
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-    if (d && d == self->c_dict && ((PyDictObject *)d)->ma_version_tag == self->c_tag) v = self->c_value;
+#if DICT_TAGS
+    if (d && d == self->c_dict && dict_tag(d) == self->c_tag) v = self->c_value;
     else {
-        uint64_t tag0 = d ? ((PyDictObject *)d)->ma_version_tag : 0;
+        uint64_t tag0 = d ? dict_tag(d) : 0;
         v = d ? PyDict_GetItemWithError(d, self->name) : NULL;
-        if (v && ((PyDictObject *)d)->ma_version_tag == tag0) {  /* (nothing changed it meanwhile) */
+        if (v && dict_tag(d) == tag0) {  /* (nothing changed it meanwhile) */
             self->c_dict = d; self->c_tag = tag0; self->c_value = v;
         }
     }
@@ -3357,7 +3362,7 @@ typedef struct { PyObject_HEAD vectorcallfunc vectorcall; } BlockCallObject;
    dict version) -> block pairs are kept: on CPython 3.11 a dict's version tag is unique over the
    process and changes with any change to the dict, so an equal triple is the same unchanged entry
    (the dict holds the block; nothing here holds a reference). Other versions look it up each call. */
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#if DICT_TAGS
 #define BC_CACHE 32
 /* two ways a set: two block modules whose addresses share a set (a TreeLSTM's input and cell
    blocks, one run in 16) do not evict each other at every call */
@@ -3377,7 +3382,7 @@ static PyObject *blockcall_vectorcall(BlockCallObject *bc, PyObject *const *args
     int way = -1;
     for (int w = 0; d0 && w < 2; w++)
         if (g_bc_cache[slot + w].self == self && g_bc_cache[slot + w].dict == d0
-            && g_bc_cache[slot + w].ver == ((PyDictObject *)d0)->ma_version_tag) { way = w; break; }
+            && g_bc_cache[slot + w].ver == dict_tag(d0)) { way = w; break; }
     if (way >= 0) {
         block = g_bc_cache[slot + way].block;
         Py_INCREF(block);
@@ -3393,7 +3398,7 @@ static PyObject *blockcall_vectorcall(BlockCallObject *bc, PyObject *const *args
         if (block && PyDict_CheckExact(d)) {  /* the set's newer entry becomes its older one */
             if (g_bc_cache[slot].self != self) g_bc_cache[slot + 1] = g_bc_cache[slot];
             g_bc_cache[slot].self = self; g_bc_cache[slot].dict = d; g_bc_cache[slot].block = block;
-            g_bc_cache[slot].ver = ((PyDictObject *)d)->ma_version_tag;
+            g_bc_cache[slot].ver = dict_tag(d);
         }
 #endif
         Py_DECREF(d);
@@ -4276,7 +4281,7 @@ static PyObject *py_type_version(PyObject *m, PyObject *cls) {
 static PyObject *py_tree_token(PyObject *m, PyObject *args) {
     PyObject *mods, *guard;
     if (!PyArg_ParseTuple(args, "O!O:tree_token", &PyList_Type, &mods, &guard)) return NULL;
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#if DICT_TAGS
     static PyObject *s_ga = NULL, *s_gab = NULL;
     if (!s_ga && !(s_ga = PyUnicode_InternFromString("__getattr__"))) return NULL;
     if (!s_gab && !(s_gab = PyUnicode_InternFromString("__getattribute__"))) return NULL;
@@ -4301,13 +4306,13 @@ static PyObject *py_tree_token(PyObject *m, PyObject *args) {
         PyObject *d = dp ? *dp : NULL;
         if (!d || !PyDict_CheckExact(d)) { PyMem_Free(w); Py_RETURN_NONE; }
         w[k++] = (uint64_t)(uintptr_t)d;
-        w[k++] = ((PyDictObject *)d)->ma_version_tag;
+        w[k++] = dict_tag(d);
         for (int j = 0; j < 3; j++) {
             PyObject *tb = PyDict_GetItemWithError(d, keys[j]);
             if (!tb && PyErr_Occurred()) { PyMem_Free(w); return NULL; }
             if (tb && !PyDict_CheckExact(tb)) { PyMem_Free(w); Py_RETURN_NONE; }
             w[k++] = (uint64_t)(uintptr_t)tb;
-            w[k++] = tb ? ((PyDictObject *)tb)->ma_version_tag : 0;
+            w[k++] = tb ? dict_tag(tb) : 0;
         }
     }
     PyObject *r = PyBytes_FromStringAndSize((const char *)w, k * (Py_ssize_t)sizeof(uint64_t));

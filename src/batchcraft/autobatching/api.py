@@ -104,7 +104,8 @@ class AutoBatched:
                                "to batch the rest, enter a torch-function mode inside the per-instance function "
                                "around only the code it must see: the calls under it run per instance, the others "
                                "batch")
-        hooked = backward_hooked(self._plans.refresh(self.fn))
+        modules = self._plans.refresh(self.fn)  # (walked only when the module tree changed)
+        hooked = backward_hooked(modules)
         if hooked:
             return self._eager(instances, f"{hooked}: backward hooks see each instance's gradients only when it "
                                           f"runs alone",
@@ -112,7 +113,7 @@ class AutoBatched:
         fibers = self.options.fibers
         if fibers == "auto":
             fibers = self._waits is not False
-        rt = Runtime(self.fn, self.options, fibers, self._plans)
+        rt = Runtime(self.fn, self.options, fibers, self._plans, modules)
         if self._sizes is not None and hasattr(rt.rec, "reserve"):
             rt.rec.reserve(*self._sizes)  # the C core's arrays, sized as the last call's
         try:

@@ -136,6 +136,12 @@ class PlanCache:
             self.roots, self.modules, self.token = (), (), None
         return modules
 
+    def pairs_of(self, modules) -> list:
+        """:func:`plan`'s pairs for ``modules``, what :meth:`refresh` returned this call."""
+        if self.pairs is None:
+            self.pairs = _pairs(modules)
+        return self.pairs
+
 
 def _walk(rs) -> list:
     """The modules below ``rs`` (each once, ``Module.modules()`` order), at most :data:`MAX_MODULES`."""
@@ -198,10 +204,7 @@ def plan(fn, cache: PlanCache | None = None) -> list:
     answer is reused while the roots and the walked modules' token are unchanged."""
     if cache is None:
         return _pairs(_walk(roots(fn)))
-    modules = cache.refresh(fn)
-    if cache.pairs is None:
-        cache.pairs = _pairs(modules)
-    return cache.pairs
+    return cache.pairs_of(cache.refresh(fn))
 
 
 class ClassAttrs:
@@ -264,11 +267,12 @@ class ClassAttrs:
         return False
 
 
-def for_call(fn, cache: PlanCache | None = None) -> ClassAttrs | None:
-    """The descriptors for one call of ``fn``; None without the C core. ``cache``: see :func:`plan`."""
+def for_call(fn, cache: PlanCache | None = None, modules: list | None = None) -> ClassAttrs | None:
+    """The descriptors for one call of ``fn``; None without the C core. ``cache``: see :func:`plan`;
+    ``modules``: what ``cache.refresh(fn)`` returned for this call (not walked or checked again)."""
     if _native.core is None:
         return None
-    return ClassAttrs(plan(fn, cache))
+    return ClassAttrs(cache.pairs_of(modules) if modules is not None else plan(fn, cache))
 
 
 __all__ = ["for_call", "plan", "PlanCache", "ClassAttrs", "MODULE_GETATTR", "MAX_MODULES", "MAX_SUBCLASSES"]

@@ -208,9 +208,11 @@ def _left_text(left: list) -> str:
 class Runtime:
     """State of one call of an auto-batched function over a sequence of instances."""
 
-    def __init__(self, fn: Callable, options, fibers: bool | None = None, plans: _attrs.PlanCache | None = None):
+    def __init__(self, fn: Callable, options, fibers: bool | None = None, plans: _attrs.PlanCache | None = None,
+                 modules: list | None = None):
         self.fn = fn
         self.plans = plans  # the function's attrs.PlanCache (AutoBatched keeps it across calls)
+        self.modules = modules  # what plans.refresh(fn) gave for this call (None: refreshed here)
         self.options = options
         self.fibers = bool(options.fibers) if fibers is None else fibers  # ("auto" is decided by the caller)
         self.scheduler = make_scheduler(options.scheduler)
@@ -325,8 +327,9 @@ class Runtime:
         t_start = _perf()
         # Recording allocates many small objects; cyclic GC passes over them cost more than the
         # recording itself, and the graph has no cycles to collect. Re-enabled on exit.
-        attrs = (_attrs.for_call(self.fn, self.plans) if self.options.fast_attributes and self.rec.core == "c" else None) \
-            or nullcontext()  # attrs.py
+        attrs = (_attrs.for_call(self.fn, self.plans, self.modules) if self.options.fast_attributes
+                 and self.rec.core == "c" else None) or nullcontext()  # attrs.py
+        self.modules = None  # (the plan holds them weakly; nothing of this call keeps them)
         cells = FAST_CELLS if self.options.fast_modules else nullcontext()  # cells.py
         dispatch = FAST_DISPATCH if self.options.fast_modules else nullcontext()  # dispatch.py
         calls = FAST_CALLS if self.options.fast_modules else nullcontext()  # modcalls.py
