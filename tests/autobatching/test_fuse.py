@@ -720,9 +720,9 @@ def test_rows_are_copied_where_the_kernels_do_not_run(how, monkeypatch):
     assert made[0] > 0 and made[1] > 0
 
 
-def test_deferred_inputs_are_published_only_with_the_program_that_takes_them():
-    # another thread reads runner.deferred_ins to decide whether to pass Rows: they must not be
-    # visible before runner._fast (the program whose unfused branches copy them) is
+def test_rows_taken_are_published_only_after_the_programs_that_take_them():
+    # another thread reads runner.taken to decide whether to pass Rows: it must not be visible
+    # before the programs that take them exist
     from batchcraft.autobatching import lower
 
     fn, trees = _tree_case(2, 12)
@@ -730,21 +730,65 @@ def test_deferred_inputs_are_published_only_with_the_program_that_takes_them():
     seen = []
     real = lower.Runner._build
 
-    def build(self, checked):
-        out = real(self, checked)
-        seen.append((checked, bool(self.deferred_ins or self.deferred_rags), self._fast is not None))
+    def build(self):
+        out = real(self)
+        seen.append(self.taken is not out[3])  # not yet published when the lowering returns
         return out
 
     lower.Runner._build = build
     try:
         with torch.no_grad():
             f(trees)
-            f(trees)
+            first = f.stats.rows_in_place
     finally:
         lower.Runner._build = real
-    unchecked = [s for s in seen if not s[0]]
-    assert unchecked and all(not published for _, published, _ in unchecked)
-    assert f.stats.rows_in_place > 0  # published once _fast was set
+    assert seen and all(seen)
+    assert first > 0  # the first call's runs already read rows in place (lowered before the gathers)
+    with torch.no_grad():
+        out = f(trees)
+    _close([(o,) for o in out], [(fn(t),) for t in trees])
+
+
+def test_rows_a_program_no_longer_takes_are_copied_first():
+    # the caller gathered by one lowering, the program running is another's (a thread lowered it
+    # again after a step failed): rows it does not take arrive as tensors
+    from batchcraft.autobatching.gather import Rows
+    from batchcraft.autobatching.lower import Taken, _conform
+
+    buf = torch.randn(6, 4)
+    idx = torch.tensor([4, 0, 2])
+    ins = [Rows(buf, idx), Rows(buf, idx), torch.ones(3, 4), None]
+    rags = [Rows(buf, idx)]
+    keep = Taken(frozenset({1}), frozenset(), frozenset())
+    got, grags = _conform(ins, rags, keep)
+    assert type(got[0]) is torch.Tensor and torch.equal(got[0], buf[idx])
+    assert got[1] is ins[1] and got[2] is ins[2] and got[3] is None
+    assert type(grags[0]) is torch.Tensor and torch.equal(grags[0], buf[idx])
+
+
+def test_first_run_uses_the_fused_kernels_and_lowers_once():
+    # one lowering serves the checked first run and the fast program: a first call lowers each
+    # program once, and its first runs already call the fused kernels
+    from batchcraft.autobatching import lower
+
+    fn, trees = _tree_case(4, 12)
+    f = autobatch(fn)
+    built = []
+    real = lower.Runner._build
+
+    def build(self):
+        built.append(self)
+        return real(self)
+
+    lower.Runner._build = build
+    try:
+        with torch.no_grad():
+            out = f(trees)
+    finally:
+        lower.Runner._build = real
+    assert built and len(built) == len({id(r) for r in built})  # each program lowered once
+    assert f.stats.fused_kernels > 0 and f.stats.fallbacks == 0
+    _close([(o,) for o in out], [(fn(t),) for t in trees])
 
 
 def _token_gate():

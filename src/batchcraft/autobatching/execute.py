@@ -282,12 +282,13 @@ class Executor:
         dedups = (hoisted is None and n >= _dedup.MIN_NODES and self.options.dedup and not info.grad
                   and not any(info.out_rg) and self._dedups(info, prog))
         with under(info.state):
+            taken = runner.prepare() if plain else None  # (lowered before the gathers: a first run reads rows too)
             if hoisted is None:
                 # inputs the program never reads are not gathered (None), except where the inputs
                 # are keys (deduplication, lookups: they read every input)
                 skip = runner.unread_ins if not (dedups or tables) else ()
-                ins = take_all(bufs, plans[:prog.n_in], runner.deferred_ins if plain else (),
-                               runner.rows_ins if plain else (), skip)  # (RowRefs: rowmm.py)
+                ins = take_all(bufs, plans[:prog.n_in], taken.deferred_ins if plain else (),
+                               taken.rows_ins if plain else (), skip)  # (RowRefs: rowmm.py)
             else:
                 sp = hoisted[0]
                 reads = sp.rest_reads
@@ -315,12 +316,12 @@ class Executor:
             if not info.state[0] and not info.state[1]:
                 ins = keep_requires_grad(bufs, plans, ins)
             rags, segs, cnts = [], [], []
-            if plain and (runner.deferred_ins or runner.rows_ins):
+            if plain and (taken.deferred_ins or taken.rows_ins):
                 st.rows_in_place += sum(type(x) is Rows or type(x) is RowRefs for x in ins)
             if prog.n_ragged:
                 seen = set()
                 for r, (p, seg, cnt) in enumerate(plans[prog.n_in:]):
-                    rags.append(take(bufs, p, plain and r in runner.deferred_rags))
+                    rags.append(take(bufs, p, plain and r in taken.deferred_rags))
                     st.rows_in_place += type(rags[-1]) is Rows
                     c = prog.ragged_classes[r]
                     if c not in seen:
@@ -350,7 +351,7 @@ class Executor:
                     if (plain and runner.writes_outputs and self.arenas and not info.grad and not info.state[1]
                             and not under_transform()):  # (a transform's values have no rows to write into)
                         dest = self._arena_rows(info, n)
-                    outs = runner(n, ins, rags, segs, cnts, dest)
+                    outs = runner(n, ins, rags, segs, cnts, dest, taken)
                 m = n if rows is None else n - saved  # (a deduplicated group: its distinct rows)
                 if len(outs) != info.n_out or any(t.shape[0] != m for t in outs):
                     raise AutobatchError(f"{info.name}: batched outputs of the wrong shape")

@@ -13,10 +13,16 @@ once per signature::
 
 so a group costs its torch calls and little else (ACRoBat generates its batched kernels and host
 code ahead of time; this is the same idea at Python level). Runs of elementwise steps then become
-one fused C kernel call each (:mod:`fuse`), the steps kept as its fallback branch. The first run of a program checks
-every step's shape and dtype against the per-instance trace; a step whose rule fails or
-disagrees runs one instance at a time from then on (correct, counted, with the reason), and the
-program is compiled again without the checks.
+one fused C kernel call each (:mod:`fuse`), the steps kept as its fallback branch.
+
+A program is lowered once, into two functions of the same steps, rewrites and fused kernels: a
+checked one for its first run, which also checks the shape and dtype of every step it runs
+unfused against the per-instance trace, and the same function without the checks for every
+later run. A step whose rule fails or disagrees runs one instance at a time from then on
+(correct, counted, with the reason), and the program is lowered again. The executor lowers a
+program before it gathers its first group (:meth:`Runner.prepare`), so that first run already
+reads its inputs in place. (Until stop 52 the first run was a separately lowered program without
+fusion or rows in place: a TreeLSTM first call ran 34% more instructions than a steady one; now 20%.)
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +38,7 @@ from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching import rowmm as _rowmm
 from batchcraft.autobatching.codecache import compile_program
 from batchcraft.autobatching.descs import DESCS
+from batchcraft.autobatching.gather import RowRefs, Rows
 from batchcraft.autobatching.gather import materialize as _materialize
 from batchcraft.autobatching.program import draws
 from batchcraft.autobatching.rules import rule_for
@@ -176,14 +184,53 @@ class _NoLazy:
     pass
 
 
+class _Shaped(NamedTuple):
+    """The shape and dtype of rows not gathered (what :func:`_check` compares)."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
+class Taken(NamedTuple):
+    """The inputs a lowered program takes as rows of their buffers rather than gathered tensors.
+
+    Attributes:
+        deferred_ins, deferred_rags (frozenset[int]): inputs / ragged member inputs that only
+            fused kernels read: the executor may pass them as
+            :class:`~batchcraft.autobatching.gather.Rows`, read in place through their index (the
+            unfused branches copy them first).
+        rows_ins (frozenset[int]): inputs that only batched products read (:mod:`rowmm`), passed
+            as :class:`~batchcraft.autobatching.gather.RowRefs`.
+    """
+
+    deferred_ins: frozenset
+    deferred_rags: frozenset
+    rows_ins: frozenset
+
+
+NOTHING_TAKEN = Taken(frozenset(), frozenset(), frozenset())
+
+
+def _conform(ins, rags, taken: Taken):
+    """``ins`` and ``rags`` with every row form that ``taken`` does not allow copied into a tensor."""
+    ins = [x if (type(x) is Rows and j in taken.deferred_ins) or (type(x) is RowRefs and j in taken.rows_ins)
+           else _materialize(x) for j, x in enumerate(ins)]
+    rags = [x if type(x) is not Rows or r in taken.deferred_rags else _materialize(x) for r, x in enumerate(rags)]
+    return ins, rags
+
+
 def _check(expected, n, value, batched):
     shape, dtype, _ = DESCS[expected]
+    if type(value) is Rows:  # (a ragged stack's value is its member rows, read in place)
+        value = _Shaped((value.index.shape[0], *value.buffer.shape[1:]), value.buffer.dtype)
+    elif type(value) is RowRefs:
+        value = _Shaped((value.addrs.shape[0], *value.shape), torch.float32)
     if batched == "ragged":  # flat member rows: (members, *shape[1:])
-        if not isinstance(value, torch.Tensor) or tuple(value.shape[1:]) != tuple(shape[1:]):
+        if not isinstance(value, (torch.Tensor, _Shaped)) or tuple(value.shape[1:]) != tuple(shape[1:]):
             return f"ragged shape {tuple(getattr(value, 'shape', ()))}, expected (members, *{tuple(shape[1:])})"
         return None if value.dtype == dtype else f"batched dtype {value.dtype}, expected {dtype}"
     want = (n, *shape) if batched else tuple(shape)
-    if not isinstance(value, torch.Tensor):
+    if not isinstance(value, (torch.Tensor, _Shaped)):
         return f"returned {type(value).__name__}, expected a tensor"
     if tuple(value.shape) != want:
         return f"batched shape {tuple(value.shape)}, expected {want}"
@@ -208,10 +255,9 @@ class Runner:
         unread_ins (frozenset[int]): inputs no step and no output reads (a leaf node's unused
             argument, such as a TreeLSTM leaf's forget-gate input): the executor need not gather them
             and passes None.
-        deferred_ins, deferred_rags (frozenset[int]): inputs / ragged member inputs that only fused
-            kernels read, as rows (set once the unchecked program is built): the executor may pass
-            them as :class:`~batchcraft.autobatching.gather.Rows`, read in place through their
-            index (the unfused branches copy them first).
+        taken (Taken): the inputs the programs take as rows (set when the program is lowered,
+            after the programs; :meth:`prepare`); ``deferred_ins``, ``deferred_rags`` and
+            ``rows_ins`` read it.
     """
 
     def __init__(self, program, kernels=None, ragged_plan=None, fuse=False):
@@ -226,19 +272,26 @@ class Runner:
         self.rules: Counter = Counter()
         self._fast = None
         self._checked = None
+        self._make_fast = None
         self.unread_ins: frozenset = _unread_inputs(program)
-        self.deferred_ins: frozenset = frozenset()
-        self.deferred_rags: frozenset = frozenset()
-        self.rows_ins: frozenset = frozenset()  # inputs only batched products read (rowmm.py)
+        self.taken = NOTHING_TAKEN  # the inputs the lowered programs take as rows
         self._rows_built: frozenset = frozenset()
         self.writes_outputs = False  # a fused kernel computes a program output (__call__'s dest)
         self.source = ""
         self.compiled = None
 
-    def _build(self, checked: bool):
+    def _build(self):
+        """Lower the program once; return ``(checked run, fast program, rules, taken)``.
+
+        Both functions run the same lowered steps, rewrites and fused kernels. The checked one
+        also wraps each step it runs unfused in a check of its outputs' shapes and dtypes against
+        the trace (:func:`_check`; a failure raises :class:`StepFailed`); ``fast()`` compiles the
+        one without checks and returns ``(run, source)``. ``taken``: the inputs both take as rows
+        (:class:`Taken`). One lowering serves
+        both, so a first call lowers each program once and its first run already uses the fused
+        kernels (before, it lowered twice and ran the checked program unfused)."""
         prog = self.program
         em = Emitter()
-        lines = []
         rules = Counter()
         n_in = prog.n_in
         params = ["n"] + [f"I{j}" for j in range(n_in)]
@@ -248,9 +301,8 @@ class Runner:
             params += [f"C{c}" for c in sorted(set(prog.ragged_classes))]
         params.append("D=None")  # rows for the program's outputs (see _assemble), or None
         vals = {}   # (step, slot) -> (expr, batched)
-        if checked:
-            em.ns["_chk"] = _check
-            em.ns["_StepFailed"] = StepFailed
+        em.ns["_chk"] = _check
+        em.ns["_StepFailed"] = StepFailed
 
         def leaf_expr(ref):
             kind = ref[0]
@@ -266,6 +318,7 @@ class Runner:
         step_rule: dict = {}
         leaf_exprs: dict = {}
         leaf_batched: dict = {}
+        checks: dict = {}  # step -> the lines that check its outputs (the checked run's)
         for st in prog.steps:
             ex, bt = zip(*[leaf_expr(r) for r in st.refs]) if st.refs else ((), ())
             leaf_exprs[st.index] = ex
@@ -286,26 +339,19 @@ class Runner:
                 step_rule[st.index] = rname
                 any_b = True
             n_out = len(st.out_dids)
-            indent = ""
-            if checked:
-                lines.append("    try:")
-                indent = "    "
             if st.out_struct is LEAF:
-                lines.append(f"    {indent}{var}_0 = {expr}")
+                lines.append(f"    {var}_0 = {expr}")
             else:
                 fl = em.name(_flat_outputs, "flat")
-                lines.append(f"    {indent}{var} = {fl}({expr})")
+                lines.append(f"    {var} = {fl}({expr})")
                 for s in range(n_out):
-                    lines.append(f"    {indent}{var}_{s} = {var}[{s}]")
-            if checked:
-                lines.append(f"    except Exception as e:\n        raise _StepFailed({st.index}, "
-                             f"f'{{type(e).__name__}}: {{e}}') from e")
-                rplan = self.ragged_plan.get(st.index) if self.ragged_plan is not None else None
-                for s in range(n_out):
-                    exp = st.out_dids[s]
-                    kind = "'ragged'" if rplan is not None and rplan[2][s] is not None else any_b
-                    lines.append(f"    r = _chk({exp}, n, {var}_{s}, {kind})")
-                    lines.append(f"    if r is not None: raise _StepFailed({st.index}, r)")
+                    lines.append(f"    {var}_{s} = {var}[{s}]")
+            rplan = self.ragged_plan.get(st.index) if self.ragged_plan is not None else None
+            chk = checks[st.index] = []
+            for s in range(n_out):
+                kind = "'ragged'" if rplan is not None and rplan[2][s] is not None else any_b
+                chk.append(f"    r = _chk({st.out_dids[s]}, n, {var}_{s}, {kind})")
+                chk.append(f"    if r is not None: raise _StepFailed({st.index}, r)")
             for s in range(n_out):
                 vals[(st.index, s)] = (f"{var}_{s}", any_b)
         outs = []
@@ -317,38 +363,57 @@ class Runner:
             outs.append(e)
         ret = f"    return [{', '.join(outs)}]"
 
-        def compiled(clusters, deferred=None):
-            body = _assemble(em, prog, step_lines, clusters, deferred) + [ret]
-            src = f"def run({', '.join(params)}):\n" + "\n".join(body) + "\n"
-            exec(compile_program(src, f"<batchcraft program {prog.name}>"), em.ns)
-            return em.ns["run"], src
+        def guarded(i):
+            """Step ``i``'s lines inside a try that names the step, then its checks (none for a
+            product folded into an accumulated sum: its value is never made)."""
+            lines = step_lines[i]
+            if not lines:
+                return lines
+            return (["    try:"] + ["    " + ln for ln in lines]
+                    + ["    except Exception as e:",
+                       f"        raise _StepFailed({i}, f'{{type(e).__name__}}: {{e}}') from e"]
+                    + checks[i])
 
-        none = frozenset()
-        if not checked:
-            try:
-                _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batched)
-            except Exception as exc:  # a rewriting bug must cost the rewrite, never the batching
-                self.rewrite_error = f"{type(exc).__name__}: {exc}"
-            try:
-                self._rows_built = _products_from_rows(em, prog, step_lines, step_rule)
-            except Exception as exc:  # (as above: the program keeps its gathers)
-                self.rewrite_error = f"{type(exc).__name__}: {exc}"
-        if checked or not self.fuse:
-            return (*compiled([]), rules, (none, none))
+        def source(clusters, deferred, lines_of):
+            body = _assemble(em, prog, lines_of, clusters, deferred) + [ret]
+            return f"def run({', '.join(params)}):\n" + "\n".join(body) + "\n"
+
+        def compiled(src):
+            ns = dict(em.ns)  # (each function its own globals: the two share the objects)
+            exec(compile_program(src, f"<batchcraft program {prog.name}>"), ns)
+            return ns["run"]
+
         try:
-            clusters = _fuse.plan(prog, leaf_exprs, leaf_batched, self.ragged_plan, self.fallbacks)
-            deferred = _deferrable(prog, clusters, self.ragged_plan)
-            run, src = compiled(clusters, deferred)
-        except Exception as exc:  # a planning bug must cost the fusion, never the batching
-            self.fuse_error = f"{type(exc).__name__}: {exc}"
-            clusters, deferred = [], {}
-            run, src = compiled([])
+            _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batched)
+        except Exception as exc:  # a rewriting bug must cost the rewrite, never the batching
+            self.rewrite_error = f"{type(exc).__name__}: {exc}"
+        try:
+            self._rows_built = _products_from_rows(em, prog, step_lines, step_rule)
+        except Exception as exc:  # (as above: the program keeps its gathers)
+            self.rewrite_error = f"{type(exc).__name__}: {exc}"
+        clusters, deferred = [], {}
+        if self.fuse:
+            try:
+                clusters = _fuse.plan(prog, leaf_exprs, leaf_batched, self.ragged_plan, self.fallbacks)
+                deferred = _deferrable(prog, clusters, self.ragged_plan)
+                checked = compiled(source(clusters, deferred, guarded))
+            except Exception as exc:  # a planning bug must cost the fusion, never the batching
+                self.fuse_error = f"{type(exc).__name__}: {exc}"
+                clusters, deferred = [], {}
+        if not clusters:
+            checked = compiled(source([], {}, guarded))
         self.clusters = clusters
-        outs = _output_index(prog)
-        self.writes_outputs = any(cl.space == "node" and any((k[1], k[2]) in outs for k in cl.outputs)
+        outs_at = _output_index(prog)
+        self.writes_outputs = any(cl.space == "node" and any((k[1], k[2]) in outs_at for k in cl.outputs)
                                   for cl in clusters)
-        return run, src, rules, (frozenset(j for k, j in deferred.values() if k == "in"),
-                                 frozenset(r for k, r in deferred.values() if k == "ragged"))
+
+        def fast():
+            src = source(clusters, deferred, step_lines.__getitem__)
+            return compiled(src), src
+
+        taken = Taken(frozenset(j for k, j in deferred.values() if k == "in"),
+                      frozenset(r for k, r in deferred.values() if k == "ragged"), self._rows_built)
+        return checked, fast, rules, taken
 
     @staticmethod
     def _rebuilt(st, exprs):
@@ -403,20 +468,40 @@ class Runner:
     def dense(self, n, *ins):
         return self(n, ins, (), (), ())
 
-    def __call__(self, n, ins, rags=(), segs=(), cnts=(), dest=None):
+    def prepare(self) -> Taken:
+        """Lower the program if it is not yet, and return the inputs it takes as rows
+        (:class:`Taken`): the executor calls it before it gathers a group's inputs, so that a
+        program's first run already reads its inputs in place."""
+        if self._fast is None and self._checked is None:
+            self._lower()
+        return self.taken
+
+    def _lower(self) -> None:
+        self._checked, self._make_fast, self.rules, taken = self._build()
+        self.taken = taken  # (published after the programs that take them)
+
+    def __call__(self, n, ins, rags=(), segs=(), cnts=(), dest=None, taken=None):
         """The program's outputs for ``n`` nodes. ``dest``: a list of ``(n, ...)`` tensors, one per
         output, that no input reads (rows of the executor's output arena): the fused kernels that
-        compute an output write it there (``writes_outputs``); any other output is a new tensor."""
+        compute an output write it there (``writes_outputs``); any other output is a new tensor.
+        ``taken``: the :class:`Taken` the caller gathered ``ins`` and ``rags`` by (from
+        :meth:`prepare`; None: plain tensors). Inputs passed as rows that the program now running
+        does not take as rows (another thread lowered it again in between) are copied first."""
         fast = self._fast
         if fast is not None:
+            if taken is not None and taken is not self.taken:
+                ins, rags = _conform(ins, rags, self.taken)
             if dest is None:
                 return fast(n, *ins, *rags, *segs, *cnts)
             return fast(n, *ins, *rags, *segs, *cnts, D=dest)
         while True:
             if self._checked is None:
-                self._checked, _, self.rules, _ = self._build(checked=True)
+                self._lower()
+            if taken is not self.taken:
+                ins, rags = _conform(ins, rags, self.taken)
+                taken = self.taken
             try:
-                out = self._checked(n, *ins, *rags, *segs, *cnts)
+                out = self._checked(n, *ins, *rags, *segs, *cnts, D=dest)
             except StepFailed as exc:
                 st = self.program.steps[exc.index]
                 if exc.index in self.fallbacks or (self.ragged_plan is not None and exc.index in self.ragged_plan):
@@ -425,11 +510,22 @@ class Runner:
                 self.fallbacks[exc.index] = f"{st.name}: {_explained(exc.reason)}"
                 self._checked = None
                 continue
-            self._fast, self.source, self.rules, deferred = self._build(checked=False)
-            # published after _fast: another thread that reads them runs the program that takes Rows
-            self.deferred_ins, self.deferred_rags = deferred
-            self.rows_ins = self._rows_built
+            fast, self.source = self._make_fast()
+            self._make_fast = None
+            self._fast = fast
             return out
+
+    @property
+    def deferred_ins(self) -> frozenset:
+        return self.taken.deferred_ins
+
+    @property
+    def deferred_rags(self) -> frozenset:
+        return self.taken.deferred_rags
+
+    @property
+    def rows_ins(self) -> frozenset:
+        return self.taken.rows_ins
 
     @property
     def fallback_steps(self) -> int:
@@ -499,11 +595,11 @@ def _deferrable(prog, clusters, ragged_plan=None) -> dict:
     return {k: src for k, src in keys.items() if ok[src]}
 
 
-def _assemble(em, prog, step_lines, clusters, deferred=None) -> list:
-    """The function body: each step's lines, with each fused cluster's kernel call (and its
-    steps, as lowered, for when the call declines) where the cluster runs (:mod:`fuse`). A
-    ``deferred`` input (:func:`_deferrable`) may arrive as ``gather.Rows``: the unfused branch
-    copies it into a tensor first."""
+def _assemble(em, prog, lines_of, clusters, deferred=None) -> list:
+    """The function body: each step's lines (``lines_of(step index)``), with each fused cluster's
+    kernel call (and its steps, as lowered, for when the call declines) where the cluster runs
+    (:mod:`fuse`). A ``deferred`` input (:func:`_deferrable`) may arrive as ``gather.Rows``: the
+    unfused branch copies it into a tensor first."""
     at: dict = {}
     fused = set()
     for cl in clusters:
@@ -527,17 +623,17 @@ def _assemble(em, prog, step_lines, clusters, deferred=None) -> list:
             if deferred and k in deferred:
                 lines.append(f"        {e} = {em.name(_materialize, 'M')}({e})")
         for i in cl.members:
-            lines.extend("    " + ln for ln in step_lines[i])
+            lines.extend("    " + ln for ln in lines_of(i))
         lines.append("    else:")
         lines.append(f"        {', '.join(f'v{k[1]}_{k[2]}' for k in cl.outputs)}, = _r")
         for i in cl.remat:
-            lines.extend("    " + ln for ln in step_lines[i])
+            lines.extend("    " + ln for ln in lines_of(i))
 
     for st in prog.steps:
         for cl in at.get(st.index, ()):
             emit(cl)
         if st.index not in fused:
-            lines.extend(step_lines[st.index])
+            lines.extend(lines_of(st.index))
     for cl in at.get(None, ()):
         emit(cl)
     return lines
@@ -695,4 +791,4 @@ def _rule_call(rule_fn, func, struct, batched, shapes):
     return f
 
 
-__all__ = ["Runner", "Emitter", "StepView", "StepFailed"]
+__all__ = ["Runner", "Emitter", "StepView", "StepFailed", "Taken"]
