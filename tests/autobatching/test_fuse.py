@@ -791,6 +791,26 @@ def test_first_run_uses_the_fused_kernels_and_lowers_once():
     _close([(o,) for o in out], [(fn(t),) for t in trees])
 
 
+def test_a_program_without_checks_that_fails_to_build_leaves_the_checked_one(monkeypatch):
+    from batchcraft.autobatching import lower
+
+    fn, trees = _tree_case(5, 10)
+    real = lower.compile_program
+
+    def compile_program(src, name):
+        if "_chk(" not in src:
+            raise SyntaxError("a lowering bug")
+        return real(src, name)
+
+    monkeypatch.setattr(lower, "compile_program", compile_program)
+    f = autobatch(fn)
+    with torch.no_grad():
+        for _ in range(2):
+            out = f(trees)
+            _close([(o,) for o in out], [(fn(t),) for t in trees])
+    assert any("runs its checked program (SyntaxError: a lowering bug)" in r for r in f.stats.fallback_reasons)
+
+
 def _token_gate():
     """A static block over a token and a state, (8,): an embedding, a linear, a gated update."""
     torch.manual_seed(3)

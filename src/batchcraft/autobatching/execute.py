@@ -373,6 +373,8 @@ class Executor:
             st.note_fallback(f"{info.name}: elementwise fusion off ({runner.fuse_error})", n)
         if runner.rewrite_error:
             st.note_fallback(f"{info.name}: products not accumulated ({runner.rewrite_error})", n)
+        if runner.lower_error:
+            st.note_fallback(f"{info.name}: runs its checked program ({runner.lower_error})", n)
         if runner.fallback_steps:
             st.fallbacks += n * runner.fallback_steps
             for reason in runner.fallbacks.values():  # (a one-step program's step has its name)

@@ -245,13 +245,15 @@ class Runner:
     Call: ``runner(n, inputs, ragged_members, segments, counts) -> list`` of the program's
     outputs, each ``(n, *per-instance shape)``.
     Args:
-        fuse (bool): the program without the first run's checks runs its elementwise clusters as
-            fused C kernels (:mod:`fuse`; option ``fuse_elementwise``).
+        fuse (bool): the programs (the first run's checked one too) run their elementwise clusters
+            as fused C kernels (:mod:`fuse`; option ``fuse_elementwise``).
     Attributes:
         fallbacks (dict[int, str]): steps run one instance at a time, with the reason.
         rules (Counter): which rule each batched step used (for ``RunStats.groups_by_rule``).
-        clusters (list[fuse.Cluster]): the fused clusters of the unchecked program.
+        clusters (list[fuse.Cluster]): the fused clusters of the programs.
         fuse_error (str): why planning them failed ("" if it did not; the program then runs unfused).
+        lower_error (str): why the program without checks failed to build ("" if it did not; the
+            checked one then runs every time).
         unread_ins (frozenset[int]): inputs no step and no output reads (a leaf node's unused
             argument, such as a TreeLSTM leaf's forget-gate input): the executor need not gather them
             and passes None.
@@ -268,6 +270,7 @@ class Runner:
         self.clusters: list = []
         self.fuse_error = ""   # why planning the fused kernels failed (the program then runs unfused)
         self.rewrite_error = ""  # why accumulating products failed (the program then runs as lowered)
+        self.lower_error = ""  # why the program without checks failed to build (the checked one serves)
         self.fallbacks: dict = {}
         self.rules: Counter = Counter()
         self._fast = None
@@ -510,7 +513,11 @@ class Runner:
                 self.fallbacks[exc.index] = f"{st.name}: {_explained(exc.reason)}"
                 self._checked = None
                 continue
-            fast, self.source = self._make_fast()
+            try:
+                fast, self.source = self._make_fast()
+            except Exception as exc:  # a lowering bug: the checked program (same steps) serves
+                fast, self.source = self._checked, ""
+                self.lower_error = f"{type(exc).__name__}: {exc}"
             self._make_fast = None
             self._fast = fast
             return out
