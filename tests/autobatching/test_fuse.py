@@ -987,3 +987,71 @@ def test_two_output_blocks_writing_into_arenas_under_a_transform_match_eager(cor
     with torch.no_grad():
         f(list(xb[0].unbind(0)))
         torch.testing.assert_close(run(f), run(lambda insts: [fn(x) for x in insts]), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("levels", [2, 3])
+@pytest.mark.parametrize("view", ["tail", "row", "chunk", "narrow"])
+def test_a_block_output_viewing_a_fused_output_keeps_its_rows(levels, view):
+    # reliability #325 (a hostile helper, stop 52): the fused kernel wrote h into the group's
+    # arena rows, the arena declined the group (its outputs alias), and only outputs starting at
+    # a row's start were copied: h[4:] stayed a view of rows the next group of the block wrote over
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    views = {"tail": lambda h: h[4:], "row": lambda h: h[5], "chunk": lambda h: h.chunk(2)[1],
+             "narrow": lambda h: h.narrow(0, 2, 4)}
+    part = views[view]
+
+    @static_block
+    def blk(x, y):
+        h = torch.tanh(x @ w + y)
+        return h, part(h)
+
+    def fn(inst):
+        x, y = inst
+        outs = []
+        for _ in range(levels):
+            x, s = blk(x, y)
+            outs.append(s)
+        return outs
+
+    g = torch.Generator().manual_seed(5)
+    xs = [(torch.randn(8, generator=g), torch.randn(8, generator=g)) for _ in range(5)]
+    f = autobatch(fn)
+    with torch.no_grad():
+        for _ in range(2):  # the first run and the unchecked program
+            out = f(xs)
+            for o, x in zip(out, xs):
+                for a, b in zip(o, fn(x)):
+                    torch.testing.assert_close(a, b)
+
+
+def test_a_first_run_made_again_counts_its_fused_kernels_once():
+    # a step failing in the first run (an old-style autograd.Function: no vmap rule) after a
+    # fused kernel ran: the run is made again with the step per instance, and the kernel counts once
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    torch.manual_seed(1)
+    w = torch.randn(8, 8)
+
+    @static_block
+    def blk(x):
+        h = torch.sigmoid(x @ w) * torch.tanh(x)
+        return Twice.apply(h)
+
+    xs = [torch.randn(8) for _ in range(6)]
+    f = autobatch(blk)
+    with torch.no_grad():
+        first = f(xs)
+        counts = (f.stats.fused_kernels, f.stats.steps_fused, f.stats.fallbacks > 0)
+        f(xs)
+        again = (f.stats.fused_kernels, f.stats.steps_fused, f.stats.fallbacks > 0)
+    assert counts == again and counts[0] > 0 and counts[2]
+    for o, x in zip(first, xs):
+        torch.testing.assert_close(o, Twice.apply(torch.sigmoid(x @ w) * torch.tanh(x)))

@@ -503,9 +503,12 @@ class Runner:
             if taken is not self.taken:
                 ins, rags = _conform(ins, rags, self.taken)
                 taken = self.taken
+            c = _fuse.COUNTS
+            counted = (c.calls, c.steps, c.declined)
             try:
                 out = self._checked(n, *ins, *rags, *segs, *cnts, D=dest)
             except StepFailed as exc:
+                c.calls, c.steps, c.declined = counted  # (the run is made again: its kernels count once)
                 st = self.program.steps[exc.index]
                 if exc.index in self.fallbacks or (self.ragged_plan is not None and exc.index in self.ragged_plan):
                     raise AutobatchError(f"step {st.name} of {self.program.name} failed one instance at a time too: "
