@@ -278,7 +278,6 @@ class Runner:
         self._make_fast = None
         self.unread_ins: frozenset = _unread_inputs(program)
         self.taken = NOTHING_TAKEN  # the inputs the lowered programs take as rows
-        self._rows_built: frozenset = frozenset()
         self.writes_outputs = False  # a fused kernel computes a program output (__call__'s dest)
         self.source = ""
         self.compiled = None
@@ -290,9 +289,9 @@ class Runner:
         also wraps each step it runs unfused in a check of its outputs' shapes and dtypes against
         the trace (:func:`_check`; a failure raises :class:`StepFailed`); ``fast()`` compiles the
         one without checks and returns ``(run, source)``. ``taken``: the inputs both take as rows
-        (:class:`Taken`). One lowering serves
-        both, so a first call lowers each program once and its first run already uses the fused
-        kernels (before, it lowered twice and ran the checked program unfused)."""
+        (:class:`Taken`). One lowering serves both, so a first call lowers each program once and
+        its first run already uses the fused kernels (before, it lowered twice and ran the
+        checked program unfused)."""
         prog = self.program
         em = Emitter()
         rules = Counter()
@@ -390,11 +389,12 @@ class Runner:
             _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batched)
         except Exception as exc:  # a rewriting bug must cost the rewrite, never the batching
             self.rewrite_error = f"{type(exc).__name__}: {exc}"
+        rows_ins = frozenset()
         try:
-            self._rows_built = _products_from_rows(em, prog, step_lines, step_rule)
+            rows_ins = _products_from_rows(em, prog, step_lines, step_rule)
         except Exception as exc:  # (as above: the program keeps its gathers)
             self.rewrite_error = f"{type(exc).__name__}: {exc}"
-        clusters, deferred = [], {}
+        clusters, deferred, checked = [], {}, None
         if self.fuse:
             try:
                 clusters = _fuse.plan(prog, leaf_exprs, leaf_batched, self.ragged_plan, self.fallbacks)
@@ -403,7 +403,7 @@ class Runner:
             except Exception as exc:  # a planning bug must cost the fusion, never the batching
                 self.fuse_error = f"{type(exc).__name__}: {exc}"
                 clusters, deferred = [], {}
-        if not clusters:
+        if checked is None:
             checked = compiled(source([], {}, guarded))
         self.clusters = clusters
         outs_at = _output_index(prog)
@@ -415,7 +415,7 @@ class Runner:
             return compiled(src), src
 
         taken = Taken(frozenset(j for k, j in deferred.values() if k == "in"),
-                      frozenset(r for k, r in deferred.values() if k == "ragged"), self._rows_built)
+                      frozenset(r for k, r in deferred.values() if k == "ragged"), rows_ins)
         return checked, fast, rules, taken
 
     @staticmethod
