@@ -78,7 +78,8 @@ INDEX = ("perm_tensor", "index_select", "gather", "scalar_broadcast", "inst_inde
 SHAPE = ("reshape_t", "expand_mean", "view_squeeze", "repeat_view", "permute3", "flatten", "transpose_mm")
 DTYPE = ("double", "to_double", "half_round_trip_free", "type_as")
 SEQ = ("x_at_M", "x_mean", "attention", "masked_rows", "x_row_k")
-CELL = ("gru", "lstm", "rnn_tanh", "lstm_block", "lstm_block_keep", "gru_block")  # *_block: chains.py
+# *_block: chains.py; gru_block_seq, bi_block: every step's output read after the loop (chains.relevel)
+CELL = ("gru", "lstm", "rnn_tanh", "lstm_block", "lstm_block_keep", "gru_block", "gru_block_seq", "bi_block")
 BRANCH_COND = ("k_gt", "sum_gt", "any_gt", "item_int", "argmax_table", "inst_c")
 MISC = ("einsum", "outer", "dot", "layer_norm", "normalize", "conv1d", "T_prop", "zeros_created", "int_ops",
         "where_inst", "nested_block", "same_output_twice", "dropout_eval", "cross_entropy", "shared_buffer",
@@ -558,6 +559,24 @@ def _cell(name, h, inst, P):
         for t in range(x.shape[0]):
             h = P.gru_b(x[t], h)
         return h
+    if name == "gru_block_seq":
+        hs = []
+        for t in range(x.shape[0]):
+            h = P.gru_b(x[t], h)
+            hs.append(h)
+        return torch.stack([torch.tanh(P.lins[0](v)) for v in hs]).mean(0)
+    if name == "bi_block":  # a BiRNN tagger's shape: step t of each direction read together
+        c = torch.zeros_like(h)
+        fw = []
+        for t in range(x.shape[0]):
+            h, c = P.lstm_b(x[t], (h, c))
+            fw.append(h)
+        g = torch.zeros_like(h)
+        bw = [None] * x.shape[0]
+        for t in range(x.shape[0] - 1, -1, -1):
+            g = P.gru_b(x[t], g)
+            bw[t] = g
+        return sum(P.lins[1](f * b + f) for f, b in zip(fw, bw)) * 0.5 + c
     raise AssertionError(name)
 
 

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import batchcraft
 from batchcraft import autobatch
 from batchcraft.autobatching import _native, chains, static_block
 from equivalence import CORES, assert_matches_eager
@@ -398,3 +399,182 @@ def test_cell_chains_under_a_transform_run_step_by_step_and_match_eager(core, tr
         warnings.simplefilter("ignore", UserWarning)  # (functorch: no batching rule for gru_cell, a slow path)
         torch.testing.assert_close(run(autobatch(fn, core=core)), run(lambda xs: [fn(x) for x in xs]),
                                    atol=1e-5, rtol=1e-5)
+
+
+# -- readers of fused chains re-levelled (chains.relevel) ----------------------------------------------
+
+def _tagger(phased=False):
+    torch.manual_seed(3)
+    fwd, bwd = nn.LSTMCell(6, 5), nn.LSTMCell(6, 5)
+    out = nn.Linear(10, 3)
+    f_step, b_step, o_step = static_block(fwd), static_block(bwd), static_block(out)
+
+    def tag(xs):  # a BiLSTM tagger: every word's output reads both directions' states
+        h = c = torch.zeros(5)
+        fw = []
+        for x in xs:
+            h, c = f_step(x, (h, c))
+            fw.append(h)
+        h = c = torch.zeros(5)
+        bw = [None] * len(xs)
+        for t in range(len(xs) - 1, -1, -1):
+            h, c = b_step(xs[t], (h, c))
+            bw[t] = h
+        if phased:
+            batchcraft.phase("classify")
+        return torch.stack([o_step(torch.cat([f, b])) for f, b in zip(fw, bw)])
+
+    return tag, [*fwd.parameters(), *bwd.parameters(), *out.parameters()]
+
+
+@needs_c
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("phased", [False, True])
+def test_the_readers_of_fused_recurrences_run_as_one_group_per_signature(grad, phased):
+    tag, params = _tagger(phased)
+    # (under autograd a first step, whose zero state needs no gradient, is a signature of its own:
+    # one more block group per direction; no sentence of one word, whose output would then be
+    # ready a step earlier than the others')
+    lengths = (4, 9, 2, 6, 9, 3, 7, 2)
+    with torch.set_grad_enabled(grad):
+        f = assert_matches_eager(tag, [list(x) for x in _seqs(lengths)], params if grad else [])
+    by_rule = f.stats.groups_by_rule
+    assert by_rule.get("fused_lstm") == 2
+    # per word one output block and one cat, recorded at the depths of the steps they read (up to
+    # 9 each without re-levelling): one group each; the final stacks group by length
+    assert by_rule.get("block") == 1 + 2 * grad
+    assert by_rule.get("seq") == 1 + len(set(lengths))
+    assert (f.stats.groups_merged > 0) != phased  # (in a phase of their own they were one group anyway)
+    assert f.stats.recurrences_stepwise == 2 * (not grad)
+
+
+@needs_c
+def test_relevel_declines_a_node_in_two_items_and_an_item_read_before_its_producer(monkeypatch):
+    seen = []
+    real = chains.relevel
+
+    def checked(rec, schedule):
+        items = [it[2] if it[0] == "group" else [nd for c in it[1].chains for nd in c] for it in schedule]
+        seen.append((rec.relevel(items + [items[-1][:1]]), rec.relevel(items[::-1])))
+        with pytest.raises(ValueError, match="out of range"):
+            rec.relevel([[rec.n_nodes + 5]])
+        return real(rec, schedule)
+
+    monkeypatch.setattr(chains, "relevel", checked)
+    tag, _ = _tagger()
+    with torch.no_grad():
+        f = assert_matches_eager(tag, _seqs(LENGTHS), [])
+    assert seen == [(None, None)] and f.stats.groups_by_rule.get("block") == 1
+
+
+def test_relevel_keeps_the_schedule_when_the_recorder_declines():
+    class Declines:
+        def relevel(self, items):
+            return None
+
+    schedule = [("group", (0, 1, 7), [1, 2]), ("group", (0, 2, 7), [3])]
+    assert chains.relevel(Declines(), schedule) == (schedule, [((0, 1, 7), [1, 2]), ((0, 2, 7), [3])])
+
+
+def test_relevel_merges_groups_of_one_signature_at_one_new_depth_and_orders_by_phase():
+    class Levels:
+        def relevel(self, items):
+            return [1, 2, 1, 2, 1]
+
+    unit = chains.Chains(None, None, [[10, 11]], phase=0)
+    schedule = [("group", (0, 1, 7), [1]), ("group", (0, 2, 8), [2]), ("chains", unit),
+                ("group", (0, 3, 8), [3]), ("group", (1, 1, 8), [4])]
+    got, groups = chains.relevel(Levels(), schedule)
+    assert got == [("group", (0, 1, 7), [1]), ("chains", unit), ("group", (0, 2, 8), [2, 3]),
+                   ("group", (1, 1, 8), [4])]
+    assert groups == [((0, 1, 7), [1]), ((0, 2, 8), [2, 3]), ((1, 1, 8), [4])]
+
+
+# -- inference steps without the layer call (chains.stepwise) -------------------------------------------
+
+def _spec(kind, bias, dim, hidden, seed):
+    torch.manual_seed(seed)
+    cell = nn.LSTMCell(dim, hidden, bias=bias) if kind == "lstm" else nn.GRUCell(dim, hidden, bias=bias)
+    layer = {"lstm": torch._VF.lstm, "gru": torch._VF.gru}[kind]
+    params = [cell.weight_ih, cell.weight_hh] + ([cell.bias_ih, cell.bias_hh] if bias else [])
+    return chains.ChainSpec(kind, 2 if kind == "lstm" else 1, layer, 0, (1, 2)[:2 if kind == "lstm" else 1],
+                            params, bias)
+
+
+def _packed_inputs(lengths, dim, hidden, n_states, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = sorted(lengths, reverse=True)
+    sizes = [sum(1 for n in lengths if n > t) for t in range(lengths[0])]
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    last = [offsets[n - 1] + j for j, n in enumerate(lengths)]
+    x = torch.randn(sum(lengths), dim, generator=g)
+    states = [torch.randn(len(lengths), hidden, generator=g) for _ in range(n_states)]
+    return x, states, sizes, last
+
+
+@pytest.mark.skipif(not _native.available, reason="needs the C extensions")
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["lstm", "gru"]), bias=st.booleans(),
+       lengths=st.lists(st.integers(1, 9), min_size=1, max_size=12),
+       dim=st.integers(1, 20), hidden=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_stepwise_gives_the_layer_calls_values(kind, bias, lengths, dim, hidden, seed):
+    spec = _spec(kind, bias, dim, hidden, seed)
+    x, states, sizes, last = _packed_inputs(lengths, dim, hidden, spec.n_states, seed)
+    with torch.no_grad():
+        got = chains.stepwise(spec, x, states, sizes)
+        ref, layer_stepwise = chains.run(spec, x, states, sizes, last)
+        via_run, run_stepwise = chains.run(spec, x, states, sizes, last, fused=True)
+    assert got is not None and run_stepwise and not layer_stepwise
+    assert all(torch.equal(a, b) for a, b in zip(via_run, got))
+    torch.testing.assert_close(got[0], ref[0], atol=2e-6, rtol=1e-5)
+    if kind == "lstm":  # only the last c of each chain is the layer's output
+        torch.testing.assert_close(got[1][last], ref[1][last], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not _native.available, reason="needs the C extensions")
+def test_stepwise_declines_autograd_autocast_and_other_dtypes():
+    spec = _spec("lstm", True, 4, 3, 0)
+    x, states, sizes, last = _packed_inputs([3, 1, 2], 4, 3, 2, 0)
+    assert chains.stepwise(spec, x, states, sizes) is None  # the weights require grad
+    with torch.no_grad():
+        assert chains.stepwise(spec, x, states, sizes) is not None
+        assert chains.stepwise(spec, x.double(), [s.double() for s in states], sizes) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert chains.stepwise(spec, x, states, sizes) is None
+    with torch.inference_mode():
+        assert chains.stepwise(spec, x, states, sizes) is not None
+
+
+@needs_c
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_batch_in_inference_runs_its_chains_stepwise_and_training_through_the_layer(kind, monkeypatch):
+    used = []
+    real = chains.stepwise
+    monkeypatch.setattr(chains, "stepwise", lambda *a, **k: used.append(real(*a, **k) is not None) or real(*a, **k))
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(6, 5) if kind == "lstm" else nn.GRUCell(6, 5)
+    step = static_block(cell)
+
+    def rnn(xs):
+        h = c = torch.zeros(5)
+        hs = []
+        for x in xs:
+            if kind == "lstm":
+                h, c = step(x, (h, c))
+            else:
+                h = step(x, h)
+            hs.append(h)
+        return torch.stack(hs)
+
+    with torch.no_grad():
+        assert_matches_eager(rnn, _seqs(LENGTHS), [])
+    assert used == [True]
+    used.clear()
+    assert_matches_eager(rnn, _seqs(LENGTHS), list(cell.parameters()))
+    assert used == [False]  # asked, declined: the layer call carries the gradients
+    used.clear()
+    with torch.no_grad():
+        assert_matches_eager(rnn, _seqs(LENGTHS), [], fuse_elementwise=False)
+    assert used == []

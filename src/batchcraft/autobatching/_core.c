@@ -1915,6 +1915,62 @@ static PyObject *rec_input_depths(RecObject *self, PyObject *const *args, Py_ssi
     return lst ? Py_BuildValue("(iN)", mind == INT32_MAX ? 0 : mind, lst) : NULL;
 }
 
+/* relevel(items) -> the new depth of each item, or None. `items` are the node lists of a flush's
+   schedule in run order (a group's nodes, or all nodes of a fused recurrence). An item's depth is
+   one more than the deepest pending input of the same phase from another item (DyNet's depth
+   rule, with a fused recurrence one step deep), and every node of the item is given it, so the
+   readers of a recurrence's outputs, recorded at per-step depths, share one depth (schedule.py).
+   None (nothing changed) when a node is in two items or an item reads a later one. */
+static PyObject *rec_relevel(RecObject *self, PyObject *items) {
+    PyObject *seq = PySequence_Fast(items, "relevel(items): a list of node lists");
+    if (!seq) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    PyObject **its = PySequence_Fast_ITEMS(seq);
+    IVec *lists = (IVec *)PyMem_Calloc(m + 1, sizeof(IVec));
+    int32_t *member = (int32_t *)PyMem_Malloc((self->n + 1) * sizeof(int32_t));
+    int32_t *level = (int32_t *)PyMem_Malloc((m + 1) * sizeof(int32_t));
+    PyObject *out = NULL;
+    Py_ssize_t got = 0;
+    if (!lists || !member || !level) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t k = 0; k < self->n; k++) member[k] = -1;
+    int ok = 1;
+    for (; got < m; got++) {
+        if (nodes_from(its[got], &lists[got]) < 0) { got++; goto done; }
+        for (Py_ssize_t i = 0; ok && i < lists[got].n; i++) {
+            int32_t nd = lists[got].v[i];
+            if (nd < 0 || nd >= self->n) { PyErr_SetString(PyExc_ValueError, "relevel: node out of range"); got++; goto done; }
+            if (member[nd] >= 0) ok = 0;
+            member[nd] = (int32_t)got;
+        }
+    }
+    for (Py_ssize_t k = 0; ok && k < m; k++) {
+        int32_t deep = 0;
+        for (Py_ssize_t i = 0; ok && i < lists[k].n; i++) {
+            int32_t nd = lists[k].v[i];
+            for (int32_t j = 0; j < self->in_count[nd]; j++) {
+                int32_t p = self->in_node.v[self->in_start[nd] + j];
+                int32_t q = member[p];
+                if (q < 0 || q == k || self->phase[p] != self->phase[nd]) continue;
+                if (q > k) { ok = 0; break; }
+                if (level[q] > deep) deep = level[q];
+            }
+        }
+        level[k] = deep + 1;
+    }
+    if (!ok) { Py_INCREF(Py_None); out = Py_None; goto done; }
+    out = PyList_New(m);
+    for (Py_ssize_t k = 0; out && k < m; k++) {
+        PyObject *v = PyLong_FromLong(level[k]);
+        if (!v) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, k, v);
+        for (Py_ssize_t i = 0; i < lists[k].n; i++) self->depth[lists[k].v[i]] = level[k];
+    }
+done:
+    if (lists) for (Py_ssize_t k = 0; k < got; k++) PyMem_Free(lists[k].v);
+    PyMem_Free(lists); PyMem_Free(member); PyMem_Free(level); Py_DECREF(seq);
+    return out;
+}
+
 /* place(nodes, buf, base): node i's outputs are row base + i of buffers buf, buf+1...; base may
    instead be a bytes-like object of one int64 row per node (a deduplicated group's rows). */
 static PyObject *rec_place(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -2420,6 +2476,7 @@ static PyMethodDef rec_methods[] = {
     {"place", (PyCFunction)(void (*)(void))rec_place, METH_FASTCALL, "place(nodes, buf, base)"},
     {"plan_slots", (PyCFunction)(void (*)(void))rec_plan_slots, METH_FASTCALL, "plans of some single slots"},
     {"input_depths", (PyCFunction)(void (*)(void))rec_input_depths, METH_FASTCALL, "depths of pending inputs"},
+    {"relevel", (PyCFunction)rec_relevel, METH_O, "relevel(items): one depth per item of a schedule"},
     {"node_sid", (PyCFunction)rec_node_sid, METH_O, NULL},
     {"node_inst", (PyCFunction)rec_node_inst, METH_O, NULL},
     {"node_inputs", (PyCFunction)rec_node_inputs, METH_O, NULL},

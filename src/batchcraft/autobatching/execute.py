@@ -456,13 +456,15 @@ class Executor:
             x = take(bufs, px)
             states = [take(bufs, p) for p in ps]
             t1 = _perf()
-            outs = _chains.run(spec, x, states, sizes, last)
+            lin = self.kernels.linear if self.kernels is not None else _chains._LINEAR
+            outs, stepwise = _chains.run(spec, x, states, sizes, last, lin, self.options.fuse_elementwise)
         buf = len(bufs)
         bufs.extend(outs)
         rec.place(rows, buf, 0)
         st.gather_s += t1 - t0
         st.kernel_s += _perf() - t1
         st.batched_calls += 1
+        st.recurrences_stepwise += stepwise
         name = "fused_" + spec.kind
         st.groups_by_rule[name] = st.groups_by_rule.get(name, 0) + 1
 

@@ -34,6 +34,10 @@ class DepthScheduler:
         # wrappers, so the chains run step by step as groups there)
         if executor.options.fuse_recurrences and hasattr(rec, "chains") and not rec.hooks and not under_transform():
             schedule, groups = _chains.plan(rec, groups, stats.note_unpacked, stats.syncs > 0)  # chains.py: one layer call
+            if len(schedule) != len(groups):  # some chains fused: their readers' groups merge
+                n = len(groups)
+                schedule, groups = _chains.relevel(rec, schedule)
+                stats.groups_merged += n - len(groups)
         else:
             schedule = [("group", key, nodes) for key, nodes in groups]
         if executor.options.packed_order:

@@ -55,6 +55,10 @@ class RunStats:
             one layer call (``chains.py``): a bare cell (wrap it in ``static_block``), value
             requests between the steps, an unpackable form; with the node-steps noted at each
             flush (a diagnostic count: flushes can split the steps differently between calls).
+        recurrences_stepwise (int): fused recurrences (``fused_*`` groups) run in inference as one
+            input product and per-step kernels instead of torch's layer call (``chains.stepwise``).
+        groups_merged (int): groups that ran as part of another group of their signature because
+            what they read became ready together once recurrences were fused (``chains.relevel``).
         ragged_declined (dict[str, int]): static blocks whose list arguments could not run as
             ragged groups (their nodes then group by list length), with the operation or use that
             prevented it; noted when a block is traced for a new list pattern.
@@ -87,6 +91,8 @@ class RunStats:
     rows_deduplicated: int = 0
     groups_looked_up: int = 0
     recurrences_unpacked: dict = field(default_factory=dict)
+    recurrences_stepwise: int = 0
+    groups_merged: int = 0
     fused_kernels: int = 0
     steps_fused: int = 0
     fused_declined: int = 0
@@ -147,6 +153,9 @@ class RunStats:
         if self.groups_deduplicated:
             text += (f"; {self.groups_deduplicated} groups run once per distinct input "
                      f"({self.rows_deduplicated} rows not computed)")
+        if self.recurrences_stepwise or self.groups_merged:
+            text += (f"; fused recurrences: {self.recurrences_stepwise} run step by step in C kernels, "
+                     f"{self.groups_merged} groups of their readers merged")
         if self.groups_looked_up:
             text += f"; {self.groups_looked_up} embedding lookups read in place"
         if self.groups_by_rule:
