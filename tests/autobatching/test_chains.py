@@ -543,8 +543,32 @@ def test_stepwise_declines_autograd_autocast_and_other_dtypes():
         assert chains.stepwise(spec, x.double(), [s.double() for s in states], sizes) is None
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert chains.stepwise(spec, x, states, sizes) is None
+        with torch.autograd.forward_ad.dual_level():
+            assert chains.stepwise(spec, x, states, sizes) is None
     with torch.inference_mode():
         assert chains.stepwise(spec, x, states, sizes) is not None
+
+
+@pytest.mark.skipif(not _native.available, reason="needs the C extensions")
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("layout", ["shared_row", "column_major", "negative_view", "sliced"])
+def test_stepwise_reads_initial_states_of_any_layout(kind, layout):
+    spec = _spec(kind, True, 4, 3, 1)
+    x, states, sizes, last = _packed_inputs([3, 5, 2, 5], 4, 3, spec.n_states, 1)
+    if layout == "shared_row":
+        states = [s[:1].expand(4, 3) for s in states]
+    elif layout == "column_major":
+        states = [s.t().contiguous().t() for s in states]
+    elif layout == "negative_view":
+        states = [torch._neg_view(s) for s in states]
+    else:
+        states = [torch.randn(4, 7)[:, 2:5] for _ in states]
+    with torch.no_grad():
+        got = chains.stepwise(spec, x, states, sizes)
+        ref, _ = chains.run(spec, x, [s.clone() for s in states], sizes, last)
+    torch.testing.assert_close(got[0], ref[0], atol=2e-6, rtol=1e-5)
+    if kind == "lstm":
+        torch.testing.assert_close(got[1][last], ref[1][last], atol=2e-6, rtol=1e-5)
 
 
 @needs_c
