@@ -78,8 +78,10 @@ INDEX = ("perm_tensor", "index_select", "gather", "scalar_broadcast", "inst_inde
 SHAPE = ("reshape_t", "expand_mean", "view_squeeze", "repeat_view", "permute3", "flatten", "transpose_mm")
 DTYPE = ("double", "to_double", "half_round_trip_free", "type_as")
 SEQ = ("x_at_M", "x_mean", "attention", "masked_rows", "x_row_k")
-# *_block: chains.py; gru_block_seq, bi_block: every step's output read after the loop (chains.relevel)
-CELL = ("gru", "lstm", "rnn_tanh", "lstm_block", "lstm_block_keep", "gru_block", "gru_block_seq", "bi_block")
+# *_block: chains.py; gru_block_seq, bi_block: every step's output read after the loop (chains.relevel);
+# stacked_block: a recurrence over another's per-step outputs (chains.fuse's second pass)
+CELL = ("gru", "lstm", "rnn_tanh", "lstm_block", "lstm_block_keep", "gru_block", "gru_block_seq", "bi_block",
+        "stacked_block")
 BRANCH_COND = ("k_gt", "sum_gt", "any_gt", "item_int", "argmax_table", "inst_c")
 MISC = ("einsum", "outer", "dot", "layer_norm", "normalize", "conv1d", "T_prop", "zeros_created", "int_ops",
         "where_inst", "nested_block", "same_output_twice", "dropout_eval", "cross_entropy", "shared_buffer",
@@ -577,6 +579,16 @@ def _cell(name, h, inst, P):
             g = P.gru_b(x[t], g)
             bw[t] = g
         return sum(P.lins[1](f * b + f) for f, b in zip(fw, bw)) * 0.5 + c
+    if name == "stacked_block":
+        c = torch.zeros_like(h)
+        hs = []
+        for t in range(x.shape[0]):
+            h, c = P.lstm_b(x[t], (h, c))
+            hs.append(torch.tanh(h))
+        g = torch.zeros_like(h)
+        for v in hs:
+            g = P.gru_b(v, g)
+        return g + c
     raise AssertionError(name)
 
 

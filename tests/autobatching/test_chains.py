@@ -602,3 +602,32 @@ def test_a_batch_in_inference_runs_its_chains_stepwise_and_training_through_the_
     with torch.no_grad():
         assert_matches_eager(rnn, _seqs(LENGTHS), [], fuse_elementwise=False)
     assert used == []
+
+
+@needs_c
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_recurrence_over_another_recurrences_outputs_is_fused_too(grad):
+    torch.manual_seed(0)
+    l1, l2 = nn.LSTMCell(6, 5), nn.GRUCell(5, 4)
+    s1, s2 = static_block(l1), static_block(l2)
+
+    def stacked(xs):  # the second layer's inputs are the first's per-step outputs
+        h = c = torch.zeros(5)
+        hs = []
+        for x in xs:
+            h, c = s1(x, (h, c))
+            hs.append(torch.tanh(h))
+        g = torch.zeros(4)
+        outs = []
+        for v in hs:
+            g = s2(v, g)
+            outs.append(g)
+        return torch.stack(outs)
+
+    with torch.set_grad_enabled(grad):
+        f = assert_matches_eager(stacked, [list(x) for x in _seqs((4, 9, 2, 6, 9, 3, 7, 2))],
+                                 [*l1.parameters(), *l2.parameters()] if grad else [])
+    by_rule = f.stats.groups_by_rule
+    assert by_rule.get("fused_lstm") == 1 and by_rule.get("fused_gru") == 1
+    assert by_rule.get("elementwise") == 1 + grad  # the tanh of every step: one group (grad: + first steps')
+    assert f.stats.recurrences_unpacked == {}  # the first pass's "inputs computed after the first step" is not kept

@@ -258,6 +258,56 @@ def plan(rec, groups, note=None, waits=False):
     return schedule, rest
 
 
+def fuse(rec, groups, note=None, waits=False):
+    """:func:`plan` then :func:`relevel`, again until no more signature fuses.
+
+    A recurrence that reads another's per-step outputs (the second layer of a stacked LSTM) is
+    recorded at the first's per-step depths, so its inputs are not all ready before its first
+    step and :func:`plan` keeps it per step; once the first is one call and re-levelled, its
+    inputs are ready at one depth and the next pass fuses it. ``note`` hears only the last pass
+    (the one that fused nothing more), so a recurrence fused in a later pass is not reported as
+    unpacked.
+
+    Returns:
+        ``(schedule, groups, merged)``: as :func:`plan`, and the number of groups re-levelling
+        merged into others.
+    """
+    notes: list = []
+    collect = None if note is None else (lambda reason, steps: notes.append((reason, steps)))
+    schedule, rest = plan(rec, groups, collect, waits)
+    fused = len(rest) < len(groups)
+    merged = 0
+    while fused:
+        n = len(rest)
+        schedule, rest = relevel(rec, schedule)
+        merged += n - len(rest)
+        notes.clear()
+        more, left = plan(rec, rest, collect, waits)
+        fused = len(left) < len(rest)
+        if fused:
+            schedule, rest = _splice(schedule, more), left
+    if note is not None:
+        for reason, steps in notes:
+            note(reason, steps)
+    return schedule, rest, merged
+
+
+def _splice(schedule, more):
+    """``schedule`` with the groups :func:`plan` fused in ``more`` (its plan of the schedule's
+    groups) replaced by their fused call, at the place of the first of them."""
+    kept = {it[1] for it in more if it[0] == "group"}
+    units = {(it[1].phase, it[1].info.sid): it for it in more if it[0] == "chains"}
+    out = []
+    for it in schedule:
+        if it[0] == "group" and it[1] not in kept:
+            unit = units.pop((it[1][0], it[1][2]), None)
+            if unit is not None:
+                out.append(unit)
+            continue
+        out.append(it)
+    return out
+
+
 def relevel(rec, schedule):
     """Merge the groups that read fused recurrences: give each item of ``schedule`` (from
     :func:`plan`) the depth of its deepest input item plus one, a fused call counting one step.
@@ -408,4 +458,4 @@ def stepwise(spec, x, states, sizes, linear=_LINEAR):
     return [h_out, c_out] if lstm else [h_out]
 
 
-__all__ = ["plan", "relevel", "stepwise", "spec_of", "packed", "run", "Chains", "ChainSpec", "MIN_NODES", "UNPACKED_BARE"]
+__all__ = ["plan", "fuse", "relevel", "stepwise", "spec_of", "packed", "run", "Chains", "ChainSpec", "MIN_NODES", "UNPACKED_BARE"]

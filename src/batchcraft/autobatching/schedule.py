@@ -33,11 +33,9 @@ class DepthScheduler:
         # (not under a torch.func transform: nn.GRU / nn.LSTM layers take no batched or dual
         # wrappers, so the chains run step by step as groups there)
         if executor.options.fuse_recurrences and hasattr(rec, "chains") and not rec.hooks and not under_transform():
-            schedule, groups = _chains.plan(rec, groups, stats.note_unpacked, stats.syncs > 0)  # chains.py: one layer call
-            if len(schedule) != len(groups):  # some chains fused: their readers' groups merge
-                n = len(groups)
-                schedule, groups = _chains.relevel(rec, schedule)
-                stats.groups_merged += n - len(groups)
+            # chains.py: a recurrence's steps as one call, what reads them re-levelled
+            schedule, groups, merged = _chains.fuse(rec, groups, stats.note_unpacked, stats.syncs > 0)
+            stats.groups_merged += merged
         else:
             schedule = [("group", key, nodes) for key, nodes in groups]
         if executor.options.packed_order:
