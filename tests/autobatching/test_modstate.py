@@ -215,6 +215,40 @@ def test_tuples_and_namedtuples_on_a_module_come_back_concrete(core):
     torch.testing.assert_close(m.state.c, h * 2)
 
 
+@pytest.mark.parametrize("core", CORES)
+def test_values_in_containers_inside_containers_come_back_concrete(core):
+    # hostile helper (stop 53): ``self.states.append((h, c))`` left the tuples' tensors lazy
+    import collections
+
+    State = collections.namedtuple("State", "h c")
+
+    class M(_WithLinear):
+        def __init__(self):
+            super().__init__()
+            self.states, self.by_step, self.grid, self.loop = [], {}, [[]], []
+            self.loop.append(self.loop)  # a list that holds itself: looked into only so deep
+
+        def forward(self, x):
+            h = self.lin(x)
+            self.states = [(h, h * 2), State(h, 3)]
+            self.by_step = {"last": [h, {"deep": (h + 1,)}]}
+            self.grid[0] = [h * 3]
+            self.loop.append((h,))
+            return h.sum()
+
+    m = M()
+    xs = [torch.randn(3) for _ in range(4)]
+    autobatch(m, core=core)(xs)
+    h = m.lin(xs[-1])
+    (h1, h2), st = m.states
+    assert type(st) is State and st.c == 3
+    for got, want in ((h1, h), (h2, h * 2), (st.h, h), (m.by_step["last"][0], h),
+                      (m.by_step["last"][1]["deep"][0], h + 1), (m.grid[0][0], h * 3), (m.loop[-1][0], h)):
+        assert type(got) is torch.Tensor
+        torch.testing.assert_close(got, want)
+    assert m.loop[0] is m.loop
+
+
 class _StoresThenRaises(nn.Module):
     """Per instance ``(x, bad)``: stores ``self.last``, re-assigns a buffer and writes ``x`` in
     place; an instance with ``bad`` set raises after all that."""

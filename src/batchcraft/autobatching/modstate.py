@@ -77,39 +77,68 @@ def _take(rec, x, left: list | None, where: str):
     return rec.resolve(x)
 
 
+#: containers inside containers looked into (a list of (h, c) tuples is two deep), and the most
+#: entries looked at under one attribute in all (nested tables would otherwise multiply)
+MAX_DEPTH = 4
+MAX_VISITED = 8 * MAX_SCANNED
+
+
 def _resolve_inside(m, name: str, v, rec, lazy_type, replaced: list, left: list | None = None) -> None:
     """The lazy values of ``rec`` in a list, dict (subclasses too), tuple, namedtuple or plain
     object held by attribute ``name`` of module ``m`` (``self.history.append(h)``,
-    ``self.log.last = h``, ``self.state = (h, c)``): one level deep."""
+    ``self.log.last = h``, ``self.state = (h, c)``, ``self.states.append((h, c))``), and in the
+    containers inside those, down to :data:`MAX_DEPTH` levels."""
+    new, changed = _inside(v, f"{type(m).__name__}.{name}", rec, lazy_type, replaced, left, 1, [MAX_VISITED])
+    if changed:  # a tuple (a namedtuple) cannot change in place: the attribute gets a new one
+        m.__dict__[name] = new
+
+
+def _inside(v, where: str, rec, lazy_type, replaced: list, left, depth: int, budget: list):
+    """``(value, changed)``: ``v`` with the lazy values of ``rec`` in it resolved. Lists, dicts and
+    plain objects are changed in place (``changed`` False); a tuple holding one comes back as a
+    new tuple of the same type (``changed`` True), which the caller stores where ``v`` was."""
     t = type(v)
+    if t is lazy_type:
+        if v.rec is not rec:
+            return v, False
+        replaced.append(where)
+        return _take(rec, v, left, where), True
+    if t in _SCALARS or depth > MAX_DEPTH or budget[0] <= 0:
+        return v, False
+    budget[0] -= 1
     if isinstance(v, list):  # (subclasses too: their items are set in place)
         # appends land at the end: a long list (a vocabulary) is looked at in its last entries
-        start = max(0, len(v) - MAX_SCANNED)
-        items = zip(range(start, len(v)), v[start:])
-    elif isinstance(v, dict):  # (OrderedDict, defaultdict)
+        for k in range(max(0, len(v) - MAX_SCANNED), len(v)):
+            new, changed = _inside(v[k], f"{where}[{k}]", rec, lazy_type, replaced, left, depth + 1, budget)
+            if changed:
+                v[k] = new
+        return v, False
+    if (t is tuple or hasattr(t, "_make")) and isinstance(v, tuple):
         if len(v) > MAX_SCANNED:
-            return
-        items = list(v.items())
-    elif (t is tuple or hasattr(t, "_make")) and len(v) <= MAX_SCANNED:
-        # a tuple (a namedtuple) cannot change in place: the attribute gets a new one
+            return v, False
         vals = list(tuple.__iter__(v))
-        lazy = [k for k, x in enumerate(vals) if type(x) is lazy_type and x.rec is rec]
-        if lazy:
-            for k in lazy:
-                vals[k] = _take(rec, vals[k], left, f"{type(m).__name__}.{name}[{k}]")
-            m.__dict__[name] = tuple(vals) if t is tuple else t._make(vals)
-            replaced.append(f"{type(m).__name__}.{name}")
-        return
+        any_changed = False
+        for k, x in enumerate(vals):
+            new, changed = _inside(x, f"{where}[{k}]", rec, lazy_type, replaced, left, depth + 1, budget)
+            if changed:
+                vals[k], any_changed = new, True
+        if not any_changed:
+            return v, False
+        return (tuple(vals) if t is tuple else t._make(vals)), True
+    if isinstance(v, dict):  # (OrderedDict, defaultdict)
+        table = v
     elif t.__module__ not in _PLAIN_MODULES and not isinstance(v, (nn.Module, type)) \
             and isinstance(getattr(v, "__dict__", None), dict):
-        v = vars(v)
-        items = list(v.items())
+        table = vars(v)
     else:
-        return
-    for k, x in list(items):
-        if type(x) is lazy_type and x.rec is rec:
-            v[k] = _take(rec, x, left, f"{type(m).__name__}.{name}[{k!r}]")
-            replaced.append(f"{type(m).__name__}.{name}[{k!r}]")
+        return v, False
+    if len(table) > MAX_SCANNED:
+        return v, False
+    for k, x in list(table.items()):
+        new, changed = _inside(x, f"{where}[{k!r}]", rec, lazy_type, replaced, left, depth + 1, budget)
+        if changed:
+            table[k] = new
+    return v, False
 
 
 def _dict_or_empty(table) -> dict:
