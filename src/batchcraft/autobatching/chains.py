@@ -176,8 +176,8 @@ UNPACKED_FORM = ("a cell call in a form that is not packed (packing takes one ce
 UNPACKED_WAITS = ("one step per flush: the instances request a value between the steps (a break on the "
                   "state), so each step runs as its own group")
 UNPACKED_BARE = ("a cell called outside a static block: its projection and gates record as two operations "
-                 "and batch step by step; static_block(nn.GRUCell(...)) (or LSTMCell / RNNCell) on per-instance "
-                 "(H,) rows packs its steps")
+                 "and batch step by step; over a sequence, static_block(nn.GRUCell(...)) (or LSTMCell / RNNCell) "
+                 "on per-instance (H,) rows packs its steps (a tree of cells batches depth by depth either way)")
 UNPACKED_CHAINS = "its steps do not form chains (a step's state is also read elsewhere)"
 UNPACKED_INPUTS = "inputs or initial states are computed after the first step (from the recurrence itself)"
 
