@@ -1,7 +1,8 @@
 """Schedulers: the order in which pending (phase, depth, signature) groups run.
 
 * ``"depth"``: group nodes by inline depth and signature; run depth 1, 2, ... Cheap (the
-  buckets are filled while recording). DyNet §3.2 "depth-based".
+  buckets are filled while recording). DyNet §3.2 "depth-based". With the C core, a recurrent
+  cell's per-step chains run as one call and what reads them is re-levelled (``chains.fuse``).
 * ``"agenda"``: among nodes whose inputs are ready, run the signature with the lowest average
   depth over its remaining nodes, all its ready nodes at once. DyNet §3.2 "agenda-based"; it
   batches work whose depths differ (chains of different lengths before the same operation).
