@@ -17,9 +17,29 @@ from collections import defaultdict
 
 from batchcraft.autobatching import chains as _chains
 from batchcraft.autobatching.order import consumer_order, packed_order
+from batchcraft.autobatching.signature import SIGNATURES
 from batchcraft.autobatching.threadstate import under_transform
 
 _perf = time.perf_counter
+
+
+#: groups of one operation at one depth with this many input shapes are noted (``stats.shape_splits``)
+SPLIT_MIN = 4
+
+
+def note_shape_splits(groups, stats) -> None:
+    """Note operations whose nodes at one (phase, depth) form groups of several input shapes."""
+    shapes: dict = {}
+    for (phase, depth, sid), _ in groups:
+        info = SIGNATURES.by_sid[sid]
+        key = (phase, depth, id(info.func))
+        entry = shapes.get(key)
+        if entry is None:
+            shapes[key] = entry = (info.name, set())
+        entry[1].add(info.in_dids)
+    for name, dids in shapes.values():
+        if len(dids) >= SPLIT_MIN:
+            stats.note_shape_split(name, len(dids))
 
 
 class DepthScheduler:
@@ -31,6 +51,7 @@ class DepthScheduler:
         t0 = _perf()
         groups = rec.take_buckets()
         groups.sort(key=lambda kv: (kv[0][0], kv[0][1]))
+        note_shape_splits(groups, stats)
         # (not under a torch.func transform: nn.GRU / nn.LSTM layers take no batched or dual
         # wrappers, so the chains run step by step as groups there)
         if executor.options.fuse_recurrences and hasattr(rec, "chains") and not rec.hooks and not under_transform():

@@ -59,6 +59,10 @@ class RunStats:
             input product and per-step kernels instead of torch's layer call (``chains.stepwise``).
         groups_merged (int): groups that ran as part of another group of their signature because
             what they read became ready together once recurrences were fused (``chains.relevel``).
+        shape_splits (dict[str, int]): operations whose nodes at one depth ran as several groups
+            because the instances' inputs differ in shape (a whole sentence's embedding lookup,
+            a stack of a per-instance number of tensors), with the most shapes met at one depth;
+            only where there were at least ``schedule.SPLIT_MIN`` (depth scheduler).
         ragged_declined (dict[str, int]): static blocks whose list arguments could not run as
             ragged groups (their nodes then group by list length), with the operation or use that
             prevented it; noted when a block is traced for a new list pattern.
@@ -93,6 +97,7 @@ class RunStats:
     recurrences_unpacked: dict = field(default_factory=dict)
     recurrences_stepwise: int = 0
     groups_merged: int = 0
+    shape_splits: dict = field(default_factory=dict)
     fused_kernels: int = 0
     steps_fused: int = 0
     fused_declined: int = 0
@@ -114,6 +119,10 @@ class RunStats:
 
     def note_unpacked(self, reason: str, count: int) -> None:
         self.recurrences_unpacked[reason] = self.recurrences_unpacked.get(reason, 0) + count
+
+    def note_shape_split(self, name: str, shapes: int) -> None:
+        if shapes > self.shape_splits.get(name, 0):
+            self.shape_splits[name] = shapes
 
     def note_eager(self, name: str) -> None:
         self.eager_reasons[name] = self.eager_reasons.get(name, 0) + 1
@@ -165,6 +174,11 @@ class RunStats:
         if self.ragged_declined:
             text += "; list arguments grouped by length, not ragged: " + "; ".join(
                 f"{k} (x{v})" for k, v in sorted(self.ragged_declined.items()))
+        if self.shape_splits:
+            text += ("; operations split into one group per input shape at one depth (instances' tensors "
+                     "differ in size; per-element work, such as one lookup per token, or equal shapes "
+                     "batch as one group): " + ", ".join(
+                         f"{k} ({v} shapes)" for k, v in sorted(self.shape_splits.items())))
         if self.recurrences_unpacked:
             text += "; recurrences run step by step: " + "; ".join(
                 f"{k} (x{v})" for k, v in sorted(self.recurrences_unpacked.items()))
