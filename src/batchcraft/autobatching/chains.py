@@ -363,13 +363,14 @@ def packed(chains):
     return rows, sizes, last, [c[0] for c in order]
 
 
-def run(spec, x, states, sizes, last, linear=_LINEAR, fused=False):
+def run(spec, x, states, sizes, last, linear=None, fused=False):
     """The chains' steps: ``x`` (N, in) packed rows, ``states`` per state (B, H) in chain order ->
     ``(outputs, stepwise)``: the per-step outputs, each (N, H), and whether :func:`stepwise` ran.
 
     With ``fused`` and where :func:`stepwise` applies (inference, float32 on the CPU, LSTM or
     GRU), the steps run there; otherwise as the layer call (LSTM: ``c`` rows of non-final steps
-    are then NaN). ``linear``: the input projection's ``F.linear`` (the kernel selector's)."""
+    are then NaN). ``linear``: the input projection's ``F.linear`` (the kernel selector's; None:
+    torch's)."""
     if fused and spec.kind in _STEPWISE:
         outs = stepwise(spec, x, states, sizes, linear)
         if outs is not None:
@@ -391,7 +392,7 @@ _F32 = torch.float32
 _fuse = None
 
 
-def stepwise(spec, x, states, sizes, linear=_LINEAR):
+def stepwise(spec, x, states, sizes, linear=None):
     """The chains' steps without the layer call, for inference: the input projection of every
     step as one product (``linear``, the kernel selector's: oneDNN where it is faster here), then
     per step one recurrent product ``h W_hh^T + b_hh`` written for the step's rows and the gates as
@@ -433,7 +434,7 @@ def stepwise(spec, x, states, sizes, linear=_LINEAR):
     s0 = s0.resolve_neg()
     if s0.dim() != 2 or (H > 1 and s0.stride(1) != 1):
         s0 = s0.contiguous()
-    gx = linear(x, w_ih, b_ih).contiguous()
+    gx = (linear or _LINEAR)(x, w_ih, b_ih).contiguous()
     wt = w_hh.t()
     n, kh = gx.shape
     h_out = gx.new_empty((n, H))

@@ -456,7 +456,7 @@ class Executor:
             x = take(bufs, px)
             states = [take(bufs, p) for p in ps]
             t1 = _perf()
-            lin = self.kernels.linear if self.kernels is not None else _chains._LINEAR
+            lin = self.kernels.linear if self.kernels is not None else None
             outs, stepwise = _chains.run(spec, x, states, sizes, last, lin, self.options.fuse_elementwise)
         buf = len(bufs)
         bufs.extend(outs)
