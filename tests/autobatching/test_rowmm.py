@@ -165,6 +165,7 @@ def test_compositions_read_their_matrices_in_place_and_match_eager(h, monkeypatc
 
 def test_without_the_extension_the_products_gather(monkeypatch):
     monkeypatch.setattr(rowmm, "_ADDRESS", [0])  # as a build without the extension or without MKL
+    monkeypatch.setattr(rowmm, "_SHARED", [False])  # and without AVX-512
     monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 1024)
     fn, _ = _mv_model(32)
     sents = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
@@ -347,3 +348,152 @@ def test_a_vector_times_per_node_matrices_reads_them_with_the_vector_kernel(monk
     with torch.no_grad():
         torch.testing.assert_close(rowmm.matmul(vec, _refs(bufs, plan)), torch.matmul(vec, g), rtol=1e-5, atol=1e-5)
     assert calls == [(5, 6, 7)]
+
+
+needs_shared = pytest.mark.skipif(not rowmm.shared_kernel(), reason="no AVX-512 shared-weight kernel here")
+
+
+@needs_shared
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(0, 6), m=st.integers(1, 20), k=st.integers(1, 40), n=st.integers(1, 70),
+       pad=st.integers(0, 3), transposed=st.booleans(), beta=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2 ** 16))
+def test_gemm_shared_equals_each_rows_times_the_shared_matrix(count, m, k, n, pad, transposed, beta, seed):
+    # rows not a multiple of the 8-row tile, columns not of the 32-column panel, padded rows
+    rng = torch.Generator().manual_seed(seed)
+    mats = torch.randn(count + 2, m, k + pad, generator=rng)  # A_i rows k + pad floats apart
+    pick = torch.randint(0, count + 2, (count,), generator=rng).tolist()
+    addrs = torch.tensor([mats[i].data_ptr() for i in pick], dtype=torch.int64)
+    if transposed:
+        w = torch.randn(n, k + pad, generator=rng)[:, :k].t()  # (k, n) with unit row stride
+        ldw = k + pad
+    else:
+        w = torch.randn(k, n + pad, generator=rng)[:, :n]
+        ldw = n + pad
+    c = torch.randn(count, m, n + pad, generator=rng)  # C_i rows n + pad floats apart
+    want = torch.stack([mats[i][:, :k] @ w for i in pick]) if count else c[..., :n]
+    if beta:
+        want = want + c[..., :n]
+    keep = c[..., n:].clone()
+    assert rowmm._fused.gemm_shared(count, m, k, n, addrs.data_ptr(), k + pad, w.data_ptr(), transposed, ldw, beta,
+                                    c.data_ptr(), m * (n + pad) * 4, n + pad)
+    torch.testing.assert_close(c[..., :n], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c[..., n:], keep)  # the padding between rows is not written
+
+
+@needs_shared
+@pytest.mark.parametrize("count,m", [(1, 64), (2, 9), (40, 16)])
+def test_gemm_shared_splits_units_over_threads_and_each_thread_count_agrees(count, m):
+    # one node's row blocks are shared by the threads too (a deep level of few nodes)
+    rng = torch.Generator().manual_seed(count)
+    mats = torch.randn(count, m, 96, generator=rng)
+    addrs = torch.tensor([mats[i].data_ptr() for i in range(count)], dtype=torch.int64)
+    w = torch.randn(96, 80, generator=rng)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            c = torch.full((count, m, 80), float("nan"))
+            assert rowmm._fused.gemm_shared(count, m, 96, 80, addrs.data_ptr(), 96, w.data_ptr(), False, 80, 0.0,
+                                            c.data_ptr(), m * 80 * 4, 80)
+            outs.append(c)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])  # each element's sum runs in the same order on any thread
+    torch.testing.assert_close(outs[0], torch.matmul(mats, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(rowmm._fused is None or not hasattr(rowmm._fused, "gemm_shared"), reason="no extension")
+def test_gemm_shared_refuses_bad_sizes_and_declines_other_betas():
+    a = torch.randn(2, 3, 4)
+    w = torch.randn(4, 5)
+    c = torch.empty(2, 3, 5)
+    good = torch.tensor([a[0].data_ptr(), a[1].data_ptr()], dtype=torch.int64)
+    args = (2, 3, 4, 5, good.data_ptr(), 4, w.data_ptr(), False, 5)
+    with pytest.raises(ValueError, match="bad sizes"):
+        rowmm._fused.gemm_shared(2, 3, 4, 5, good.data_ptr(), 3, w.data_ptr(), False, 5, 0.0, c.data_ptr(), 60, 5)
+    with pytest.raises(ValueError, match="bad sizes"):
+        rowmm._fused.gemm_shared(2, 3, 4, 5, good.data_ptr(), 4, w.data_ptr(), False, 4, 0.0, c.data_ptr(), 60, 5)
+    with pytest.raises(ValueError, match="null matrix"):
+        bad = torch.tensor([a[0].data_ptr(), 0], dtype=torch.int64)
+        rowmm._fused.gemm_shared(2, 3, 4, 5, bad.data_ptr(), 4, w.data_ptr(), False, 5, 0.0, c.data_ptr(), 60, 5)
+    c.fill_(7.0)
+    assert rowmm._fused.gemm_shared(*args, 0.5, c.data_ptr(), 60, 5) is False  # (MKL's batch serves beta 0.5)
+    assert torch.all(c == 7.0)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_row_products_take_the_shared_kernel_or_mkls_batch_and_agree(shared, monkeypatch):
+    if shared and not rowmm.shared_kernel():
+        pytest.skip("no AVX-512 shared-weight kernel here")
+    if not shared and not rowmm.sgemm_batch():
+        pytest.skip("no pointer-array GEMM in this build")
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 0)
+    monkeypatch.setattr(rowmm, "_SHARED", [shared])
+    calls = []
+    real = rowmm._fused
+
+    class Spy:
+        @staticmethod
+        def gemm_shared(*a):
+            calls.append("shared")
+            return real.gemm_shared(*a)
+
+        @staticmethod
+        def gemm_batch(*a):
+            calls.append("mkl")
+            return real.gemm_batch(*a)
+
+    monkeypatch.setattr(rowmm, "_fused", Spy)
+    rng = torch.Generator().manual_seed(3)
+    bufs, plan, g = _pieces(rng, 6, (10, 12), 3)
+    w = torch.randn(9, 12, generator=rng).t()  # a transposed shared weight, as ``W[:, :h].t()``
+    acc = torch.randn(6, 10, 9, generator=rng)
+    with torch.no_grad():
+        torch.testing.assert_close(rowmm.matmul(_refs(bufs, plan), w), torch.matmul(g, w), rtol=1e-5, atol=1e-5)
+        got = rowmm.matmul_accumulate(acc.clone(), _refs(bufs, plan), w)
+        torch.testing.assert_close(got, acc + torch.matmul(g, w), rtol=1e-5, atol=1e-5)
+    assert calls == (["shared", "shared"] if shared else ["mkl", "mkl"])
+
+
+def test_the_shared_kernel_is_off_under_the_portable_switch():
+    # BATCHCRAFT_FUSED_PORTABLE (the fused kernels' portable loops) turns the AVX-512 GEMM off too:
+    # the products then take MKL's batch, or the gathers, and stay right
+    import subprocess
+    import sys
+    code = (
+        "import torch\n"
+        "from batchcraft.autobatching import rowmm, gather\n"
+        "gather.ROW_REFS_MIN_BYTES = 0\n"
+        "assert not rowmm.shared_kernel()\n"
+        "bufs = [torch.randn(5, 4, 6)]\n"
+        "r = gather.row_refs(bufs, ('index', 0, [0, 2, 4]))\n"
+        "w = torch.randn(6, 3)\n"
+        "with torch.no_grad():\n"
+        "    torch.testing.assert_close(rowmm.matmul(r, w), torch.matmul(bufs[0][[0, 2, 4]], w))\n"
+        "print('ok')\n"
+    )
+    import os
+    env = dict(os.environ, BATCHCRAFT_FUSED_PORTABLE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("state", ["float64_default", "autocast", "vmap"])
+def test_the_shared_kernel_check_does_not_depend_on_the_callers_state(state, monkeypatch):
+    if rowmm._fused is None or rowmm._fused.vector_maths != "avx512f":
+        pytest.skip("no AVX-512 here")
+    monkeypatch.setattr(rowmm, "_SHARED", [])
+    if state == "float64_default":
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert rowmm.shared_kernel()
+        finally:
+            torch.set_default_dtype(torch.float32)
+    elif state == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert rowmm.shared_kernel()
+    else:
+        torch.func.vmap(lambda x: x * bool(rowmm.shared_kernel()))(torch.ones(2, 3))
+        assert rowmm._SHARED[0]

@@ -252,6 +252,7 @@ LOOP8(k_exp256, exp8, bc_exp)
  * portable loops; the vector ones are within a few ulp of the portable loops.
  * BATCHCRAFT_FUSED_PORTABLE=1 forces the portable loops, =avx2 at most AVX2 (tests). */
 static const char *vector_maths = "portable";
+static int gemm_shared_on = 0;  /* AVX-512F and not BATCHCRAFT_FUSED_PORTABLE: gemm_shared runs */
 
 static void choose_kernels(void) {
 #if BC_VECTOR_MATHS
@@ -265,6 +266,7 @@ static void choose_kernels(void) {
     if (allow512 && __builtin_cpu_supports("avx512f")) {
         f_sigmoid = k_sigmoid512; f_tanh = k_tanh512; f_exp = k_exp512;
         vector_maths = "avx512f";
+        gemm_shared_on = 1;
     } else if (allow256 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         f_sigmoid = k_sigmoid256; f_tanh = k_tanh256; f_exp = k_exp256;
         vector_maths = "avx2";
@@ -925,6 +927,149 @@ static PyObject *fused_gemv_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* gemm_shared(count, m, k, n, a_addrs, lda, w, w_trans, ldw, beta, c, c_stride, ldc) -> bool:
+   C_i = A_i W (beta 0) or C_i += A_i W (beta 1), for i < count: A_i (m x k, rows lda floats
+   apart) at a_addrs[i] (an int64 array: rows of several buffers, read in place), one shared W
+   (k x n, rows ldw floats apart; w_trans: W is the transpose of a row-major (n x k) matrix), C_i
+   at c + i * c_stride bytes (rows ldc floats apart). False (nothing written): this CPU has no
+   AVX-512F, a beta other than 0 or 1, or BATCHCRAFT_FUSED_PORTABLE set; rowmm.py then calls
+   MKL's pointer-array GEMM (gemm_batch).
+   Why: a per-node product with a shared weight (MV-RNN's A^T W^T, 128 x 128 x 128 per node)
+   through MKL's batch runs at 73-84 GFLOP/s a core on this AMD CPU (MKL's AMD code path is
+   AVX2); W packed once per call into 32-column panels and an 8 x 32 AVX-512 register tile
+   (16 accumulators, FMA) is what oneDNN's JIT kernels do (Goto & van de Geijn, "Anatomy of
+   high-performance matrix multiplication", ACM TOMS 2008, section 5). Each element of C is its
+   k products summed in order k = 0..k-1 (one rounding per FMA), then added to C for beta 1. */
+#if BC_VECTOR_MATHS
+#define GS_MR 8
+#define GS_NR 32
+
+typedef struct {
+    Py_ssize_t count; int m, k, n, lda; const int64_t *a; const float *bp; int acc;
+    char *c; Py_ssize_t cs; int ldc; int team;
+} GsJob;
+
+/* rows ar[0..mr-1] (ar[r] for r >= mr repeat row 0: read, never stored) times one packed panel
+   (k x 32, zero beyond n) into C's columns [0, 16) and [16, 32) under masks m0, m1 */
+__attribute__((target("avx512f"))) static void gs_tile(const float *const *ar, const float *bp, int k, float *c,
+                                                        int ldc, int mr, __mmask16 m0, __mmask16 m1, int acc) {
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+    __m512 c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
+    const float *a0 = ar[0], *a1 = ar[1], *a2 = ar[2], *a3 = ar[3], *a4 = ar[4], *a5 = ar[5], *a6 = ar[6], *a7 = ar[7];
+    for (int q = 0; q < k; q++) {
+        const __m512 b0 = _mm512_load_ps(bp + (Py_ssize_t)q * GS_NR), b1 = _mm512_load_ps(bp + (Py_ssize_t)q * GS_NR + 16);
+        __m512 x;
+#define GS_ROW(r) x = _mm512_set1_ps(a##r[q]); c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0); c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);
+        GS_ROW(0) GS_ROW(1) GS_ROW(2) GS_ROW(3) GS_ROW(4) GS_ROW(5) GS_ROW(6) GS_ROW(7)
+#undef GS_ROW
+    }
+    const __m512 t[GS_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}, {c60, c61}, {c70, c71}};
+    for (int r = 0; r < mr; r++) {
+        float *row = c + (Py_ssize_t)r * ldc;
+        __m512 v0 = t[r][0], v1 = t[r][1];
+        if (acc) {
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, row), v0);
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, row + 16), v1);
+        }
+        _mm512_mask_storeu_ps(row, m0, v0);
+        if (m1) _mm512_mask_storeu_ps(row + 16, m1, v1);
+    }
+}
+
+/* units [u0, u1): unit u is rows [8 (u % blocks), +8) of node u / blocks, all of W's panels (a
+   unit, not a node, is what threads share: a deep tree level has fewer nodes than threads) */
+static void gs_range(const GsJob *j, Py_ssize_t u0, Py_ssize_t u1) {
+    const int m = j->m, k = j->k, n = j->n, panels = (n + GS_NR - 1) / GS_NR, blocks = (m + GS_MR - 1) / GS_MR;
+    const int row_lines = (k * 4 + 63) / 64;
+    const float *ar[GS_MR];
+    for (Py_ssize_t u = u0; u < u1; u++) {
+        const Py_ssize_t i = u / blocks;
+        const int r0 = (int)(u % blocks) * GS_MR, mr = m - r0 < GS_MR ? m - r0 : GS_MR;
+        const float *a = (const float *)(intptr_t)j->a[i];
+        float *c = (float *)(j->c + i * j->cs);
+        for (int r = 0; r < GS_MR; r++) ar[r] = a + (Py_ssize_t)(r0 + (r < mr ? r : 0)) * j->lda;
+        /* the next unit's rows are fetched while this one computes: a node's matrix comes from
+           DRAM (written by earlier groups): 184 -> 200 GFLOP/s on 2 cores, MV-RNN's 128 x 128 */
+        const char *next = NULL;
+        int next_rows = 0;
+        if (u + 1 < u1) {
+            const Py_ssize_t i2 = (u + 1) / blocks;
+            const int s0 = (int)((u + 1) % blocks) * GS_MR;
+            next = (const char *)(intptr_t)j->a[i2] + (Py_ssize_t)s0 * j->lda * 4;
+            next_rows = m - s0 < GS_MR ? m - s0 : GS_MR;
+        }
+        const int lines = next_rows * row_lines, per_panel = (lines + panels - 1) / panels;
+        int line = 0;
+        for (int p = 0; p < panels; p++) {
+            for (int e = 0; e < per_panel && line < lines; e++, line++)
+                __builtin_prefetch(next + (Py_ssize_t)(line / row_lines) * j->lda * 4 + (line % row_lines) * 64, 0, 2);
+            const int cols = n - p * GS_NR < GS_NR ? n - p * GS_NR : GS_NR;
+            const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+            const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
+            gs_tile(ar, j->bp + (Py_ssize_t)p * k * GS_NR, k, c + (Py_ssize_t)r0 * j->ldc + p * GS_NR, j->ldc, mr,
+                    m0, m1, j->acc);
+        }
+    }
+}
+
+static void gs_worker(void *arg) {
+    GsJob *j = (GsJob *)arg;
+    Py_ssize_t i0, i1;
+    if (member_range(j->team, j->count * ((j->m + GS_MR - 1) / GS_MR), 1, &i0, &i1)) gs_range(j, i0, i1);
+}
+#endif
+
+
+static PyObject *fused_gemm_shared(PyObject *self, PyObject *args) {
+    PyObject *pa, *pw, *pc;
+    Py_ssize_t count, cs;
+    int m, k, n, lda, w_trans, ldw, ldc;
+    float beta;
+    if (!PyArg_ParseTuple(args, "niiiOiOpifOni:gemm_shared", &count, &m, &k, &n, &pa, &lda, &pw, &w_trans, &ldw,
+                          &beta, &pc, &cs, &ldc)) return NULL;
+    const int64_t *a = PyLong_AsVoidPtr(pa);
+    const float *w = PyLong_AsVoidPtr(pw);
+    char *c = PyLong_AsVoidPtr(pc);
+    if (PyErr_Occurred()) return NULL;
+    if (count < 0 || m <= 0 || k <= 0 || n <= 0 || lda < k || ldc < n || ldw < (w_trans ? k : n)
+            || (count > 0 && (!a || !w || !c))) {
+        PyErr_SetString(PyExc_ValueError, "gemm_shared: bad sizes or a null address");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!a[i]) { PyErr_SetString(PyExc_ValueError, "gemm_shared: a null matrix address"); return NULL; }
+    }
+#if BC_VECTOR_MATHS
+    if (!gemm_shared_on || (beta != 0.0f && beta != 1.0f)) Py_RETURN_FALSE;
+    if (count == 0) Py_RETURN_TRUE;
+    const int panels = (n + GS_NR - 1) / GS_NR;
+    size_t bytes = (size_t)panels * k * GS_NR * sizeof(float);
+    float *bp = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!bp) return PyErr_NoMemory();
+    for (int p = 0; p < panels; p++) {  /* panel p: rows q = 0..k-1 of W's columns [32p, 32p + 32), zero-padded */
+        float *dst = bp + (Py_ssize_t)p * k * GS_NR;
+        for (int q = 0; q < k; q++) {
+            for (int jj = 0; jj < GS_NR; jj++) {
+                const int col = p * GS_NR + jj;
+                dst[(Py_ssize_t)q * GS_NR + jj] = col >= n ? 0.0f
+                    : w_trans ? w[(Py_ssize_t)col * ldw + q] : w[(Py_ssize_t)q * ldw + col];
+            }
+        }
+    }
+    GsJob job = {count, m, k, n, lda, a, bp, beta != 0.0f, c, cs, ldc, 1};
+    const Py_ssize_t units = count * ((m + GS_MR - 1) / GS_MR);
+    job.team = team_size(units, count * (Py_ssize_t)m * n * k / 16);
+    Py_BEGIN_ALLOW_THREADS
+    if (job.team > 1) omp.parallel(gs_worker, &job, (unsigned)job.team, 0);
+    else gs_range(&job, 0, units);
+    Py_END_ALLOW_THREADS
+    free(bp);
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 /* set_openmp(parallel, max_threads, thread_num, num_threads): the addresses of GOMP_parallel and
  * omp_get_max_threads / omp_get_thread_num / omp_get_num_threads in the OpenMP runtime torch loaded
  * (openmp.py finds and checks them); all 0: one thread, as without a runtime. */
@@ -963,6 +1108,9 @@ static PyMethodDef methods[] = {
     {"gemm_batch", fused_gemm_batch, METH_VARARGS,
      "gemm_batch(fn, count, trans_a, trans_b, m, n, k, alpha, a_addrs, a_base, a_stride, lda, b_addrs, b_base, "
      "b_stride, ldb, beta, c_base, c_stride, ldc): a pointer-array batched GEMM (rowmm.py)."},
+    {"gemm_shared", fused_gemm_shared, METH_VARARGS,
+     "gemm_shared(count, m, k, n, a_addrs, lda, w, w_trans, ldw, beta, c, c_stride, ldc) -> bool: per-node rows times one "
+     "shared matrix, AVX-512 (rowmm.py); False: not run here."},
     {"gemv_rows", fused_gemv_rows, METH_VARARGS,
      "gemv_rows(count, k, n, x, x_stride, b_addrs, ldb, out, out_stride): a row vector times each row's own matrix (rowmm.py)."},
     {"gather_pieces", fused_gather_pieces, METH_VARARGS,

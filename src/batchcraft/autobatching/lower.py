@@ -741,7 +741,7 @@ def _products_from_rows(em, prog, step_lines, step_rule) -> frozenset:
         bare = sum(args.count(name) for _, args in calls.values())
         if uses and uses == bare:
             eligible.append(j)
-    if not eligible or not _rowmm.sgemm_batch():
+    if not eligible or not (_rowmm.sgemm_batch() or _rowmm.shared_kernel()):
         return frozenset()
     rmm = em.name(_rowmm.matmul, "RM")
     racc = em.name(_rowmm.matmul_accumulate, "RA")

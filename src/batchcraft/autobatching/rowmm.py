@@ -43,6 +43,7 @@ _T = torch.Tensor
 _F32 = torch.float32
 _lock = threading.Lock()
 _ADDRESS: list = []  # [address or 0], filled once
+_SHARED: list = []  # [gemm_shared runs here and is right], filled once
 
 
 def _find() -> int:
@@ -92,6 +93,41 @@ def sgemm_batch() -> int:
     return _ADDRESS[0]
 
 
+def _shared_works() -> bool:
+    """Does ``_fused.gemm_shared`` run here and compute ``torch.matmul``'s products? (ragged sizes:
+    rows not a multiple of its 8-row tile, columns not of its 32-column panel; both layouts of W)"""
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(3, 11, 7, generator=g, dtype=_F32)
+        w = torch.randn(7, 37, generator=g, dtype=_F32)
+        addrs = torch.tensor([a[i].data_ptr() for i in range(3)], dtype=torch.int64)
+        want = torch.matmul(a, w)
+        for wt, trans, ld in ((w, False, 37), (w.t().contiguous().t(), True, 7)):
+            out = torch.full((3, 11, 37), 1.0, dtype=_F32)
+            if not _fused.gemm_shared(3, 11, 7, 37, addrs.data_ptr(), 7, wt.data_ptr(), trans, ld, 1.0,
+                                      out.data_ptr(), 11 * 37 * 4, 37):
+                return False
+            if not torch.allclose(out, want + 1.0, rtol=1e-5, atol=1e-5):
+                return False
+        return True
+
+
+def shared_kernel() -> bool:
+    """Is the AVX-512 per-node-rows-times-shared-matrix kernel (``_fused.gemm_shared``) on and checked?"""
+    if not _SHARED:
+        with _lock:
+            if not _SHARED:
+                ok = False
+                if _fused is not None and hasattr(_fused, "gemm_shared"):
+                    try:
+                        with torch._C.DisableTorchFunction(), outside_transforms():
+                            ok = _shared_works()
+                    except Exception:  # a kernel that does not compute the product: MKL's batch serves
+                        ok = False
+                _SHARED.append(ok)
+    return _SHARED[0]
+
+
 def _shared_2d(w):
     """``(transposed, ld)`` for a 2-D float32 CPU matrix with one unit stride, or None."""
     if (type(w) is not _T and type(w) is not torch.nn.Parameter) or w.dim() != 2 or w.dtype is not _F32 \
@@ -122,6 +158,11 @@ def _refs_product(r, w, out, beta: float) -> bool:
         return False
     m, k = r.shape
     n = w.shape[1]
+    if shared_kernel() and _fused.gemm_shared(r.addrs.shape[0], m, k, n, r.addrs.data_ptr(), k, w.data_ptr(), lay[0],
+                                              lay[1], beta, out.data_ptr(), m * n * 4, n):
+        return True
+    if not sgemm_batch():
+        return False
     _fused.gemm_batch(sgemm_batch(), r.addrs.shape[0], False, lay[0], m, n, k, 1.0, r.addrs.data_ptr(), 0, 0, k,
                       0, w.data_ptr(), 0, lay[1], beta, out.data_ptr(), m * n * 4, n)
     return True
@@ -137,7 +178,7 @@ def matmul(a, b):
     gathered rows.
     """
     ta, tb = type(a), type(b)
-    if (ta is RowRefs or tb is RowRefs) and not _recorded_on() and sgemm_batch():
+    if (ta is RowRefs or tb is RowRefs) and not _recorded_on() and (sgemm_batch() or shared_kernel()):
         if ta is RowRefs and tb is not RowRefs and isinstance(b, _T) and b.dim() == 2 and len(a.shape) == 2:
             out = torch.empty((a.addrs.shape[0], a.shape[0], b.shape[1]), dtype=_F32)
             if _refs_product(a, b, out, 0.0):
@@ -152,6 +193,8 @@ def matmul(a, b):
             if m == 1:  # a row vector times each node's matrix: read each matrix once, unpacked
                 _fused.gemv_rows(count, k, n, a.data_ptr(), a.stride(0) * 4, b.addrs.data_ptr(), n, out.data_ptr(), n * 4)
                 return out
+            if not sgemm_batch():
+                return torch.matmul(a, materialize(b))
             lda = a.stride(1)
             _fused.gemm_batch(sgemm_batch(), count, False, False, m, n, k, 1.0, 0, a.data_ptr(), a.stride(0) * 4, lda,
                               b.addrs.data_ptr(), 0, 0, n, 0.0, out.data_ptr(), m * n * 4, n)
@@ -166,7 +209,7 @@ def matmul_accumulate(acc, y, w):
     with beta 1, from the rows in place."""
     if (type(y) is RowRefs and type(acc) is _T and acc.dtype is _F32 and acc.is_cpu and acc.is_contiguous()
             and acc.dim() == 3 and acc.shape[0] == y.addrs.shape[0] and isinstance(w, _T) and w.dim() == 2
-            and not _recorded_on() and not acc.requires_grad and sgemm_batch()):
+            and not _recorded_on() and not acc.requires_grad and (sgemm_batch() or shared_kernel())):
         if _refs_product(y, w, acc, 1.0):
             return acc
     return acc + torch.matmul(materialize(y), w)
