@@ -2075,6 +2075,60 @@ done:
     return out;
 }
 
+/* dead_last(nodes, slot) -> (nodes, live) with the nodes whose output `slot` is dead moved to the
+   end (each part in its order), `live` the count of the others; None when none is dead (or slot
+   > 3, a node twice, out of range). Dead: read by no recorded input and held by no live lazy
+   object (the C core counts them per node and slot < 4). Nothing can read such a row later: a
+   later operation reaches a value only through its lazy object. The executor then computes that
+   output only for the first `live` rows where the program's products allow it (execute.py). */
+static PyObject *rec_dead_last(RecObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "dead_last(nodes, slot)"); return NULL; }
+    IVec nodes;
+    if (nodes_from(args[0], &nodes) < 0) return NULL;
+    long slot = PyLong_AsLong(args[1]);
+    if (slot == -1 && PyErr_Occurred()) { PyMem_Free(nodes.v); return NULL; }
+    Py_ssize_t n = nodes.n;
+    PyObject *out = NULL;
+    int32_t *pos = NULL;
+    uint8_t *read = NULL;
+    if (slot < 0 || slot > 3 || n == 0 || !self->live) goto none;
+    pos = (int32_t *)PyMem_Malloc((self->n + 1) * sizeof(int32_t));
+    read = (uint8_t *)PyMem_Calloc(n + 1, 1);
+    if (!pos || !read) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t k = 0; k < self->n; k++) pos[k] = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t nd = nodes.v[i];
+        if (nd < 0 || nd >= self->n || pos[nd] >= 0) goto none;
+        pos[nd] = (int32_t)i;
+    }
+    for (Py_ssize_t q = 0; q < self->in_node.n; q++) {
+        int32_t p = self->in_node.v[q];
+        if (self->in_slot.v[q] == slot && p >= 0 && p < self->n && pos[p] >= 0) read[pos[p]] = 1;
+    }
+    Py_ssize_t live = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!read[i] && ((self->live[nodes.v[i]] >> (16 * slot)) & 0xFFFFull) == 0) read[i] = 2;  /* dead */
+        else live++;
+    }
+    if (live == n) goto none;
+    PyObject *lst = PyList_New(n);
+    if (!lst) goto done;
+    Py_ssize_t a = 0, b = live;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromSsize_t(nodes.v[i]);
+        if (!v) { Py_DECREF(lst); goto done; }
+        PyList_SET_ITEM(lst, read[i] == 2 ? b++ : a++, v);
+    }
+    out = Py_BuildValue("(Nn)", lst, live);
+    goto done;
+none:
+    Py_INCREF(Py_None);
+    out = Py_None;
+done:
+    PyMem_Free(pos); PyMem_Free(read); PyMem_Free(nodes.v);
+    return out;
+}
+
 /* order_by_input(nodes, j) -> the nodes sorted by where their j-th input lives (buffer, row), or
    None when they already are or an input has no location yet. A group's nodes are independent,
    so any order computes the same values; in this one the j-th argument's gather reads each
@@ -2473,6 +2527,8 @@ static PyMethodDef rec_methods[] = {
      "order_by_input(nodes, j) -> nodes sorted by their j-th input's (buffer, row), or None"},
     {"order_by_consumers", (PyCFunction)(void (*)(void))rec_order_by_consumers, METH_FASTCALL,
      "order_by_consumers(groups, eligible) -> groups reordered in place so rows are in their readers' order"},
+    {"dead_last", (PyCFunction)(void (*)(void))rec_dead_last, METH_FASTCALL,
+     "dead_last(nodes, slot) -> (nodes, live) with the nodes whose output slot is dead last, or None"},
     {"place", (PyCFunction)(void (*)(void))rec_place, METH_FASTCALL, "place(nodes, buf, base)"},
     {"plan_slots", (PyCFunction)(void (*)(void))rec_plan_slots, METH_FASTCALL, "plans of some single slots"},
     {"input_depths", (PyCFunction)(void (*)(void))rec_input_depths, METH_FASTCALL, "depths of pending inputs"},

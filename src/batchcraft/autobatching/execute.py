@@ -26,6 +26,7 @@ import torch
 from batchcraft.autobatching import chains as _chains
 from batchcraft.autobatching import dedup as _dedup
 from batchcraft.autobatching import fuse as _fuse
+from batchcraft.autobatching import gather as _gather
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching import lookup as _lookup
 from batchcraft.autobatching.descs import DESCS, row_bytes
@@ -49,6 +50,9 @@ ARENA_MAX_BYTES = 64 << 20
 #: input's source order (``Recorder.order_by_input``): its gather then reads each source buffer's
 #: rows in order, with no permutation copy (MV-RNN's word matrices: 16-64 KiB a row)
 ORDER_MIN_ROW_BYTES = 4096
+# Rows of an output nothing reads (no recorded input, no live lazy value) are left uncomputed where
+# only per-node-rows-times-shared-matrix products make that output (lower._cut_output)
+DEAD_ROWS = True
 
 
 class _NoLazy:
@@ -185,6 +189,14 @@ class Executor:
         return j
 
     @staticmethod
+    def _cuts_pay(info, taken) -> bool:
+        """Are the cut output's rows and the rows its products read big enough to be read in place
+        (:data:`gather.ROW_REFS_MIN_BYTES`)?"""
+        least = _gather.ROW_REFS_MIN_BYTES
+        return (row_bytes((info.out_dids[taken.cut_out],)) >= least
+                and all(row_bytes((info.in_dids[j],)) >= least for j in taken.rows_ins))
+
+    @staticmethod
     def _dedups(info, prog) -> bool:
         """May groups of ``info`` run once per distinct input (:mod:`dedup`)? Decided once."""
         d = prog.lowered.get("dedup")
@@ -267,10 +279,6 @@ class Executor:
                 if ordered is not None:
                     nodes = ordered
                     st.groups_reordered += 1
-        # gathers too run under the recorded state: a gather under the caller's no_grad (a flush
-        # inside a no_grad block) would cut the autograd history of rows recorded with grad on
-        with under(PLAIN):  # leaves stacked here are shared by later groups: keep their history
-            plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
         bufs = rec.buffers
         # (forward-mode AD or a transform: no raw row reads, lookups or products: they carry no tangent)
         tangents = tangents_possible()
@@ -281,6 +289,21 @@ class Executor:
         plain = hoisted is None and not info.state[0] and info.state[2] is None and not tangents
         dedups = (hoisted is None and n >= _dedup.MIN_NODES and self.options.dedup and not info.grad
                   and not any(info.out_rg) and self._dedups(info, prog))
+        live = None  # dead rows: nodes whose output taken.cut_out nothing reads go last, uncomputed
+        if plain and not dedups and not tables and not info.grad and not rec.hooks and DEAD_ROWS \
+                and hasattr(rec, "dead_last"):
+            with under(info.state):
+                tk = runner.prepare()
+            # only where the products read their rows in place (big rows): the reordering costs the
+            # consumer order of small rows (order.py), whose products would compute every row anyway
+            if tk.cut_out >= 0 and self._cuts_pay(info, tk):
+                got = rec.dead_last(nodes, tk.cut_out)
+                if got is not None:
+                    nodes, live = got
+        # gathers too run under the recorded state: a gather under the caller's no_grad (a flush
+        # inside a no_grad block) would cut the autograd history of rows recorded with grad on
+        with under(PLAIN):  # leaves stacked here are shared by later groups: keep their history
+            plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
         with under(info.state):
             taken = runner.prepare() if plain else None  # (lowered before the gathers: a first run reads rows too)
             if hoisted is None:
@@ -351,7 +374,9 @@ class Executor:
                     if (plain and runner.writes_outputs and self.arenas and not info.grad and not info.state[1]
                             and not under_transform()):  # (a transform's values have no rows to write into)
                         dest = self._arena_rows(info, n)
-                    outs = runner(n, ins, rags, segs, cnts, dest, taken)
+                    outs = runner(n, ins, rags, segs, cnts, dest, taken, live)
+                    if live is not None:
+                        st.rows_dead += n - live
                 m = n if rows is None else n - saved  # (a deduplicated group: its distinct rows)
                 if len(outs) != info.n_out or any(t.shape[0] != m for t in outs):
                     raise AutobatchError(f"{info.name}: batched outputs of the wrong shape")

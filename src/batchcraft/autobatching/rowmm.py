@@ -148,8 +148,9 @@ def _recorded_on() -> bool:
     return torch.is_grad_enabled() or torch._C._is_any_autocast_enabled() or tangents_possible()
 
 
-def _refs_product(r, w, out, beta: float) -> bool:
-    """``out[i] (+)= rows[i] @ w`` for RowRefs ``r`` of ``(M, K)`` rows and a shared ``(K, N)``."""
+def _refs_product(r, w, out, beta: float, live=None) -> bool:
+    """``out[i] (+)= rows[i] @ w`` for RowRefs ``r`` of ``(M, K)`` rows and a shared ``(K, N)``,
+    for ``i < live`` (None: every row); rows from ``live`` on are left NaN."""
     if len(r.shape) != 2 or out.shape[1:] != (r.shape[0], w.shape[1]) or r.shape[1] != w.shape[0] or 0 in out.shape \
             or r.shape[1] == 0:
         return False  # (empty products: torch's)
@@ -158,30 +159,38 @@ def _refs_product(r, w, out, beta: float) -> bool:
         return False
     m, k = r.shape
     n = w.shape[1]
-    if shared_kernel() and _fused.gemm_shared(r.addrs.shape[0], m, k, n, r.addrs.data_ptr(), k, w.data_ptr(), lay[0],
+    count = r.addrs.shape[0]
+    if live is not None and 0 <= live < count:
+        out[live:].fill_(float("nan"))  # (rows nothing reads: NaN, never a stale value)
+        count = live
+        if count == 0:
+            return True
+    if shared_kernel() and _fused.gemm_shared(count, m, k, n, r.addrs.data_ptr(), k, w.data_ptr(), lay[0],
                                               lay[1], beta, out.data_ptr(), m * n * 4, n):
         return True
     if not sgemm_batch():
         return False
-    _fused.gemm_batch(sgemm_batch(), r.addrs.shape[0], False, lay[0], m, n, k, 1.0, r.addrs.data_ptr(), 0, 0, k,
+    _fused.gemm_batch(sgemm_batch(), count, False, lay[0], m, n, k, 1.0, r.addrs.data_ptr(), 0, 0, k,
                       0, w.data_ptr(), 0, lay[1], beta, out.data_ptr(), m * n * 4, n)
     return True
 
 
-def matmul(a, b):
+def matmul(a, b, live=None):
     """``torch.matmul(a, b)`` where ``a`` or ``b`` may be a :class:`RowRefs` (see module docstring).
 
     Shapes: ``RowRefs (n; M, K) @ (K, N)`` and ``(n, M, K) @ RowRefs (n; K, N)`` -> ``(n, M, N)``
     float32, computed from the rows in place (``M = 1`` on the right: ``_fused.gemv_rows``, which
     reads each matrix once where the batched GEMM packs it first: 12.1 -> 6.8 ms for MV-RNN
     h128's 1,939 vector products a batch at one thread); other cases as ``torch.matmul`` of the
-    gathered rows.
+    gathered rows. ``live``: only the first ``live`` nodes' products are needed (their other rows
+    are an output nothing reads, execute.py's dead rows): a RowRefs-times-shared product computes
+    those and leaves the rest NaN; every other case computes all rows.
     """
     ta, tb = type(a), type(b)
     if (ta is RowRefs or tb is RowRefs) and not _recorded_on() and (sgemm_batch() or shared_kernel()):
         if ta is RowRefs and tb is not RowRefs and isinstance(b, _T) and b.dim() == 2 and len(a.shape) == 2:
             out = torch.empty((a.addrs.shape[0], a.shape[0], b.shape[1]), dtype=_F32)
-            if _refs_product(a, b, out, 0.0):
+            if _refs_product(a, b, out, 0.0, live):
                 return out
         elif tb is RowRefs and ta is _T and a.dim() == 3 and len(b.shape) == 2 and a.dtype is _F32 and a.is_cpu \
                 and a.shape[0] == b.addrs.shape[0] and a.shape[2] == b.shape[0] and a.stride(2) == 1 \
@@ -202,15 +211,15 @@ def matmul(a, b):
     return torch.matmul(materialize(a), materialize(b))
 
 
-def matmul_accumulate(acc, y, w):
+def matmul_accumulate(acc, y, w, live=None):
     """``acc + y @ w`` with ``acc`` a fresh product nothing else reads (as
     :func:`~batchcraft.autobatching.lower.matmul_accumulate`), where ``y`` may be a
     :class:`RowRefs` of ``(M, K)`` rows: ``y @ w`` is added into ``acc`` by one batched GEMM
-    with beta 1, from the rows in place."""
+    with beta 1, from the rows in place (``live``: as :func:`matmul`'s)."""
     if (type(y) is RowRefs and type(acc) is _T and acc.dtype is _F32 and acc.is_cpu and acc.is_contiguous()
             and acc.dim() == 3 and acc.shape[0] == y.addrs.shape[0] and isinstance(w, _T) and w.dim() == 2
             and not _recorded_on() and not acc.requires_grad and (sgemm_batch() or shared_kernel())):
-        if _refs_product(y, w, acc, 1.0):
+        if _refs_product(y, w, acc, 1.0, live):
             return acc
     return acc + torch.matmul(materialize(y), w)
 

@@ -50,6 +50,9 @@ class RunStats:
             (``gather.Rows``), read through their row index instead of a gather's copy, or to
             batched matrix products as their rows' addresses (``gather.RowRefs``, ``rowmm.py``);
             where a kernel declined at run time (``fused_declined``), its unfused branch copied them.
+        rows_dead (int): rows of a group's output that nothing read (no later operation, no live
+            value: MV-RNN's ``P^T`` of a sentence's last composition), left uncomputed (NaN) by
+            the products that make it (``execute.DEAD_ROWS``, ``lower._cut_output``).
         recurrences_unpacked (dict[str, int]): why the steps of a recurrent cell (``GRUCell``,
             ``LSTMCell``, ``RNNCell``, a static block around one) ran step by step rather than as
             one layer call (``chains.py``): a bare cell (wrap it in ``static_block``), value
@@ -102,6 +105,7 @@ class RunStats:
     steps_fused: int = 0
     fused_declined: int = 0
     rows_in_place: int = 0
+    rows_dead: int = 0
     ragged_declined: dict = field(default_factory=dict)
     record_s: float = 0.0
     schedule_s: float = 0.0
@@ -167,6 +171,8 @@ class RunStats:
                      f"{self.groups_merged} groups of their readers merged")
         if self.groups_looked_up:
             text += f"; {self.groups_looked_up} embedding lookups read in place"
+        if self.rows_dead:
+            text += f"; {self.rows_dead} output rows nothing read left uncomputed"
         if self.groups_by_rule:
             text += "; groups: " + ", ".join(f"{k} {v}" for k, v in sorted(self.groups_by_rule.items()))
         if self.fallback_reasons:
