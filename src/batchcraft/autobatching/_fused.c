@@ -939,11 +939,7 @@ static PyObject *fused_gemv_rows(PyObject *self, PyObject *args) {
    AVX2); W packed once per call into 32-column panels and an 8 x 32 AVX-512 register tile
    (16 accumulators, FMA) is what oneDNN's JIT kernels do (Goto & van de Geijn, "Anatomy of
    high-performance matrix multiplication", ACM TOMS 2008, section 5). Each element of C is its
-   k products summed in order k = 0..k-1 (one rounding per FMA), then added to C for beta 1.
-   Optional (x, x_stride, y, y_stride, gemm_count): also y_i (k floats at y + i * y_stride bytes)
-   = x_i (m floats at x + i * x_stride) times A_i, for every i < count, from the rows the product
-   has just read (MV-RNN's b^T A^T beside A^T W^T: each matrix read from DRAM once, not twice);
-   and the product only for i < gemm_count (dead rows: execute.py). */
+   k products summed in order k = 0..k-1 (one rounding per FMA), then added to C for beta 1. */
 #if BC_VECTOR_MATHS
 #define GS_MR 8
 #define GS_NR 32
@@ -951,8 +947,6 @@ static PyObject *fused_gemv_rows(PyObject *self, PyObject *args) {
 typedef struct {
     Py_ssize_t count; int m, k, n, lda; const int64_t *a; const float *bp; int acc;
     char *c; Py_ssize_t cs; int ldc; int team;
-    const char *x; Py_ssize_t xs; char *y; Py_ssize_t ys;  /* the vector product (x NULL: none) */
-    Py_ssize_t gemm_count;                                 /* products of nodes i < gemm_count */
 } GsJob;
 
 /* rows ar[0..mr-1] (ar[r] for r >= mr repeat row 0: read, never stored) times one packed panel
@@ -1018,85 +1012,27 @@ static void gs_range(const GsJob *j, Py_ssize_t u0, Py_ssize_t u1) {
     }
 }
 
-/* with a vector product: nodes [i0, i1), each whole on one thread (y_i sums over all its rows in
-   order). Per 8-row block: the tiles of the product (nodes < gemm_count), then the block's rows
-   added into y_i while they are in L1: y_i[c] = sum over r = 0..m-1, in order, of x_i[r] A_i[r][c],
-   a multiply and an add each (gemv_rows' order and rounding: the same bits). */
-__attribute__((target("avx512f"))) static void gs_vec_rows(const float *x, const float *a, int lda, int r0, int mr,
-                                                            int k, float *y) {
-    for (int r = r0; r < r0 + mr; r++) {
-        const __m512 s = _mm512_set1_ps(x[r]);
-        const float *row = a + (Py_ssize_t)r * lda;
-        int c = 0;
-        for (; c + 16 <= k; c += 16)
-            _mm512_storeu_ps(y + c, _mm512_add_ps(_mm512_loadu_ps(y + c), _mm512_mul_ps(s, _mm512_loadu_ps(row + c))));
-        if (c < k) {
-            const __mmask16 mk = (__mmask16)((1u << (k - c)) - 1);
-            _mm512_mask_storeu_ps(y + c, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, y + c),
-                                                           _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk, row + c))));
-        }
-    }
-}
-
-static void gs_vec_range(const GsJob *j, Py_ssize_t i0, Py_ssize_t i1) {
-    const int m = j->m, k = j->k, n = j->n, panels = (n + GS_NR - 1) / GS_NR;
-    const int row_lines = (k * 4 + 63) / 64, tiles = ((m + GS_MR - 1) / GS_MR) * panels;
-    const int per_tile = (m * row_lines + tiles - 1) / tiles;
-    const float *ar[GS_MR];
-    for (Py_ssize_t i = i0; i < i1; i++) {
-        const float *a = (const float *)(intptr_t)j->a[i];
-        const char *next = i + 1 < i1 ? (const char *)(intptr_t)j->a[i + 1] : NULL;
-        const float *x = (const float *)(j->x + i * j->xs);
-        float *y = (float *)(j->y + i * j->ys);
-        float *c = (float *)(j->c + i * j->cs);
-        const int gemm = i < j->gemm_count;
-        int line = 0;
-        memset(y, 0, (size_t)k * sizeof(float));
-        for (int r0 = 0; r0 < m; r0 += GS_MR) {
-            const int mr = m - r0 < GS_MR ? m - r0 : GS_MR;
-            for (int r = 0; r < GS_MR; r++) ar[r] = a + (Py_ssize_t)(r0 + (r < mr ? r : 0)) * j->lda;
-            for (int p = 0; gemm && p < panels; p++) {
-                for (int e = 0; next && e < per_tile && line < m * row_lines; e++, line++)
-                    __builtin_prefetch(next + (Py_ssize_t)(line / row_lines) * j->lda * 4 + (line % row_lines) * 64, 0, 2);
-                const int cols = n - p * GS_NR < GS_NR ? n - p * GS_NR : GS_NR;
-                const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-                const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
-                gs_tile(ar, j->bp + (Py_ssize_t)p * k * GS_NR, k, c + (Py_ssize_t)r0 * j->ldc + p * GS_NR, j->ldc, mr,
-                        m0, m1, j->acc);
-            }
-            gs_vec_rows(x, a, j->lda, r0, mr, k, y);
-        }
-    }
-}
-
 static void gs_worker(void *arg) {
     GsJob *j = (GsJob *)arg;
     Py_ssize_t i0, i1;
-    if (j->x) {
-        if (member_range(j->team, j->count, 1, &i0, &i1)) gs_vec_range(j, i0, i1);
-    } else if (member_range(j->team, j->gemm_count * ((j->m + GS_MR - 1) / GS_MR), 1, &i0, &i1)) {
-        gs_range(j, i0, i1);
-    }
+    if (member_range(j->team, j->count * ((j->m + GS_MR - 1) / GS_MR), 1, &i0, &i1)) gs_range(j, i0, i1);
 }
 #endif
 
 
 static PyObject *fused_gemm_shared(PyObject *self, PyObject *args) {
-    PyObject *pa, *pw, *pc, *px = NULL, *py = NULL;
-    Py_ssize_t count, cs, xs = 0, ys = 0, gemm_count = -1;
+    PyObject *pa, *pw, *pc;
+    Py_ssize_t count, cs;
     int m, k, n, lda, w_trans, ldw, ldc;
     float beta;
-    if (!PyArg_ParseTuple(args, "niiiOiOpifOni|OnOnn:gemm_shared", &count, &m, &k, &n, &pa, &lda, &pw, &w_trans, &ldw,
-                          &beta, &pc, &cs, &ldc, &px, &xs, &py, &ys, &gemm_count)) return NULL;
+    if (!PyArg_ParseTuple(args, "niiiOiOpifOni:gemm_shared", &count, &m, &k, &n, &pa, &lda, &pw, &w_trans, &ldw,
+                          &beta, &pc, &cs, &ldc)) return NULL;
     const int64_t *a = PyLong_AsVoidPtr(pa);
     const float *w = PyLong_AsVoidPtr(pw);
     char *c = PyLong_AsVoidPtr(pc);
-    const char *x = px ? PyLong_AsVoidPtr(px) : NULL;
-    char *y = py ? PyLong_AsVoidPtr(py) : NULL;
     if (PyErr_Occurred()) return NULL;
-    if (gemm_count < 0 || gemm_count > count) gemm_count = count;
     if (count < 0 || m <= 0 || k <= 0 || n <= 0 || lda < k || ldc < n || ldw < (w_trans ? k : n)
-            || (count > 0 && (!a || !w || !c)) || (!x) != (!y)) {
+            || (count > 0 && (!a || !w || !c))) {
         PyErr_SetString(PyExc_ValueError, "gemm_shared: bad sizes or a null address");
         return NULL;
     }
@@ -1105,7 +1041,7 @@ static PyObject *fused_gemm_shared(PyObject *self, PyObject *args) {
     }
 #if BC_VECTOR_MATHS
     if (!gemm_shared_on || (beta != 0.0f && beta != 1.0f)) Py_RETURN_FALSE;
-    if (count == 0 || (gemm_count == 0 && !x)) Py_RETURN_TRUE;
+    if (count == 0) Py_RETURN_TRUE;
     const int panels = (n + GS_NR - 1) / GS_NR;
     size_t bytes = (size_t)panels * k * GS_NR * sizeof(float);
     float *bp = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -1120,12 +1056,11 @@ static PyObject *fused_gemm_shared(PyObject *self, PyObject *args) {
             }
         }
     }
-    GsJob job = {count, m, k, n, lda, a, bp, beta != 0.0f, c, cs, ldc, 1, x, xs, y, ys, gemm_count};
-    const Py_ssize_t units = x ? count : gemm_count * ((m + GS_MR - 1) / GS_MR);
+    GsJob job = {count, m, k, n, lda, a, bp, beta != 0.0f, c, cs, ldc, 1};
+    const Py_ssize_t units = count * ((m + GS_MR - 1) / GS_MR);
     job.team = team_size(units, count * (Py_ssize_t)m * n * k / 16);
     Py_BEGIN_ALLOW_THREADS
     if (job.team > 1) omp.parallel(gs_worker, &job, (unsigned)job.team, 0);
-    else if (x) gs_vec_range(&job, 0, count);
     else gs_range(&job, 0, units);
     Py_END_ALLOW_THREADS
     free(bp);
@@ -1174,9 +1109,8 @@ static PyMethodDef methods[] = {
      "gemm_batch(fn, count, trans_a, trans_b, m, n, k, alpha, a_addrs, a_base, a_stride, lda, b_addrs, b_base, "
      "b_stride, ldb, beta, c_base, c_stride, ldc): a pointer-array batched GEMM (rowmm.py)."},
     {"gemm_shared", fused_gemm_shared, METH_VARARGS,
-     "gemm_shared(count, m, k, n, a_addrs, lda, w, w_trans, ldw, beta, c, c_stride, ldc[, x, x_stride, y, y_stride, "
-     "gemm_count]) -> bool: per-node rows times one shared matrix (and a row vector times each), AVX-512 (rowmm.py); "
-     "False: not run here."},
+     "gemm_shared(count, m, k, n, a_addrs, lda, w, w_trans, ldw, beta, c, c_stride, ldc) -> bool: per-node rows times one "
+     "shared matrix, AVX-512 (rowmm.py); False: not run here."},
     {"gemv_rows", fused_gemv_rows, METH_VARARGS,
      "gemv_rows(count, k, n, x, x_stride, b_addrs, ldb, out, out_stride): a row vector times each row's own matrix (rowmm.py)."},
     {"gather_pieces", fused_gather_pieces, METH_VARARGS,

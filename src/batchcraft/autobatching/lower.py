@@ -408,11 +408,6 @@ class Runner:
                 cut = _cut_output(em, prog, step_lines, leaf_batched)
             except Exception as exc:  # (as above: every row is computed)
                 self.rewrite_error = f"{type(exc).__name__}: {exc}"
-        if rows_ins:
-            try:
-                _share_row_reads(em, prog, step_lines)
-            except Exception as exc:  # (as above: the products run as lowered)
-                self.rewrite_error = f"{type(exc).__name__}: {exc}"
         clusters, deferred, checked = [], {}, None
         if self.fuse:
             try:
@@ -830,95 +825,6 @@ def _cut_output(em, prog, step_lines, leaf_batched) -> int:
                 step_lines[i] = [step_lines[i][0][:-1] + ", L)"]
             return j
     return -1
-
-
-def _share_row_reads(em, prog, step_lines) -> int:
-    """A sum of row products ``A @ W1 + B @ W2`` (``rowmm.matmul_accumulate`` over
-    ``rowmm.matmul``) whose per-node matrices a vector product also reads (``x @ A``): each such
-    pair becomes one :func:`rowmm.vector_and_product` call at the vector product's place, which
-    reads the matrix once for both; the sum's terms accumulate there (``u<S>``) and the sum takes
-    the result. Needs each matrix input read by exactly those two calls, the vector products
-    before the sum, and each shared matrix computed from constants only (its lines move up to the
-    first call if they came later). Returns how many pairs were joined."""
-    rmm = em.ns_name(_rowmm.matmul)
-    racc = em.ns_name(_rowmm.matmul_accumulate)
-    if rmm is None or racc is None:
-        return 0
-    steps = prog.steps
-    pos = {st.index: p for p, st in enumerate(steps)}
-    one = {st.index: step_lines[st.index][0] for st in steps if len(step_lines[st.index]) == 1}
-    acc_re = re.compile(rf"^    v(\d+)_0 = {re.escape(racc)}\(v(\d+)_0, I(\d+), ([\w.]+)(, L)?\)$")
-    mm_re = re.compile(rf"^    v(\d+)_0 = {re.escape(rmm)}\(I(\d+), ([\w.]+)(, L)?\)$")
-    vec_re = re.compile(rf"^    v(\d+)_0 = {re.escape(rmm)}\(([\w.]+), I(\d+)\)$")
-    text = [ln for st in steps for ln in step_lines[st.index]]
-
-    def uses(name):
-        return sum(len(re.findall(rf"\b{name}\b", ln)) for ln in text)
-
-    def constant_closure(expr):
-        """The steps that compute ``expr`` from constants only, or None when it reads a node's value."""
-        if not expr.startswith("v"):
-            return set() if expr.startswith("_") else None
-        got, todo = set(), [int(expr[1:].split("_")[0])]
-        while todo:
-            i = todo.pop()
-            if i in got:
-                continue
-            st = steps[pos[i]]
-            if any(r[0] in ("in", "ragged") for r in st.refs) or len(step_lines[i]) != 1 or "n" in \
-                    re.findall(r"\b\w+\b", step_lines[i][0].split("=", 1)[1]):
-                return None
-            got.add(i)
-            todo += [r[1] for r in st.refs if r[0] == "val"]
-        return got
-
-    vec_of = {}
-    for i, ln in one.items():
-        mv = vec_re.match(ln)
-        if mv and mv.group(2) != f"I{mv.group(3)}":
-            vec_of.setdefault(int(mv.group(3)), []).append((i, mv.group(2)))
-    joined = 0
-    for s_i, ln in list(one.items()):
-        ma = acc_re.match(ln)
-        if not ma:
-            continue
-        b_i, q, wq, cut = int(ma.group(2)), int(ma.group(3)), ma.group(4), ma.group(5) or ""
-        mb = mm_re.match(one.get(b_i, ""))
-        if not mb or (mb.group(4) or "") != cut:
-            continue
-        terms = [(int(mb.group(2)), mb.group(3)), (q, wq)]
-        if terms[0][0] == terms[1][0]:
-            continue
-        fused, rest = [], []
-        for j, w in terms:
-            vecs = vec_of.get(j, [])
-            closure = constant_closure(w)
-            if len(vecs) == 1 and uses(f"I{j}") == 2 and pos[vecs[0][0]] < pos[s_i] and closure is not None:
-                fused.append((pos[vecs[0][0]], vecs[0][0], vecs[0][1], j, w, closure))
-            else:
-                rest.append((j, w))
-        if not fused:
-            continue
-        fused.sort()
-        rvp = em.name(_rowmm.vector_and_product, "RV")
-        acc = "None"
-        moved = set()
-        for p, g, x, j, w, closure in fused:
-            up = sorted((i for i in closure if pos[i] > p and i not in moved), key=pos.__getitem__)
-            moved.update(up)
-            lines = [ln for i in up for ln in step_lines[i]]
-            for i in up:
-                step_lines[i] = []
-            step_lines[g] = lines + [f"    v{g}_0, u{s_i} = {rvp}({x}, I{j}, {w}, {acc}{cut})"]
-            acc = f"u{s_i}"
-        step_lines[b_i] = []
-        if rest:
-            (j, w), = rest
-            step_lines[s_i] = [f"    v{s_i}_0 = {racc}(u{s_i}, I{j}, {w}{cut})"]
-        else:
-            step_lines[s_i] = [f"    v{s_i}_0 = u{s_i}"]
-        joined += len(fused)
-    return joined
 
 
 def _rank(st, j: int):

@@ -224,38 +224,4 @@ def matmul_accumulate(acc, y, w, live=None):
     return acc + torch.matmul(materialize(y), w)
 
 
-def vector_and_product(x, r, w, acc=None, live=None):
-    """``(x @ r, r @ w)``, or ``(x @ r, acc + r @ w)`` with ``acc`` a fresh product nothing else
-    reads, where ``r`` may be a :class:`RowRefs` of ``(M, K)`` per-node matrices, ``x`` an
-    ``(n, 1, M)`` row vector per node and ``w`` a shared ``(K, N)``: MV-RNN's ``b^T A^T`` and
-    ``A^T W^T``, which read the same 64 KiB matrices. One pass of ``_fused.gemm_shared`` computes
-    both from each matrix while it is in cache (each matrix read from DRAM once: 55.4 -> 51.7 ms
-    for MV-RNN h128's 2,234 products a batch on 2 cores); lower._share_row_reads writes the calls.
-    Values are the separate calls' bits (the same sums in the same order). ``live``: as
-    :func:`matmul`'s (the vector product is computed for every node). Anything else: the two
-    calls as written."""
-    if (type(r) is RowRefs and type(x) is _T and isinstance(w, _T) and len(r.shape) == 2 and x.dim() == 3
-            and x.dtype is _F32 and x.is_cpu and x.shape == (r.addrs.shape[0], 1, r.shape[0]) and x.stride(2) == 1
-            and not (x.is_conj() or x.is_neg() or x._is_zerotensor()) and w.dim() == 2 and w.shape[0] == r.shape[1]
-            and 0 not in x.shape and r.shape[1] > 0 and w.shape[1] > 0 and not _recorded_on() and shared_kernel()):
-        lay = _shared_2d(w)
-        count, (m, k), n = x.shape[0], r.shape, w.shape[1]
-        fresh = acc is None
-        if lay is not None and (fresh or (type(acc) is _T and acc.dtype is _F32 and acc.is_cpu and acc.is_contiguous()
-                                          and acc.shape == (count, m, n) and not acc.requires_grad)):
-            out = torch.empty((count, m, n), dtype=_F32) if fresh else acc
-            gemm_count = count
-            if live is not None and 0 <= live < count:
-                gemm_count = live
-                if fresh:
-                    out[live:].fill_(float("nan"))  # (rows nothing reads: NaN, never a stale value)
-            y = torch.empty((count, 1, k), dtype=_F32)
-            if _fused.gemm_shared(count, m, k, n, r.addrs.data_ptr(), k, w.data_ptr(), lay[0], lay[1],
-                                  0.0 if fresh else 1.0, out.data_ptr(), m * n * 4, n, x.data_ptr(), x.stride(0) * 4,
-                                  y.data_ptr(), k * 4, gemm_count):
-                return y, out
-    y = matmul(x, r)
-    return y, (matmul(r, w, live) if acc is None else matmul_accumulate(acc, r, w, live))
-
-
-__all__ = ["matmul", "matmul_accumulate", "sgemm_batch", "shared_kernel", "vector_and_product"]
+__all__ = ["matmul", "matmul_accumulate", "sgemm_batch"]
