@@ -497,3 +497,78 @@ def test_the_shared_kernel_check_does_not_depend_on_the_callers_state(state, mon
     else:
         torch.func.vmap(lambda x: x * bool(rowmm.shared_kernel()))(torch.ones(2, 3))
         assert rowmm._SHARED[0]
+
+
+@needs_shared
+@settings(max_examples=50, deadline=None)
+@given(count=st.integers(0, 5), m=st.integers(1, 18), k1=st.integers(1, 30), k2=st.integers(1, 30),
+       n=st.integers(1, 70), t1=st.booleans(), t2=st.booleans(), beta=st.sampled_from([0.0, 1.0]),
+       seed=st.integers(0, 2 ** 16))
+def test_gemm_shared_sums_two_products_in_one_pass(count, m, k1, k2, n, t1, t2, beta, seed):
+    rng = torch.Generator().manual_seed(seed)
+
+    def term(k, transposed):
+        mats = torch.randn(count + 1, m, k, generator=rng)
+        pick = torch.randint(0, count + 1, (count,), generator=rng).tolist()
+        addrs = torch.tensor([mats[i].data_ptr() for i in pick], dtype=torch.int64)
+        w = torch.randn(n, k, generator=rng).t() if transposed else torch.randn(k, n, generator=rng)
+        want = torch.stack([mats[i] @ w for i in pick]) if count else torch.zeros(0, m, n)
+        return mats, addrs, w, (n if not transposed else k), want  # (mats: the rows stay alive)
+
+    m1, a1, w1, ld1, p1 = term(k1, t1)
+    m2, a2, w2, ld2, p2 = term(k2, t2)
+    c = torch.randn(count, m, n, generator=rng)
+    want = p1 + p2 + (c if beta else 0)
+    assert rowmm._fused.gemm_shared(count, m, k1, n, a1.data_ptr(), k1, w1.data_ptr(), t1, ld1, beta, c.data_ptr(),
+                                    m * n * 4, n, k2, a2.data_ptr(), k2, w2.data_ptr(), t2, ld2)
+    torch.testing.assert_close(c, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(rowmm._fused is None or not hasattr(rowmm._fused, "gemm_shared"), reason="no extension")
+def test_gemm_shared_refuses_a_bad_second_term():
+    a = torch.randn(2, 3, 4)
+    w = torch.randn(4, 5)
+    c = torch.empty(2, 3, 5)
+    good = torch.tensor([a[0].data_ptr(), a[1].data_ptr()], dtype=torch.int64)
+    head = (2, 3, 4, 5, good.data_ptr(), 4, w.data_ptr(), False, 5, 0.0, c.data_ptr(), 60, 5)
+    with pytest.raises(ValueError, match="bad sizes"):
+        rowmm._fused.gemm_shared(*head, 0, good.data_ptr(), 4, w.data_ptr(), False, 5)  # k2 0
+    with pytest.raises(ValueError, match="bad sizes"):
+        rowmm._fused.gemm_shared(*head, 4, good.data_ptr(), 4, w.data_ptr(), False, 4)  # ldw2 < n
+    with pytest.raises(ValueError, match="null matrix"):
+        bad = torch.tensor([a[0].data_ptr(), 0], dtype=torch.int64)
+        rowmm._fused.gemm_shared(*head, 4, bad.data_ptr(), 4, w.data_ptr(), False, 5)
+
+
+@pytest.mark.parametrize("join", [True, False])
+@pytest.mark.parametrize("live", [None, 4, 0])
+def test_a_sum_of_row_products_is_one_pass_or_two_calls_and_agrees(join, live, monkeypatch):
+    if not (rowmm.sgemm_batch() or rowmm.shared_kernel()):
+        pytest.skip("no row products in this build")
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 0)
+    monkeypatch.setattr(rowmm, "JOIN_SUMS", join)
+    calls = []
+    real = rowmm._fused
+
+    class Spy:
+        @staticmethod
+        def gemm_shared(*a):
+            calls.append(len(a))
+            return real.gemm_shared(*a)
+
+        gemm_batch = staticmethod(real.gemm_batch)
+
+    monkeypatch.setattr(rowmm, "_fused", Spy)
+    rng = torch.Generator().manual_seed(5)
+    b1, p1, g1 = _pieces(rng, 6, (10, 12), 2)
+    b2, p2, g2 = _pieces(rng, 6, (10, 7), 3)
+    w1 = torch.randn(9, 12, generator=rng).t()
+    w2 = torch.randn(7, 9, generator=rng)
+    want = torch.matmul(g1, w1) + torch.matmul(g2, w2)
+    with torch.no_grad():
+        got = rowmm.sum_of_products(_refs(b1, p1), w1, _refs(b2, p2), w2, live)
+    cut = 6 if live is None else live
+    torch.testing.assert_close(got[:cut], want[:cut], rtol=1e-5, atol=1e-5)
+    assert torch.isnan(got[cut:]).all()
+    if rowmm.shared_kernel() and cut:
+        assert calls == ([19] if join else [13, 13])  # one call with both terms, or a product and a sum

@@ -945,23 +945,31 @@ static PyObject *fused_gemv_rows(PyObject *self, PyObject *args) {
 #define GS_NR 32
 
 typedef struct {
-    Py_ssize_t count; int m, k, n, lda; const int64_t *a; const float *bp; int acc;
-    char *c; Py_ssize_t cs; int ldc; int team;
+    Py_ssize_t count; int m, n, nt;                        /* nt terms: C_i = sum_t A_t,i W_t */
+    int k[2], lda[2]; const int64_t *a[2]; const float *bp[2];
+    int acc; char *c; Py_ssize_t cs; int ldc; int team;
 } GsJob;
 
-/* rows ar[0..mr-1] (ar[r] for r >= mr repeat row 0: read, never stored) times one packed panel
-   (k x 32, zero beyond n) into C's columns [0, 16) and [16, 32) under masks m0, m1 */
-__attribute__((target("avx512f"))) static void gs_tile(const float *const *ar, const float *bp, int k, float *c,
-                                                        int ldc, int mr, __mmask16 m0, __mmask16 m1, int acc) {
+/* rows ar[t][0..mr-1] (ar[t][r] for r >= mr repeat row 0: read, never stored) times packed panel
+   bp[t] (k[t] x 32, zero beyond n), summed over the terms t < nt in one register tile, into C's
+   columns [0, 16) and [16, 32) under masks m0, m1 */
+__attribute__((target("avx512f"))) static void gs_tile(int nt, const float *const (*ar)[GS_MR], const float *const *bp,
+                                                        const int *k, float *c, int ldc, int mr, __mmask16 m0,
+                                                        __mmask16 m1, int acc) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
     __m512 c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
-    const float *a0 = ar[0], *a1 = ar[1], *a2 = ar[2], *a3 = ar[3], *a4 = ar[4], *a5 = ar[5], *a6 = ar[6], *a7 = ar[7];
-    for (int q = 0; q < k; q++) {
-        const __m512 b0 = _mm512_load_ps(bp + (Py_ssize_t)q * GS_NR), b1 = _mm512_load_ps(bp + (Py_ssize_t)q * GS_NR + 16);
-        __m512 x;
+    for (int t = 0; t < nt; t++) {
+        const float *a0 = ar[t][0], *a1 = ar[t][1], *a2 = ar[t][2], *a3 = ar[t][3];
+        const float *a4 = ar[t][4], *a5 = ar[t][5], *a6 = ar[t][6], *a7 = ar[t][7];
+        const float *b = bp[t];
+        const int kt = k[t];
+        for (int q = 0; q < kt; q++) {
+            const __m512 b0 = _mm512_load_ps(b + (Py_ssize_t)q * GS_NR), b1 = _mm512_load_ps(b + (Py_ssize_t)q * GS_NR + 16);
+            __m512 x;
 #define GS_ROW(r) x = _mm512_set1_ps(a##r[q]); c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0); c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);
-        GS_ROW(0) GS_ROW(1) GS_ROW(2) GS_ROW(3) GS_ROW(4) GS_ROW(5) GS_ROW(6) GS_ROW(7)
+            GS_ROW(0) GS_ROW(1) GS_ROW(2) GS_ROW(3) GS_ROW(4) GS_ROW(5) GS_ROW(6) GS_ROW(7)
 #undef GS_ROW
+        }
     }
     const __m512 t[GS_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}, {c60, c61}, {c70, c71}};
     for (int r = 0; r < mr; r++) {
@@ -979,35 +987,44 @@ __attribute__((target("avx512f"))) static void gs_tile(const float *const *ar, c
 /* units [u0, u1): unit u is rows [8 (u % blocks), +8) of node u / blocks, all of W's panels (a
    unit, not a node, is what threads share: a deep tree level has fewer nodes than threads) */
 static void gs_range(const GsJob *j, Py_ssize_t u0, Py_ssize_t u1) {
-    const int m = j->m, k = j->k, n = j->n, panels = (n + GS_NR - 1) / GS_NR, blocks = (m + GS_MR - 1) / GS_MR;
-    const int row_lines = (k * 4 + 63) / 64;
-    const float *ar[GS_MR];
+    const int m = j->m, n = j->n, nt = j->nt, panels = (n + GS_NR - 1) / GS_NR, blocks = (m + GS_MR - 1) / GS_MR;
+    const float *ar[2][GS_MR];
+    const float *bp[2];
     for (Py_ssize_t u = u0; u < u1; u++) {
         const Py_ssize_t i = u / blocks;
         const int r0 = (int)(u % blocks) * GS_MR, mr = m - r0 < GS_MR ? m - r0 : GS_MR;
-        const float *a = (const float *)(intptr_t)j->a[i];
         float *c = (float *)(j->c + i * j->cs);
-        for (int r = 0; r < GS_MR; r++) ar[r] = a + (Py_ssize_t)(r0 + (r < mr ? r : 0)) * j->lda;
+        for (int t = 0; t < nt; t++) {
+            const float *a = (const float *)(intptr_t)j->a[t][i];
+            for (int r = 0; r < GS_MR; r++) ar[t][r] = a + (Py_ssize_t)(r0 + (r < mr ? r : 0)) * j->lda[t];
+        }
         /* the next unit's rows are fetched while this one computes: a node's matrix comes from
            DRAM (written by earlier groups): 184 -> 200 GFLOP/s on 2 cores, MV-RNN's 128 x 128 */
-        const char *next = NULL;
-        int next_rows = 0;
+        const char *next[2] = {NULL, NULL};
+        int next_rows = 0, lines = 0;
         if (u + 1 < u1) {
             const Py_ssize_t i2 = (u + 1) / blocks;
             const int s0 = (int)((u + 1) % blocks) * GS_MR;
-            next = (const char *)(intptr_t)j->a[i2] + (Py_ssize_t)s0 * j->lda * 4;
             next_rows = m - s0 < GS_MR ? m - s0 : GS_MR;
+            for (int t = 0; t < nt; t++) {
+                next[t] = (const char *)(intptr_t)j->a[t][i2] + (Py_ssize_t)s0 * j->lda[t] * 4;
+                lines += next_rows * ((j->k[t] * 4 + 63) / 64);
+            }
         }
-        const int lines = next_rows * row_lines, per_panel = (lines + panels - 1) / panels;
+        const int per_panel = (lines + panels - 1) / panels;
         int line = 0;
         for (int p = 0; p < panels; p++) {
-            for (int e = 0; e < per_panel && line < lines; e++, line++)
-                __builtin_prefetch(next + (Py_ssize_t)(line / row_lines) * j->lda * 4 + (line % row_lines) * 64, 0, 2);
+            for (int e = 0; e < per_panel && line < lines; e++, line++) {
+                const int t = nt > 1 && line >= next_rows * ((j->k[0] * 4 + 63) / 64);
+                const int l = t ? line - next_rows * ((j->k[0] * 4 + 63) / 64) : line, rl = (j->k[t] * 4 + 63) / 64;
+                __builtin_prefetch(next[t] + (Py_ssize_t)(l / rl) * j->lda[t] * 4 + (l % rl) * 64, 0, 2);
+            }
             const int cols = n - p * GS_NR < GS_NR ? n - p * GS_NR : GS_NR;
             const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
             const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
-            gs_tile(ar, j->bp + (Py_ssize_t)p * k * GS_NR, k, c + (Py_ssize_t)r0 * j->ldc + p * GS_NR, j->ldc, mr,
-                    m0, m1, j->acc);
+            for (int t = 0; t < nt; t++) bp[t] = j->bp[t] + (Py_ssize_t)p * j->k[t] * GS_NR;
+            gs_tile(nt, (const float *const (*)[GS_MR])ar, bp, j->k, c + (Py_ssize_t)r0 * j->ldc + p * GS_NR, j->ldc,
+                    mr, m0, m1, j->acc);
         }
     }
 }
@@ -1017,36 +1034,14 @@ static void gs_worker(void *arg) {
     Py_ssize_t i0, i1;
     if (member_range(j->team, j->count * ((j->m + GS_MR - 1) / GS_MR), 1, &i0, &i1)) gs_range(j, i0, i1);
 }
-#endif
 
-
-static PyObject *fused_gemm_shared(PyObject *self, PyObject *args) {
-    PyObject *pa, *pw, *pc;
-    Py_ssize_t count, cs;
-    int m, k, n, lda, w_trans, ldw, ldc;
-    float beta;
-    if (!PyArg_ParseTuple(args, "niiiOiOpifOni:gemm_shared", &count, &m, &k, &n, &pa, &lda, &pw, &w_trans, &ldw,
-                          &beta, &pc, &cs, &ldc)) return NULL;
-    const int64_t *a = PyLong_AsVoidPtr(pa);
-    const float *w = PyLong_AsVoidPtr(pw);
-    char *c = PyLong_AsVoidPtr(pc);
-    if (PyErr_Occurred()) return NULL;
-    if (count < 0 || m <= 0 || k <= 0 || n <= 0 || lda < k || ldc < n || ldw < (w_trans ? k : n)
-            || (count > 0 && (!a || !w || !c))) {
-        PyErr_SetString(PyExc_ValueError, "gemm_shared: bad sizes or a null address");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (!a[i]) { PyErr_SetString(PyExc_ValueError, "gemm_shared: a null matrix address"); return NULL; }
-    }
-#if BC_VECTOR_MATHS
-    if (!gemm_shared_on || (beta != 0.0f && beta != 1.0f)) Py_RETURN_FALSE;
-    if (count == 0) Py_RETURN_TRUE;
+/* W (k x n; w_trans: the transpose of a row-major n x k) packed into 32-column panels, zero-padded */
+static float *gs_pack(const float *w, int w_trans, int ldw, int k, int n) {
     const int panels = (n + GS_NR - 1) / GS_NR;
     size_t bytes = (size_t)panels * k * GS_NR * sizeof(float);
     float *bp = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!bp) return PyErr_NoMemory();
-    for (int p = 0; p < panels; p++) {  /* panel p: rows q = 0..k-1 of W's columns [32p, 32p + 32), zero-padded */
+    if (!bp) return NULL;
+    for (int p = 0; p < panels; p++) {
         float *dst = bp + (Py_ssize_t)p * k * GS_NR;
         for (int q = 0; q < k; q++) {
             for (int jj = 0; jj < GS_NR; jj++) {
@@ -1056,14 +1051,50 @@ static PyObject *fused_gemm_shared(PyObject *self, PyObject *args) {
             }
         }
     }
-    GsJob job = {count, m, k, n, lda, a, bp, beta != 0.0f, c, cs, ldc, 1};
+    return bp;
+}
+#endif
+
+static PyObject *fused_gemm_shared(PyObject *self, PyObject *args) {
+    PyObject *pa, *pw, *pc, *pa2 = NULL, *pw2 = NULL;
+    Py_ssize_t count, cs;
+    int m, k, n, lda, w_trans, ldw, ldc, k2 = 0, lda2 = 0, w2_trans = 0, ldw2 = 0;
+    float beta;
+    if (!PyArg_ParseTuple(args, "niiiOiOpifOni|iOiOpi:gemm_shared", &count, &m, &k, &n, &pa, &lda, &pw, &w_trans, &ldw,
+                          &beta, &pc, &cs, &ldc, &k2, &pa2, &lda2, &pw2, &w2_trans, &ldw2)) return NULL;
+    const int64_t *a = PyLong_AsVoidPtr(pa);
+    const float *w = PyLong_AsVoidPtr(pw);
+    char *c = PyLong_AsVoidPtr(pc);
+    const int64_t *a2 = pa2 ? PyLong_AsVoidPtr(pa2) : NULL;
+    const float *w2 = pw2 ? PyLong_AsVoidPtr(pw2) : NULL;
+    if (PyErr_Occurred()) return NULL;
+    const int two = pa2 != NULL;
+    if (count < 0 || m <= 0 || k <= 0 || n <= 0 || lda < k || ldc < n || ldw < (w_trans ? k : n)
+            || (count > 0 && (!a || !w || !c))
+            || (two && (k2 <= 0 || lda2 < k2 || ldw2 < (w2_trans ? k2 : n) || (count > 0 && (!a2 || !w2))))) {
+        PyErr_SetString(PyExc_ValueError, "gemm_shared: bad sizes or a null address");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!a[i] || (two && !a2[i])) {
+            PyErr_SetString(PyExc_ValueError, "gemm_shared: a null matrix address");
+            return NULL;
+        }
+    }
+#if BC_VECTOR_MATHS
+    if (!gemm_shared_on || (beta != 0.0f && beta != 1.0f)) Py_RETURN_FALSE;
+    if (count == 0) Py_RETURN_TRUE;
+    float *bp = gs_pack(w, w_trans, ldw, k, n), *bp2 = two ? gs_pack(w2, w2_trans, ldw2, k2, n) : NULL;
+    if (!bp || (two && !bp2)) { free(bp); free(bp2); return PyErr_NoMemory(); }
+    GsJob job = {count, m, n, 1 + two, {k, k2}, {lda, lda2}, {a, a2}, {bp, bp2}, beta != 0.0f, c, cs, ldc, 1};
     const Py_ssize_t units = count * ((m + GS_MR - 1) / GS_MR);
-    job.team = team_size(units, count * (Py_ssize_t)m * n * k / 16);
+    job.team = team_size(units, count * (Py_ssize_t)m * n * (k + k2) / 16);
     Py_BEGIN_ALLOW_THREADS
     if (job.team > 1) omp.parallel(gs_worker, &job, (unsigned)job.team, 0);
     else gs_range(&job, 0, units);
     Py_END_ALLOW_THREADS
     free(bp);
+    free(bp2);
     Py_RETURN_TRUE;
 #else
     Py_RETURN_FALSE;

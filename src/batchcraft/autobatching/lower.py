@@ -408,6 +408,11 @@ class Runner:
                 cut = _cut_output(em, prog, step_lines, leaf_batched)
             except Exception as exc:  # (as above: every row is computed)
                 self.rewrite_error = f"{type(exc).__name__}: {exc}"
+        if rows_ins:
+            try:
+                _join_sums(em, prog, step_lines)
+            except Exception as exc:  # (as above: the products run as lowered)
+                self.rewrite_error = f"{type(exc).__name__}: {exc}"
         clusters, deferred, checked = [], {}, None
         if self.fuse:
             try:
@@ -825,6 +830,36 @@ def _cut_output(em, prog, step_lines, leaf_batched) -> int:
                 step_lines[i] = [step_lines[i][0][:-1] + ", L)"]
             return j
     return -1
+
+
+def _join_sums(em, prog, step_lines) -> int:
+    """``rowmm.matmul_accumulate(rowmm.matmul(I_a, W1), I_b, W2)`` (MV-RNN's
+    ``A^T W1^T + B^T W2^T`` after :func:`_accumulate_products` and :func:`_products_from_rows`)
+    becomes one :func:`rowmm.sum_of_products` call at the sum's line, which writes each output
+    tile once. The first product's line goes (only the sum reads it). Returns how many."""
+    rmm = em.ns_name(_rowmm.matmul)
+    racc = em.ns_name(_rowmm.matmul_accumulate)
+    if rmm is None or racc is None:
+        return 0
+    acc_re = re.compile(rf"^    v(\d+)_0 = {re.escape(racc)}\(v(\d+)_0, (I\d+), ([\w.]+)(, L)?\)$")
+    mm_re = re.compile(rf"^    v(\d+)_0 = {re.escape(rmm)}\((I\d+), ([\w.]+)(, L)?\)$")
+    done = 0
+    for st in prog.steps:
+        lines = step_lines[st.index]
+        ma = acc_re.match(lines[0]) if len(lines) == 1 else None
+        if not ma:
+            continue
+        b = int(ma.group(2))
+        first = step_lines.get(b, [])
+        mb = mm_re.match(first[0]) if len(first) == 1 else None
+        if not mb or (mb.group(4) or "") != (ma.group(5) or ""):
+            continue
+        name = em.name(_rowmm.sum_of_products, "RS")
+        step_lines[b] = []
+        step_lines[st.index] = [f"    v{st.index}_0 = {name}({mb.group(2)}, {mb.group(3)}, {ma.group(3)}, {ma.group(4)}"
+                                f"{ma.group(5) or ''})"]
+        done += 1
+    return done
 
 
 def _rank(st, j: int):

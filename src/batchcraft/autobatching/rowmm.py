@@ -224,4 +224,36 @@ def matmul_accumulate(acc, y, w, live=None):
     return acc + torch.matmul(materialize(y), w)
 
 
-__all__ = ["matmul", "matmul_accumulate", "sgemm_batch"]
+#: join a sum of two row products into one pass (tests and measurements switch it off)
+JOIN_SUMS = True
+
+
+def sum_of_products(x, w1, y, w2, live=None):
+    """``x @ w1 + y @ w2`` with ``x``, ``y`` :class:`RowRefs` of ``(M, K1)``, ``(M, K2)`` per-node
+    matrices and ``w1``, ``w2`` shared matrices: one pass of ``_fused.gemm_shared`` sums both
+    products of each output tile in registers and writes it once (the two-call form writes the
+    first product and reads it back to add the second: a third of the memory traffic of MV-RNN's
+    ``P^T``). Rounding: one FMA chain over both sums (as one GEMM over the concatenated K would
+    be), so values differ from the two calls' in the last bits. ``live``: as :func:`matmul`'s.
+    Anything else: :func:`matmul_accumulate` over :func:`matmul`, as written."""
+    if (JOIN_SUMS and type(x) is RowRefs and type(y) is RowRefs and len(x.shape) == 2 and len(y.shape) == 2
+            and x.shape[0] == y.shape[0] and x.addrs.shape[0] == y.addrs.shape[0] and isinstance(w1, _T)
+            and isinstance(w2, _T) and w1.dim() == 2 and w2.dim() == 2 and w1.shape[0] == x.shape[1]
+            and w2.shape[0] == y.shape[1] and w1.shape[1] == w2.shape[1] and 0 not in w1.shape and 0 not in w2.shape
+            and x.shape[0] > 0 and not _recorded_on() and shared_kernel()):
+        l1, l2 = _shared_2d(w1), _shared_2d(w2)
+        if l1 is not None and l2 is not None:
+            count = x.addrs.shape[0]
+            (m, k1), k2, n = x.shape, y.shape[1], w1.shape[1]
+            out = torch.empty((count, m, n), dtype=_F32)
+            if live is not None and 0 <= live < count:
+                out[live:].fill_(float("nan"))  # (rows nothing reads: NaN, never a stale value)
+                count = live
+            if count == 0 or _fused.gemm_shared(count, m, k1, n, x.addrs.data_ptr(), k1, w1.data_ptr(), l1[0], l1[1],
+                                                0.0, out.data_ptr(), m * n * 4, n, k2, y.addrs.data_ptr(), k2,
+                                                w2.data_ptr(), l2[0], l2[1]):
+                return out
+    return matmul_accumulate(matmul(x, w1, live), y, w2, live)
+
+
+__all__ = ["matmul", "matmul_accumulate", "sgemm_batch", "shared_kernel", "sum_of_products"]
