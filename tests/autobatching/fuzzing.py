@@ -85,7 +85,7 @@ CELL = ("gru", "lstm", "rnn_tanh", "lstm_block", "lstm_block_keep", "gru_block",
 BRANCH_COND = ("k_gt", "sum_gt", "any_gt", "item_int", "argmax_table", "inst_c")
 MISC = ("einsum", "outer", "dot", "layer_norm", "normalize", "conv1d", "T_prop", "zeros_created", "int_ops",
         "where_inst", "nested_block", "same_output_twice", "dropout_eval", "cross_entropy", "shared_buffer",
-        "copysign_inst", "memo", "param_row_n", "param_view_mix", "row_products")
+        "copysign_inst", "memo", "param_row_n", "param_view_mix", "row_products", "mv_compose")
 NEWFACT = ("new_ones", "zeros_like", "full_like", "new_full", "where_const",
            "full_tuple", "arange_pos", "zeros_inplace", "eye_mv")  # (the last four: constant leaves)
 # issue 15: thread state, in-place writes, hooks, buffers; issue 14: ragged blocks
@@ -638,6 +638,17 @@ def _misc(name, h, inst, P):
         for _ in range(4):
             g = g * 0.5 + 0.1
         return h + blk(g, A, torch.sigmoid(A)) * 0.1
+    if name == "mv_compose":  # MV-RNN: a sum of row products joined (rowmm.sum_of_products); the
+        blk = P.blocks.get("mv_compose")  # last matrix dropped for even k (dead rows, execute.py)
+        if blk is None:
+            def body(a, A, b, B):
+                p = torch.tanh((a.unsqueeze(-2) @ B).squeeze(-2) + (b.unsqueeze(-2) @ A).squeeze(-2))
+                return p, A @ P.M.t() + B @ P.M
+            blk = P.blocks["mv_compose"] = static_block(body)
+        v, Mx = h, torch.outer(h, torch.tanh(h)) * 0.5
+        for j in range(1 + inst["k"] % 3):
+            v, Mx = blk(v, Mx, torch.tanh(v + 0.1 * j), torch.sigmoid(Mx))
+        return v + Mx.sum(0) * 0.01 if inst["k"] % 2 else v
     if name == "nested_block":
         outer = P.blocks.get("nested")
         if outer is None:

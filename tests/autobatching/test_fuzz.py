@@ -132,7 +132,7 @@ def check_program(program, specs, scheduler="depth", fibers=True, max_pending=No
             COUNTS["groups_reordered"] = COUNTS.get("groups_reordered", 0) + f.stats.groups_reordered
             COUNTS["steps_fused"] = COUNTS.get("steps_fused", 0) + f.stats.steps_fused
             for k in ("groups_consumer_ordered", "groups_deduplicated", "rows_in_place", "groups_merged",
-                      "recurrences_stepwise"):
+                      "recurrences_stepwise", "rows_dead"):
                 COUNTS[k] = COUNTS.get(k, 0) + getattr(f.stats, k)
     finally:
         order.MIN_NODES, chains.MIN_NODES, execute.ORDER_MIN_ROW_BYTES = min_nodes, min_chain, min_order
