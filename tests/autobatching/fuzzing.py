@@ -639,16 +639,16 @@ def _misc(name, h, inst, P):
             g = g * 0.5 + 0.1
         return h + blk(g, A, torch.sigmoid(A)) * 0.1
     if name == "mv_compose":  # MV-RNN: a sum of row products joined (rowmm.sum_of_products); the
-        blk = P.blocks.get("mv_compose")  # last matrix dropped for even k (dead rows, execute.py)
+        blk = P.blocks.get("mv_compose")  # last matrix dropped for even n (dead rows, execute.py)
         if blk is None:
             def body(a, A, b, B):
                 p = torch.tanh((a.unsqueeze(-2) @ B).squeeze(-2) + (b.unsqueeze(-2) @ A).squeeze(-2))
                 return p, A @ P.M.t() + B @ P.M
             blk = P.blocks["mv_compose"] = static_block(body)
         v, Mx = h, torch.outer(h, torch.tanh(h)) * 0.5
-        for j in range(1 + inst["k"] % 3):
+        for j in range(1 + len(inst["ids"]) % 3):  # (Python ints: a value wait would keep Mx held)
             v, Mx = blk(v, Mx, torch.tanh(v + 0.1 * j), torch.sigmoid(Mx))
-        return v + Mx.sum(0) * 0.01 if inst["k"] % 2 else v
+        return v + Mx.sum(0) * 0.01 if inst["n"] % 2 else v
     if name == "nested_block":
         outer = P.blocks.get("nested")
         if outer is None:

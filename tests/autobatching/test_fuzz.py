@@ -464,3 +464,22 @@ def test_the_row_products_statement_reaches_products_from_rows(inference):
         assert f.stats.rows_in_place > 0
     if not inference:
         assert f.stats.rows_in_place == 0
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_the_mv_compose_statement_joins_sums_and_leaves_dead_rows(inference):
+    """The MV-RNN-shaped statement: its matrix sums run as one pass (rowmm.sum_of_products) and,
+    in inference on the C core, the dropped last matrix of even-k instances is not computed
+    (execute.DEAD_ROWS); both cores equal eager either way."""
+    from batchcraft.autobatching import rowmm
+
+    program = (4, (("misc", "mv_compose"), ("unary", "tanh")), "h")
+    specs = [dict(L=2, n=k % 2, k=k, ids=[1, 2, 3][:1 + k % 3], c=0.25, tree=(1, ((2, ()),)), x_grad=not inference,
+                  seed=k) for k in range(6)]
+    check_program(program, specs, cores=CORES, inference=inference)
+    if "c" in CORES:
+        f = check_program(program, specs, cores=["c"], inference=inference)
+        if inference and (rowmm.sgemm_batch() or rowmm.shared_kernel()):
+            assert f.stats.rows_dead > 0
+        else:
+            assert f.stats.rows_dead == 0
