@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from batchcraft import autobatch, static_block
+from batchcraft import autobatch
 from batchcraft.autobatching import execute, gather, rowmm
 
 from equivalence import assert_matches_eager
+from mvblocks import compose_words, mv_blocks
 
 needs_products = pytest.mark.skipif(not (rowmm.sgemm_batch() or rowmm.shared_kernel()),
                                     reason="no row products in this build (no extension)")
@@ -25,40 +26,13 @@ H = 32
 
 
 def _model(use: str, holder=None):
-    torch.manual_seed(0)
-    table = nn.Embedding(30, H * H)
+    leaf, compose, params = mv_blocks(H)
 
-    @static_block
-    class Leaf(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.vec = nn.Embedding(30, H)
-
-        def forward(self, w):
-            return self.vec(w), table(w).view(H, H)
-
-    @static_block
-    class Compose(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.W = nn.Linear(2 * H, H)
-            self.W_M = nn.Parameter(torch.randn(H, 2 * H) / H)
-
-        def forward(self, a, At, b, Bt):
-            Ba = (a.unsqueeze(-2) @ Bt).squeeze(-2)
-            Ab = (b.unsqueeze(-2) @ At).squeeze(-2)
-            p = torch.tanh(self.W(torch.cat([Ba, Ab], -1)))
-            return p, At @ self.W_M[:, :H].t() + Bt @ self.W_M[:, H:].t()
-
-    leaf, compose = Leaf(), Compose()
+    def synced(v):  # a flush while M is held
+        return v * 2 if v.sum().item() > 1e9 else v
 
     def fn(words):
-        v, M = leaf(torch.tensor(words[0]))
-        for w in words[1:]:
-            cv, cM = leaf(torch.tensor(w))
-            v, M = compose(v, M, cv, cM) if w % 2 else compose(cv, cM, v, M)
-            if use == "sync" and v.sum().item() > 1e9:  # a flush while M is held
-                v = v * 2
+        v, M = compose_words(leaf, compose, words, synced if use == "sync" else None)
         if use == "both":
             return v, M
         if use == "read":
@@ -67,7 +41,7 @@ def _model(use: str, holder=None):
             holder.kept.append(M)
         return v
 
-    return fn, [table.weight, *leaf.parameters(), *compose.parameters()]
+    return fn, params
 
 
 def _sentences(seed=1, count=12):

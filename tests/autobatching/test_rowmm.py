@@ -13,12 +13,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 from batchcraft import autobatch, static_block
 from batchcraft.autobatching import gather, rowmm
 
 from equivalence import assert_matches_eager
+from mvblocks import compose_words, mv_blocks
 
 needs_gemm = pytest.mark.skipif(not rowmm.sgemm_batch(), reason="no pointer-array GEMM in this build (or no extension)")
 
@@ -110,41 +110,12 @@ def test_row_refs_declines_what_its_rows_cannot_stand_for(monkeypatch):
 
 
 def _mv_model(h: int):
-    torch.manual_seed(0)
-    table = nn.Embedding(30, h * h)
-
-    @static_block
-    class Leaf(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.vec = nn.Embedding(30, h)
-
-        def forward(self, w):
-            return self.vec(w), table(w).view(h, h)
-
-    @static_block
-    class Compose(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.W = nn.Linear(2 * h, h)
-            self.W_M = nn.Parameter(torch.randn(h, 2 * h) / h)
-
-        def forward(self, a, At, b, Bt):
-            Ba = (a.unsqueeze(-2) @ Bt).squeeze(-2)
-            Ab = (b.unsqueeze(-2) @ At).squeeze(-2)
-            p = torch.tanh(self.W(torch.cat([Ba, Ab], -1)))
-            return p, At @ self.W_M[:, :h].t() + Bt @ self.W_M[:, h:].t()
-
-    leaf, compose = Leaf(), Compose()
+    leaf, compose, params = mv_blocks(h)
 
     def fn(words):
-        v, M = leaf(torch.tensor(words[0]))
-        for w in words[1:]:
-            cv, cM = leaf(torch.tensor(w))
-            v, M = compose(v, M, cv, cM) if w % 2 else compose(cv, cM, v, M)
-        return v, M
+        return compose_words(leaf, compose, words)
 
-    return fn, [table.weight, *leaf.parameters(), *compose.parameters()]
+    return fn, params
 
 
 @pytest.mark.parametrize("h", [32, 8])
@@ -189,28 +160,41 @@ def test_empty_products_are_torchs(monkeypatch):
             torch.testing.assert_close(got, want)
 
 
+def _gemm_here() -> bool:
+    return bool(rowmm._fused and hasattr(rowmm._fused, "gemm_batch") and rowmm._find())
+
+
+def _shared_here() -> bool:
+    return bool(rowmm._fused and rowmm._fused.vector_maths == "avx512f")
+
+
+@pytest.mark.parametrize("check", [("sgemm_batch", "_ADDRESS", _gemm_here), ("shared_kernel", "_SHARED", _shared_here)],
+                         ids=["pointer_gemm", "shared_kernel"])
 @pytest.mark.parametrize("state", ["float64_default", "autocast", "vmap", "jvp"])
-def test_the_gemm_check_does_not_depend_on_the_callers_state(state, monkeypatch):
+def test_the_kernel_checks_do_not_depend_on_the_callers_state(check, state, monkeypatch):
     # hostile helper, stop 40: the one-time check of the pointer GEMM ran on the default dtype
-    # (float64 made it fail) or under autocast (bf16 results): the feature was off for good
-    if not rowmm._fused or not hasattr(rowmm._fused, "gemm_batch") or not rowmm._find():
-        pytest.skip("no pointer-array GEMM in this build")
-    monkeypatch.setattr(rowmm, "_ADDRESS", [])
+    # (float64 made it fail) or under autocast (bf16 results): the feature was off for good.
+    # The AVX-512 kernel's check (stop 54) is run the same way.
+    name, memo, here = check
+    if not here():
+        pytest.skip(f"no {name} in this build")
+    found = getattr(rowmm, name)
+    monkeypatch.setattr(rowmm, memo, [])
     if state == "float64_default":
         torch.set_default_dtype(torch.float64)
         try:
-            assert rowmm.sgemm_batch()
+            assert found()
         finally:
             torch.set_default_dtype(torch.float32)
     elif state == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert rowmm.sgemm_batch()
+            assert found()
     elif state == "vmap":  # reliability #209: the check's own random draw inside the caller's vmap
-        torch.func.vmap(lambda x: x * bool(rowmm.sgemm_batch()))(torch.ones(2, 3))
-        assert rowmm._ADDRESS[0]
+        torch.func.vmap(lambda x: x * bool(found()))(torch.ones(2, 3))
+        assert getattr(rowmm, memo)[0]
     else:
-        torch.func.jvp(lambda x: x * bool(rowmm.sgemm_batch()), (torch.ones(3),), (torch.ones(3),))
-        assert rowmm._ADDRESS[0]
+        torch.func.jvp(lambda x: x * bool(found()), (torch.ones(3),), (torch.ones(3),))
+        assert getattr(rowmm, memo)[0]
 
 
 @needs_gemm
@@ -404,7 +388,7 @@ def test_gemm_shared_splits_units_over_threads_and_each_thread_count_agrees(coun
 
 
 @pytest.mark.skipif(rowmm._fused is None or not hasattr(rowmm._fused, "gemm_shared"), reason="no extension")
-def test_gemm_shared_refuses_bad_sizes_and_declines_other_betas():
+def test_gemm_shared_refuses_bad_sizes_and_declines_other_betas():  # (both terms)
     a = torch.randn(2, 3, 4)
     w = torch.randn(4, 5)
     c = torch.empty(2, 3, 5)
@@ -420,6 +404,13 @@ def test_gemm_shared_refuses_bad_sizes_and_declines_other_betas():
     c.fill_(7.0)
     assert rowmm._fused.gemm_shared(*args, 0.5, c.data_ptr(), 60, 5) is False  # (MKL's batch serves beta 0.5)
     assert torch.all(c == 7.0)
+    head = (*args, 0.0, c.data_ptr(), 60, 5)  # a second term (the joined sum) checked as the first
+    with pytest.raises(ValueError, match="bad sizes"):
+        rowmm._fused.gemm_shared(*head, 0, good.data_ptr(), 4, w.data_ptr(), False, 5)  # k2 0
+    with pytest.raises(ValueError, match="bad sizes"):
+        rowmm._fused.gemm_shared(*head, 4, good.data_ptr(), 4, w.data_ptr(), False, 4)  # ldw2 < n
+    with pytest.raises(ValueError, match="null matrix"):
+        rowmm._fused.gemm_shared(*head, 4, bad.data_ptr(), 4, w.data_ptr(), False, 5)
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -480,24 +471,6 @@ def test_the_shared_kernel_is_off_under_the_portable_switch():
     assert out.stdout.strip() == "ok"
 
 
-@pytest.mark.parametrize("state", ["float64_default", "autocast", "vmap"])
-def test_the_shared_kernel_check_does_not_depend_on_the_callers_state(state, monkeypatch):
-    if rowmm._fused is None or rowmm._fused.vector_maths != "avx512f":
-        pytest.skip("no AVX-512 here")
-    monkeypatch.setattr(rowmm, "_SHARED", [])
-    if state == "float64_default":
-        torch.set_default_dtype(torch.float64)
-        try:
-            assert rowmm.shared_kernel()
-        finally:
-            torch.set_default_dtype(torch.float32)
-    elif state == "autocast":
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert rowmm.shared_kernel()
-    else:
-        torch.func.vmap(lambda x: x * bool(rowmm.shared_kernel()))(torch.ones(2, 3))
-        assert rowmm._SHARED[0]
-
 
 @needs_shared
 @settings(max_examples=50, deadline=None)
@@ -523,21 +496,6 @@ def test_gemm_shared_sums_two_products_in_one_pass(count, m, k1, k2, n, t1, t2, 
                                     m * n * 4, n, k2, a2.data_ptr(), k2, w2.data_ptr(), t2, ld2)
     torch.testing.assert_close(c, want, rtol=1e-5, atol=1e-4)
 
-
-@pytest.mark.skipif(rowmm._fused is None or not hasattr(rowmm._fused, "gemm_shared"), reason="no extension")
-def test_gemm_shared_refuses_a_bad_second_term():
-    a = torch.randn(2, 3, 4)
-    w = torch.randn(4, 5)
-    c = torch.empty(2, 3, 5)
-    good = torch.tensor([a[0].data_ptr(), a[1].data_ptr()], dtype=torch.int64)
-    head = (2, 3, 4, 5, good.data_ptr(), 4, w.data_ptr(), False, 5, 0.0, c.data_ptr(), 60, 5)
-    with pytest.raises(ValueError, match="bad sizes"):
-        rowmm._fused.gemm_shared(*head, 0, good.data_ptr(), 4, w.data_ptr(), False, 5)  # k2 0
-    with pytest.raises(ValueError, match="bad sizes"):
-        rowmm._fused.gemm_shared(*head, 4, good.data_ptr(), 4, w.data_ptr(), False, 4)  # ldw2 < n
-    with pytest.raises(ValueError, match="null matrix"):
-        bad = torch.tensor([a[0].data_ptr(), 0], dtype=torch.int64)
-        rowmm._fused.gemm_shared(*head, 4, bad.data_ptr(), 4, w.data_ptr(), False, 5)
 
 
 @pytest.mark.parametrize("join", [True, False])
