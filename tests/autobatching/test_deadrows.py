@@ -131,3 +131,17 @@ def test_the_program_cuts_only_the_output_its_row_products_alone_make(small_rows
         assert out == 1  # P^T, not p (which the tanh of a per-node value makes)
         want = 1 if rowmm.JOIN_SUMS else 2  # the joined sum, or the product and the one added into it
         assert src.count(", L)") == want
+
+
+@needs_products
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_rows_dead_counts_only_rows_left_uncomputed(dtype, small_rows):
+    # hostile helper, stop 54: rows_dead counted the cut rows of every group run with a live
+    # count, also where the products computed every row (other dtypes: torch's matmul)
+    fn, params = _model("p")
+    for p in params:
+        p.data = p.data.to(dtype)
+    sents = _sentences(6)
+    with torch.no_grad():
+        f = assert_matches_eager(fn, sents, [], atol=1e-2 if dtype is torch.float16 else 1e-5)
+    assert f.stats.rows_dead == 0

@@ -530,3 +530,22 @@ def test_a_sum_of_row_products_is_one_pass_or_two_calls_and_agrees(join, live, m
     assert torch.isnan(got[cut:]).all()
     if rowmm.shared_kernel() and cut:
         assert calls == ([19] if join else [13, 13])  # one call with both terms, or a product and a sum
+
+
+@needs_shared
+def test_a_joined_sum_rounds_as_the_two_calls_even_where_the_products_cancel(monkeypatch):
+    # hostile helper, stop 54: one FMA chain over both products differed from eager's
+    # round(A W1) + round(B W2) by 1.1e-4 where W2 ~ -W1; each product is now rounded on its own
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 0)
+    rng = torch.Generator().manual_seed(7)
+    b1, p1, g1 = _pieces(rng, 9, (32, 32), 2)
+    b2, p2, g2 = _pieces(rng, 9, (32, 32), 2)
+    w1 = torch.randn(32, 32, generator=rng)
+    w2 = -w1 + 1e-3 * torch.randn(32, 32, generator=rng)
+    with torch.no_grad():
+        got = {}
+        for join in (True, False):
+            monkeypatch.setattr(rowmm, "JOIN_SUMS", join)
+            got[join] = rowmm.sum_of_products(_refs(b1, p1), w1, _refs(b2, p2), w2)
+    assert torch.equal(got[True], got[False])
+    assert torch.equal(got[True], torch.matmul(g1, w1) + torch.matmul(g2, w2))  # eager's bits here

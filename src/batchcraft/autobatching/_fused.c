@@ -6,6 +6,10 @@
  * steps and hands each one here as a Kernel: a list of operations over value slots, run row by row
  * with the row's intermediates in a small scratch buffer, one pass, no torch call.
  *
+ * Also the row products of rowmm.py: per-node matrices read where they lie, by address (MKL's
+ * pointer-array GEMM through its address, a vector-times-matrix loop, and an AVX-512 kernel for
+ * rows times a shared matrix).
+ *
  * Plain CPython C API and raw float pointers (no torch headers, so no tie to a torch version).
  * fuse.py checks every operand (float32, CPU, strided, unit element stride, no autograd) before a
  * call; anything else runs the program's own torch calls.
@@ -950,26 +954,19 @@ typedef struct {
     int acc; char *c; Py_ssize_t cs; int ldc; int team;
 } GsJob;
 
-/* rows ar[t][0..mr-1] (ar[t][r] for r >= mr repeat row 0: read, never stored) times packed panel
-   bp[t] (k[t] x 32, zero beyond n), summed over the terms t < nt in one register tile, into C's
-   columns [0, 16) and [16, 32) under masks m0, m1 */
-__attribute__((target("avx512f"))) static void gs_tile(int nt, const float *const (*ar)[GS_MR], const float *const *bp,
-                                                        const int *k, float *c, int ldc, int mr, __mmask16 m0,
-                                                        __mmask16 m1, int acc) {
+/* rows ar[0..mr-1] (ar[r] for r >= mr repeat row 0: read, never stored) times one packed panel
+   (k x 32, zero beyond n) into C's columns [0, 16) and [16, 32) under masks m0, m1 (acc: added) */
+__attribute__((target("avx512f"))) static void gs_tile(const float *const *ar, const float *bp, int k, float *c,
+                                                        int ldc, int mr, __mmask16 m0, __mmask16 m1, int acc) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
     __m512 c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
-    for (int t = 0; t < nt; t++) {
-        const float *a0 = ar[t][0], *a1 = ar[t][1], *a2 = ar[t][2], *a3 = ar[t][3];
-        const float *a4 = ar[t][4], *a5 = ar[t][5], *a6 = ar[t][6], *a7 = ar[t][7];
-        const float *b = bp[t];
-        const int kt = k[t];
-        for (int q = 0; q < kt; q++) {
-            const __m512 b0 = _mm512_load_ps(b + (Py_ssize_t)q * GS_NR), b1 = _mm512_load_ps(b + (Py_ssize_t)q * GS_NR + 16);
-            __m512 x;
+    const float *a0 = ar[0], *a1 = ar[1], *a2 = ar[2], *a3 = ar[3], *a4 = ar[4], *a5 = ar[5], *a6 = ar[6], *a7 = ar[7];
+    for (int q = 0; q < k; q++) {
+        const __m512 b0 = _mm512_load_ps(bp + (Py_ssize_t)q * GS_NR), b1 = _mm512_load_ps(bp + (Py_ssize_t)q * GS_NR + 16);
+        __m512 x;
 #define GS_ROW(r) x = _mm512_set1_ps(a##r[q]); c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0); c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);
-            GS_ROW(0) GS_ROW(1) GS_ROW(2) GS_ROW(3) GS_ROW(4) GS_ROW(5) GS_ROW(6) GS_ROW(7)
+        GS_ROW(0) GS_ROW(1) GS_ROW(2) GS_ROW(3) GS_ROW(4) GS_ROW(5) GS_ROW(6) GS_ROW(7)
 #undef GS_ROW
-        }
     }
     const __m512 t[GS_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}, {c60, c61}, {c70, c71}};
     for (int r = 0; r < mr; r++) {
@@ -989,7 +986,6 @@ __attribute__((target("avx512f"))) static void gs_tile(int nt, const float *cons
 static void gs_range(const GsJob *j, Py_ssize_t u0, Py_ssize_t u1) {
     const int m = j->m, n = j->n, nt = j->nt, panels = (n + GS_NR - 1) / GS_NR, blocks = (m + GS_MR - 1) / GS_MR;
     const float *ar[2][GS_MR];
-    const float *bp[2];
     for (Py_ssize_t u = u0; u < u1; u++) {
         const Py_ssize_t i = u / blocks;
         const int r0 = (int)(u % blocks) * GS_MR, mr = m - r0 < GS_MR ? m - r0 : GS_MR;
@@ -1022,9 +1018,11 @@ static void gs_range(const GsJob *j, Py_ssize_t u0, Py_ssize_t u1) {
             const int cols = n - p * GS_NR < GS_NR ? n - p * GS_NR : GS_NR;
             const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
             const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
-            for (int t = 0; t < nt; t++) bp[t] = j->bp[t] + (Py_ssize_t)p * j->k[t] * GS_NR;
-            gs_tile(nt, (const float *const (*)[GS_MR])ar, bp, j->k, c + (Py_ssize_t)r0 * j->ldc + p * GS_NR, j->ldc,
-                    mr, m0, m1, j->acc);
+            /* term by term: each product rounded on its own, then added to the tile, which stays in
+               L1 (the two-call form's sums and roundings, so the same bits as eager's A W1 + B W2) */
+            for (int t = 0; t < nt; t++)
+                gs_tile(ar[t], j->bp[t] + (Py_ssize_t)p * j->k[t] * GS_NR, j->k[t], c + (Py_ssize_t)r0 * j->ldc + p * GS_NR,
+                        j->ldc, mr, m0, m1, j->acc || t > 0);
         }
     }
 }

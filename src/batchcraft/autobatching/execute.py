@@ -29,6 +29,7 @@ from batchcraft.autobatching import fuse as _fuse
 from batchcraft.autobatching import gather as _gather
 from batchcraft.autobatching import hoist as _hoist
 from batchcraft.autobatching import lookup as _lookup
+from batchcraft.autobatching import rowmm as _rowmm
 from batchcraft.autobatching.descs import DESCS, row_bytes
 from batchcraft.autobatching.functional import make_leaf
 from batchcraft.autobatching.gather import RowRefs, Rows, index_tensor, keep_requires_grad, materialize, take, take_all
@@ -374,9 +375,10 @@ class Executor:
                     if (plain and runner.writes_outputs and self.arenas and not info.grad and not info.state[1]
                             and not under_transform()):  # (a transform's values have no rows to write into)
                         dest = self._arena_rows(info, n)
+                    skipped = _rowmm.skipped_rows()
                     outs = runner(n, ins, rags, segs, cnts, dest, taken, live)
-                    if live is not None:
-                        st.rows_dead += n - live
+                    if live is not None:  # (only rows a product really left: not a fallback's)
+                        st.rows_dead += _rowmm.skipped_rows() - skipped
                 m = n if rows is None else n - saved  # (a deduplicated group: its distinct rows)
                 if len(outs) != info.n_out or any(t.shape[0] != m for t in outs):
                     raise AutobatchError(f"{info.name}: batched outputs of the wrong shape")

@@ -21,6 +21,14 @@ order of the K-sums (within float32 tolerance; on the shapes measured here it is
 The function is found once per process (:func:`sgemm_batch`) and checked against
 ``torch.matmul`` on a small case before first use; a torch without it (no MKL: ARM, OpenBLAS
 builds) keeps the gathers.
+
+Where the CPU has AVX-512F, rows times a *shared* matrix run in ``_fused.gemm_shared`` instead
+(:func:`shared_kernel`): MKL takes its AVX2 path on AMD CPUs (147-148 GFLOP/s on 2 cores at
+MV-RNN's 128 x 128 x 128); the kernel packs the weight once per call into 32-column panels and
+runs an 8 x 32 register tile, the next rows prefetched (198-201 GFLOP/s; the blocking of Goto and
+van de Geijn, "Anatomy of high-performance matrix multiplication", ACM TOMS 34(3), 2008). A sum
+of two such products (:func:`sum_of_products`) is one pass that writes each output tile once.
+``live``: rows of an output nothing reads are not computed (execute.py's dead rows).
 """
 
 from __future__ import annotations
@@ -44,6 +52,18 @@ _F32 = torch.float32
 _lock = threading.Lock()
 _ADDRESS: list = []  # [address or 0], filled once
 _SHARED: list = []  # [gemm_shared runs here and is right], filled once
+_SKIPPED = threading.local()  # .n: rows this thread's products left uncomputed (``live``)
+
+
+def skipped_rows() -> int:
+    """Rows of outputs nothing reads that this thread's products have left uncomputed (NaN) so far
+    (``live``): the executor's ``stats.rows_dead`` counts the difference across a group's run,
+    so a product that computed every row after all (a fallback) is not counted."""
+    return getattr(_SKIPPED, "n", 0)
+
+
+def _skipped(rows: int) -> None:
+    _SKIPPED.n = getattr(_SKIPPED, "n", 0) + rows
 
 
 def _find() -> int:
@@ -159,16 +179,20 @@ def _refs_product(r, w, out, beta: float, live=None) -> bool:
         return False
     m, k = r.shape
     n = w.shape[1]
-    count = r.addrs.shape[0]
+    count = total = r.addrs.shape[0]
     if live is not None and 0 <= live < count:
         out[live:].fill_(float("nan"))  # (rows nothing reads: NaN, never a stale value)
         count = live
+        if beta == 0.0:  # (a fresh output: its rows past live are left; an added product adds to NaN)
+            _skipped(total - live)
         if count == 0:
             return True
     if shared_kernel() and _fused.gemm_shared(count, m, k, n, r.addrs.data_ptr(), k, w.data_ptr(), lay[0],
                                               lay[1], beta, out.data_ptr(), m * n * 4, n):
         return True
     if not sgemm_batch():
+        if count != total and beta == 0.0:
+            _skipped(count - total)  # (the caller computes every row after all)
         return False
     _fused.gemm_batch(sgemm_batch(), count, False, lay[0], m, n, k, 1.0, r.addrs.data_ptr(), 0, 0, k,
                       0, w.data_ptr(), 0, lay[1], beta, out.data_ptr(), m * n * 4, n)
@@ -246,14 +270,16 @@ def sum_of_products(x, w1, y, w2, live=None):
             count = x.addrs.shape[0]
             (m, k1), k2, n = x.shape, y.shape[1], w1.shape[1]
             out = torch.empty((count, m, n), dtype=_F32)
+            total = count
             if live is not None and 0 <= live < count:
                 out[live:].fill_(float("nan"))  # (rows nothing reads: NaN, never a stale value)
                 count = live
             if count == 0 or _fused.gemm_shared(count, m, k1, n, x.addrs.data_ptr(), k1, w1.data_ptr(), l1[0], l1[1],
                                                 0.0, out.data_ptr(), m * n * 4, n, k2, y.addrs.data_ptr(), k2,
                                                 w2.data_ptr(), l2[0], l2[1]):
+                _skipped(total - count)
                 return out
     return matmul_accumulate(matmul(x, w1, live), y, w2, live)
 
 
-__all__ = ["matmul", "matmul_accumulate", "sgemm_batch", "shared_kernel", "sum_of_products"]
+__all__ = ["matmul", "matmul_accumulate", "sgemm_batch", "shared_kernel", "skipped_rows", "sum_of_products"]
