@@ -251,6 +251,22 @@ def test_a_sum_of_two_products_adds_the_second_into_the_first(core, monkeypatch)
     assert calls and not any(calls)  # autograd: the plain sum
 
 
+@pytest.mark.parametrize("core", CORES)
+def test_an_accumulated_sum_under_an_elementwise_tail_is_not_fused_away(core):
+    # a new user's trial, stop 54: tanh((a @ B) @ W1 + (b @ A) @ W2) in inference: the fused
+    # kernel took the sum, which reads the folded first product, never made (NameError), and the
+    # whole group ran one instance at a time
+    torch.manual_seed(3)
+    w1, w2 = torch.randn(6, 6) / 3, torch.randn(6, 6) / 3
+    blk = static_block(lambda a, A, b, B: torch.tanh((a @ B) @ w1 + (b @ A) @ w2) * 0.5 + 0.1)
+    insts = [tuple(torch.randn(*s) for s in ((6,), (6, 6), (6,), (6, 6))) for _ in range(5)]
+    with torch.no_grad():
+        for _ in range(2):  # (the checked program, then the fast one)
+            f = assert_matches_eager(lambda p: blk(*p), insts, [], core=core)
+            assert f.stats.fallbacks == 0, f.stats.fallback_reasons
+            assert f.stats.batched_calls == 1
+
+
 def test_a_failing_rewrite_costs_the_rewrite_not_the_batching(monkeypatch):
     from batchcraft.autobatching import lower
 

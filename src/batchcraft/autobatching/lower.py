@@ -393,8 +393,9 @@ class Runner:
             exec(compile_program(src, f"<batchcraft program {prog.name}>"), ns)
             return ns["run"]
 
+        accumulated = frozenset()
         try:
-            _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batched)
+            accumulated = _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batched)
         except Exception as exc:  # a rewriting bug must cost the rewrite, never the batching
             self.rewrite_error = f"{type(exc).__name__}: {exc}"
         rows_ins = frozenset()
@@ -416,7 +417,8 @@ class Runner:
         clusters, deferred, checked = [], {}, None
         if self.fuse:
             try:
-                clusters = _fuse.plan(prog, leaf_exprs, leaf_batched, self.ragged_plan, self.fallbacks)
+                kept_out = {**self.fallbacks, **{i: "accumulated product" for i in accumulated}}
+                clusters = _fuse.plan(prog, leaf_exprs, leaf_batched, self.ragged_plan, kept_out)
                 deferred = _deferrable(prog, clusters, self.ragged_plan)
                 checked = compiled(source(clusters, deferred, guarded))
             except Exception as exc:  # a planning bug must cost the fusion, never the batching
@@ -688,7 +690,9 @@ def _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batch
     """``x @ W1 + y @ W2`` (both products with a shared 2-D right operand, read only by the sum):
     the second product is added into the first one's fresh result by one GEMM with beta 1
     (:func:`matmul_accumulate`) instead of a product, then a sum over both (MV-RNN's ``P^T``:
-    a pass over the rows and a temporary of their size saved). Returns how many were rewritten."""
+    a pass over the rows and a temporary of their size saved). Returns the steps rewritten (each
+    sum and its folded product): no fused elementwise kernel may take them, as it would read the
+    folded product, whose value is never made (a new user's trial, stop 54: ``NameError``)."""
     reads: dict = {}
     for st in prog.steps:
         for r in st.refs:
@@ -699,7 +703,7 @@ def _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batch
             reads[(r[1], r[2])] = reads.get((r[1], r[2]), 0) + 2  # an output: never rewritten
     mm = em.name(torch.matmul, "F")
     steps = prog.steps
-    done = 0
+    done = set()
     for st in steps:
         if (st.func not in _ADDS or st.struct[1] is not None or len(st.refs) != 2 or step_rule.get(st.index) != "elementwise"
                 or len(st.out_dids) != 1):
@@ -719,8 +723,8 @@ def _accumulate_products(em, prog, step_lines, step_rule, leaf_exprs, leaf_batch
         x, w = leaf_exprs[b[1]]
         step_lines[b[1]] = []
         step_lines[st.index] = [f"    v{st.index}_0 = {em.name(matmul_accumulate, 'K')}(v{a[1]}_0, {x}, {w})"]
-        done += 1
-    return done
+        done.update((st.index, b[1]))
+    return frozenset(done)
 
 
 def _products_from_rows(em, prog, step_lines, step_rule) -> frozenset:
