@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from batchcraft import autobatch, static_block
 from batchcraft.autobatching import gather, rowmm
 
-from equivalence import assert_matches_eager
+from equivalence import CORES, assert_matches_eager
 from mvblocks import compose_words, mv_blocks
 
 needs_gemm = pytest.mark.skipif(not rowmm.sgemm_batch(), reason="no pointer-array GEMM in this build (or no extension)")
@@ -549,3 +549,91 @@ def test_a_joined_sum_rounds_as_the_two_calls_even_where_the_products_cancel(mon
             got[join] = rowmm.sum_of_products(_refs(b1, p1), w1, _refs(b2, p2), w2)
     assert torch.equal(got[True], got[False])
     assert torch.equal(got[True], torch.matmul(g1, w1) + torch.matmul(g2, w2))  # eager's bits here
+
+
+@needs_shared
+@settings(max_examples=50, deadline=None)
+@given(count=st.integers(0, 6), m=st.integers(1, 20), k=st.integers(1, 40), n=st.integers(1, 70),
+       pad=st.integers(0, 3), beta=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2 ** 16))
+def test_gemm_left_shared_equals_the_shared_matrix_times_each_node(count, m, k, n, pad, beta, seed):
+    # W A_i with W shared on the left (MV-RNN as Socher wrote it): each node's matrix read
+    # unpacked, through masks past column n (pad: rows n + pad floats apart, never written)
+    rng = torch.Generator().manual_seed(seed)
+    mats = torch.randn(count + 2, k, n + pad, generator=rng)
+    pick = torch.randint(0, count + 2, (count,), generator=rng).tolist()
+    addrs = torch.tensor([mats[i].data_ptr() for i in pick], dtype=torch.int64)
+    w = torch.randn(m, k + pad, generator=rng)[:, :k]  # rows k + pad floats apart
+    c = torch.randn(count, m, n + pad, generator=rng)
+    want = torch.stack([w @ mats[i][:, :n] for i in pick]) if count else c[..., :n]
+    if beta:
+        want = want + c[..., :n]
+    keep = c[..., n:].clone()
+    assert rowmm._fused.gemm_left_shared(count, m, k, n, w.data_ptr(), k + pad, addrs.data_ptr(), n + pad, beta,
+                                         c.data_ptr(), m * (n + pad) * 4, n + pad)
+    torch.testing.assert_close(c[..., :n], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c[..., n:], keep)
+
+
+@pytest.mark.skipif(rowmm._fused is None or not hasattr(rowmm._fused, "gemm_left_shared"), reason="no extension")
+def test_gemm_left_shared_refuses_bad_sizes_and_declines_other_betas():
+    b = torch.randn(2, 4, 5)
+    w = torch.randn(3, 4)
+    c = torch.full((2, 3, 5), 7.0)
+    good = torch.tensor([b[0].data_ptr(), b[1].data_ptr()], dtype=torch.int64)
+    with pytest.raises(ValueError, match="bad sizes"):
+        rowmm._fused.gemm_left_shared(2, 3, 4, 5, w.data_ptr(), 3, good.data_ptr(), 5, 0.0, c.data_ptr(), 60, 5)
+    with pytest.raises(ValueError, match="null matrix"):
+        bad = torch.tensor([b[0].data_ptr(), 0], dtype=torch.int64)
+        rowmm._fused.gemm_left_shared(2, 3, 4, 5, w.data_ptr(), 4, bad.data_ptr(), 5, 0.0, c.data_ptr(), 60, 5)
+    assert rowmm._fused.gemm_left_shared(2, 3, 4, 5, w.data_ptr(), 4, good.data_ptr(), 5, 0.5, c.data_ptr(), 60,
+                                         5) is False
+    assert torch.all(c == 7.0)
+
+
+@pytest.mark.parametrize("layout", ["plain", "transposed"])
+def test_a_shared_matrix_times_per_node_rows_is_read_in_place(layout, monkeypatch):
+    if not rowmm.shared_kernel():
+        pytest.skip("no AVX-512 shared-weight kernel here")
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 0)
+    calls = []
+    real = rowmm._fused
+
+    class Spy:
+        @staticmethod
+        def gemm_left_shared(*a):
+            calls.append(a[:4])
+            return real.gemm_left_shared(*a)
+
+    monkeypatch.setattr(rowmm, "_fused", Spy)
+    rng = torch.Generator().manual_seed(9)
+    bufs, plan, g = _pieces(rng, 7, (12, 10), 3)
+    w = torch.randn(5, 12, generator=rng) if layout == "plain" else torch.randn(12, 5, generator=rng).t()
+    with torch.no_grad():
+        torch.testing.assert_close(rowmm.matmul(w, _refs(bufs, plan)), torch.matmul(w, g), rtol=1e-5, atol=1e-5)
+    assert calls == [(7, 5, 12, 10)]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_socher_form_sums_read_their_matrices_in_place_and_match_eager(core, monkeypatch):
+    # a new user's trial (stop 54): P = W1 A + W2 B, the shared matrices on the left, without a
+    # static block: the per-node matrices were gathered (0.53x of the loop at hidden 128, 1 thread)
+    monkeypatch.setattr(gather, "ROW_REFS_MIN_BYTES", 1024)
+    torch.manual_seed(4)
+    h = 16
+    table = torch.nn.Embedding(30, h * h)
+    w1, w2 = torch.randn(h, h) / 4, torch.randn(h, h) / 4
+
+    def fn(ids):
+        M = table(torch.tensor(ids[0])).view(h, h)
+        for w in ids[1:]:
+            B = table(torch.tensor(w)).view(h, h)
+            M = torch.tanh(w1 @ M + w2 @ B)
+        return M
+
+    g = torch.Generator().manual_seed(2)
+    sents = [torch.randint(0, 30, (int(k),), generator=g).tolist() for k in torch.randint(2, 7, (9,), generator=g)]
+    with torch.no_grad():
+        f = assert_matches_eager(fn, sents, [], core=core)
+        f(sents)
+    if rowmm.shared_kernel():
+        assert f.stats.rows_in_place > 0

@@ -954,15 +954,21 @@ typedef struct {
     int acc; char *c; Py_ssize_t cs; int ldc; int team;
 } GsJob;
 
-/* rows ar[0..mr-1] (ar[r] for r >= mr repeat row 0: read, never stored) times one packed panel
-   (k x 32, zero beyond n) into C's columns [0, 16) and [16, 32) under masks m0, m1 (acc: added) */
-__attribute__((target("avx512f"))) static void gs_tile(const float *const *ar, const float *bp, int k, float *c,
-                                                        int ldc, int mr, __mmask16 m0, __mmask16 m1, int acc) {
+/* rows ar[0..mr-1] (ar[r] for r >= mr repeat row 0: read, never stored) times one panel (k rows
+   of 32 floats, bs floats apart: 32 packed, or a node's own matrix unpacked) into C's columns
+   [0, 16) and [16, 32) under masks m0, m1 (acc: added) */
+__attribute__((target("avx512f"), always_inline)) static inline void gs_tile_body(
+        const float *const *ar, const float *bp, Py_ssize_t bs, int k, float *c, int ldc, int mr, __mmask16 m0,
+        __mmask16 m1, int acc, const int packed) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
     __m512 c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
     const float *a0 = ar[0], *a1 = ar[1], *a2 = ar[2], *a3 = ar[3], *a4 = ar[4], *a5 = ar[5], *a6 = ar[6], *a7 = ar[7];
     for (int q = 0; q < k; q++) {
-        const __m512 b0 = _mm512_load_ps(bp + (Py_ssize_t)q * GS_NR), b1 = _mm512_load_ps(bp + (Py_ssize_t)q * GS_NR + 16);
+        /* (a packed panel: aligned loads; an unpacked one, rows bs floats apart, is read through
+           masks no further than column n) */
+        const __m512 b0 = packed ? _mm512_load_ps(bp + (Py_ssize_t)q * GS_NR) : _mm512_maskz_loadu_ps(m0, bp + q * bs);
+        const __m512 b1 = packed ? _mm512_load_ps(bp + (Py_ssize_t)q * GS_NR + 16)
+                                 : _mm512_maskz_loadu_ps(m1, bp + q * bs + 16);
         __m512 x;
 #define GS_ROW(r) x = _mm512_set1_ps(a##r[q]); c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0); c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);
         GS_ROW(0) GS_ROW(1) GS_ROW(2) GS_ROW(3) GS_ROW(4) GS_ROW(5) GS_ROW(6) GS_ROW(7)
@@ -979,6 +985,12 @@ __attribute__((target("avx512f"))) static void gs_tile(const float *const *ar, c
         _mm512_mask_storeu_ps(row, m0, v0);
         if (m1) _mm512_mask_storeu_ps(row + 16, m1, v1);
     }
+}
+
+__attribute__((target("avx512f"))) static void gs_tile(const float *const *ar, const float *bp, Py_ssize_t bs, int k,
+                                                        float *c, int ldc, int mr, __mmask16 m0, __mmask16 m1, int acc) {
+    if (bs == GS_NR) gs_tile_body(ar, bp, bs, k, c, ldc, mr, m0, m1, acc, 1);  /* packed W */
+    else gs_tile_body(ar, bp, bs, k, c, ldc, mr, m0, m1, acc, 0);              /* a node's own matrix */
 }
 
 /* units [u0, u1): unit u is rows [8 (u % blocks), +8) of node u / blocks, all of W's panels (a
@@ -1021,8 +1033,8 @@ static void gs_range(const GsJob *j, Py_ssize_t u0, Py_ssize_t u1) {
             /* term by term: each product rounded on its own, then added to the tile, which stays in
                L1 (the two-call form's sums and roundings, so the same bits as eager's A W1 + B W2) */
             for (int t = 0; t < nt; t++)
-                gs_tile(ar[t], j->bp[t] + (Py_ssize_t)p * j->k[t] * GS_NR, j->k[t], c + (Py_ssize_t)r0 * j->ldc + p * GS_NR,
-                        j->ldc, mr, m0, m1, j->acc || t > 0);
+                gs_tile(ar[t], j->bp[t] + (Py_ssize_t)p * j->k[t] * GS_NR, GS_NR, j->k[t],
+                        c + (Py_ssize_t)r0 * j->ldc + p * GS_NR, j->ldc, mr, m0, m1, j->acc || t > 0);
         }
     }
 }
@@ -1050,6 +1062,37 @@ static float *gs_pack(const float *w, int w_trans, int ldw, int k, int n) {
         }
     }
     return bp;
+}
+
+/* C_i = W B_i: a shared (m x k) W (row-major, rows ldw floats apart) times each node's own (k x n)
+   B_i (rows ldb apart, read in place, unpacked: a 32-column panel of it, 16 KiB at k = 128, stays
+   in L1 while every 8-row block of W runs over it). Units: (node, panel). */
+typedef struct {
+    Py_ssize_t count; int m, k, n, ldw, ldb, ldc, acc, team; const float *w; const int64_t *b; char *c; Py_ssize_t cs;
+} GslJob;
+
+static void gsl_range(const GslJob *j, Py_ssize_t u0, Py_ssize_t u1) {
+    const int m = j->m, n = j->n, panels = (n + GS_NR - 1) / GS_NR;
+    const float *ar[GS_MR];
+    for (Py_ssize_t u = u0; u < u1; u++) {
+        const Py_ssize_t i = u / panels;
+        const int p = (int)(u % panels), cols = n - p * GS_NR < GS_NR ? n - p * GS_NR : GS_NR;
+        const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+        const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
+        const float *b = (const float *)(intptr_t)j->b[i] + p * GS_NR;
+        float *c = (float *)(j->c + i * j->cs) + p * GS_NR;
+        for (int r0 = 0; r0 < m; r0 += GS_MR) {
+            const int mr = m - r0 < GS_MR ? m - r0 : GS_MR;
+            for (int r = 0; r < GS_MR; r++) ar[r] = j->w + (Py_ssize_t)(r0 + (r < mr ? r : 0)) * j->ldw;
+            gs_tile(ar, b, j->ldb, j->k, c + (Py_ssize_t)r0 * j->ldc, j->ldc, mr, m0, m1, j->acc);
+        }
+    }
+}
+
+static void gsl_worker(void *arg) {
+    GslJob *j = (GslJob *)arg;
+    Py_ssize_t i0, i1;
+    if (member_range(j->team, j->count * ((j->n + GS_NR - 1) / GS_NR), 1, &i0, &i1)) gsl_range(j, i0, i1);
 }
 #endif
 
@@ -1099,6 +1142,45 @@ static PyObject *fused_gemm_shared(PyObject *self, PyObject *args) {
 #endif
 }
 
+/* gemm_left_shared(count, m, k, n, w, ldw, b_addrs, ldb, beta, c, c_stride, ldc) -> bool: C_i = W B_i
+   (beta 0) or C_i += W B_i (beta 1) for i < count: one shared row-major (m x k) W, each node's
+   (k x n) B_i at b_addrs[i] (an int64 array), C_i at c + i * c_stride bytes. False (nothing
+   written) as gemm_shared's. The product with the shared matrix on the left (MV-RNN as Socher
+   wrote it, P = W_1 A + W_2 B); each element of C sums its k products in order, one FMA each. */
+static PyObject *fused_gemm_left_shared(PyObject *self, PyObject *args) {
+    PyObject *pw, *pb, *pc;
+    Py_ssize_t count, cs;
+    int m, k, n, ldw, ldb, ldc;
+    float beta;
+    if (!PyArg_ParseTuple(args, "niiiOiOifOni:gemm_left_shared", &count, &m, &k, &n, &pw, &ldw, &pb, &ldb, &beta, &pc,
+                          &cs, &ldc)) return NULL;
+    const float *w = PyLong_AsVoidPtr(pw);
+    const int64_t *b = PyLong_AsVoidPtr(pb);
+    char *c = PyLong_AsVoidPtr(pc);
+    if (PyErr_Occurred()) return NULL;
+    if (count < 0 || m <= 0 || k <= 0 || n <= 0 || ldw < k || ldb < n || ldc < n || (count > 0 && (!w || !b || !c))) {
+        PyErr_SetString(PyExc_ValueError, "gemm_left_shared: bad sizes or a null address");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!b[i]) { PyErr_SetString(PyExc_ValueError, "gemm_left_shared: a null matrix address"); return NULL; }
+    }
+#if BC_VECTOR_MATHS
+    if (!gemm_shared_on || (beta != 0.0f && beta != 1.0f)) Py_RETURN_FALSE;
+    if (count == 0) Py_RETURN_TRUE;
+    GslJob job = {count, m, k, n, ldw, ldb, ldc, beta != 0.0f, 1, w, b, c, cs};
+    const Py_ssize_t units = count * ((n + GS_NR - 1) / GS_NR);
+    job.team = team_size(units, count * (Py_ssize_t)m * n * k / 16);
+    Py_BEGIN_ALLOW_THREADS
+    if (job.team > 1) omp.parallel(gsl_worker, &job, (unsigned)job.team, 0);
+    else gsl_range(&job, 0, units);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 /* set_openmp(parallel, max_threads, thread_num, num_threads): the addresses of GOMP_parallel and
  * omp_get_max_threads / omp_get_thread_num / omp_get_num_threads in the OpenMP runtime torch loaded
  * (openmp.py finds and checks them); all 0: one thread, as without a runtime. */
@@ -1140,6 +1222,9 @@ static PyMethodDef methods[] = {
     {"gemm_shared", fused_gemm_shared, METH_VARARGS,
      "gemm_shared(count, m, k, n, a_addrs, lda, w, w_trans, ldw, beta, c, c_stride, ldc) -> bool: per-node rows times one "
      "shared matrix, AVX-512 (rowmm.py); False: not run here."},
+    {"gemm_left_shared", fused_gemm_left_shared, METH_VARARGS,
+     "gemm_left_shared(count, m, k, n, w, ldw, b_addrs, ldb, beta, c, c_stride, ldc) -> bool: one shared matrix times "
+     "each node's own, AVX-512 (rowmm.py); False: not run here."},
     {"gemv_rows", fused_gemv_rows, METH_VARARGS,
      "gemv_rows(count, k, n, x, x_stride, b_addrs, ldb, out, out_stride): a row vector times each row's own matrix (rowmm.py)."},
     {"gather_pieces", fused_gather_pieces, METH_VARARGS,
