@@ -637,3 +637,39 @@ def test_socher_form_sums_read_their_matrices_in_place_and_match_eager(core, mon
         f(sents)
     if rowmm.shared_kernel():
         assert f.stats.rows_in_place > 0
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_shared_matrix_times_a_batch_of_dense_matrices_takes_the_kernel(core, monkeypatch):
+    # Socher's form with a concatenation, W_M @ cat([A, B]): the product of the shared matrix and
+    # each node's (dense, gathered) matrix; torch broadcasts W_M over the batch (48 GFLOP/s on one
+    # core). In inference the kernel computes it; with autograd, torch's (same values, gradients)
+    torch.manual_seed(6)
+    h = 8
+    wm = torch.randn(h, 2 * h, requires_grad=True)
+    blk = static_block(lambda A, B: torch.tanh(wm @ torch.cat([A, B], 0)))
+    insts = [(torch.randn(h, h), torch.randn(h, h)) for _ in range(6)]
+    calls = []
+    real = rowmm._fused
+
+    class Spy:
+        gemm_shared = staticmethod(real.gemm_shared) if real is not None else None
+        gemm_batch = staticmethod(real.gemm_batch) if real is not None else None
+        gemv_rows = staticmethod(real.gemv_rows) if real is not None else None
+
+        @staticmethod
+        def gemm_left_shared(*a):
+            calls.append(a[:4])
+            return real.gemm_left_shared(*a)
+
+    if real is not None:
+        monkeypatch.setattr(rowmm, "_fused", Spy)
+    with torch.no_grad():
+        for _ in range(2):
+            f = assert_matches_eager(lambda p: blk(*p), insts, [], core=core)
+    assert f.stats.fallbacks == 0
+    if rowmm.shared_kernel():
+        assert calls and calls[-1] == (6, h, 2 * h, h)
+    calls.clear()
+    assert_matches_eager(lambda p: blk(*p), insts, [wm], core=core)  # autograd: torch's product
+    assert not calls

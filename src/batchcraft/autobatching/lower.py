@@ -737,6 +737,7 @@ def _products_from_rows(em, prog, step_lines, step_rule) -> frozenset:
     checked, once per process, only when some input qualifies)."""
     mm = em.name(torch.matmul, "F")
     acc = em.name(matmul_accumulate, "K")
+    rmm = em.ns_name(_rowmm.matmul)  # (rules._lower_matmul's shared-left products call it already)
     calls = {}  # step -> (kind, bare arguments) of its one line, a call of mm or acc
     folded = set()  # products added in by an accumulated sum's line (their own lines are gone)
     for st in prog.steps:
@@ -745,7 +746,9 @@ def _products_from_rows(em, prog, step_lines, step_rule) -> frozenset:
             if step_rule.get(st.index) == "matmul":
                 folded.add(st.index)
             continue
-        for kind, callee in (("mm", mm), ("acc", acc)):
+        for kind, callee in (("mm", mm), ("acc", acc), ("rm", rmm)):
+            if callee is None:
+                continue
             head = f"    v{st.index}_0 = {callee}("
             if len(lines) == 1 and lines[0].startswith(head) and lines[0].endswith(")") \
                     and (kind == "acc" or step_rule.get(st.index) == "matmul"):
@@ -773,7 +776,7 @@ def _products_from_rows(em, prog, step_lines, step_rule) -> frozenset:
     rmm = em.name(_rowmm.matmul, "RM")
     racc = em.name(_rowmm.matmul_accumulate, "RA")
     for i, (kind, args) in calls.items():
-        if any(f"I{j}" in args for j in eligible):
+        if kind != "rm" and any(f"I{j}" in args for j in eligible):  # (rm: rowmm's already)
             old = f" = {mm}(" if kind == "mm" else f" = {acc}("
             step_lines[i] = [step_lines[i][0].replace(old, f" = {rmm}(" if kind == "mm" else f" = {racc}(", 1)]
     return frozenset(eligible)

@@ -199,23 +199,33 @@ def _refs_product(r, w, out, beta: float, live=None) -> bool:
     return True
 
 
-def _left_product(w, r):
-    """``w @ rows[i]`` for a shared 2-D float32 ``w`` ``(M, K)`` and RowRefs ``r`` of ``(K, N)``
-    rows, by ``_fused.gemm_left_shared`` (AVX-512: a panel of each node's matrix stays in L1 while
-    every 8-row block of ``w`` runs over it; 177-189 GFLOP/s against torch's 98-122 on 2 cores at
-    MV-RNN's shapes), or None (no kernel here, another dtype or layout: the caller gathers)."""
+def _left_product(w, addrs, k: int, n: int, ldb: int):
+    """``w @ B_i`` for a shared 2-D float32 ``w`` ``(M, K)`` and per-node ``(K, N)`` matrices at
+    ``addrs`` (int64, rows ``ldb`` floats apart), by ``_fused.gemm_left_shared`` (AVX-512: a panel
+    of each node's matrix stays in L1 while every 8-row block of ``w`` runs over it; 177-189
+    GFLOP/s against torch's 98-122 on 2 cores at MV-RNN's shapes; torch's broadcast of a 2-D
+    matrix over a batch ran at 48 GFLOP/s on 1 core), or None (no kernel here, another dtype or
+    layout: the caller runs torch's)."""
     if (not shared_kernel() or (type(w) is not _T and type(w) is not torch.nn.Parameter) or w.dtype is not _F32
-            or not w.is_cpu or w.is_conj() or w.is_neg() or w._is_zerotensor() or w.shape[1] != r.shape[0]
-            or 0 in w.shape or r.shape[1] == 0):
+            or not w.is_cpu or w.is_conj() or w.is_neg() or w._is_zerotensor() or w.dim() != 2 or w.shape[1] != k
+            or 0 in w.shape or n == 0 or addrs.shape[0] == 0 or _recorded_on()):
         return None
     if w.stride(1) != 1 or w.stride(0) < w.shape[1]:
         w = w.contiguous()  # (a transposed or strided weight: one small copy a call)
-    count, (m, k), n = r.addrs.shape[0], w.shape, r.shape[1]
+    count, m = addrs.shape[0], w.shape[0]
     out = torch.empty((count, m, n), dtype=_F32)
-    if _fused.gemm_left_shared(count, m, k, n, w.data_ptr(), w.stride(0), r.addrs.data_ptr(), n, 0.0, out.data_ptr(),
+    if _fused.gemm_left_shared(count, m, k, n, w.data_ptr(), w.stride(0), addrs.data_ptr(), ldb, 0.0, out.data_ptr(),
                                m * n * 4, n):
         return out
     return None
+
+
+def _dense_rows(x):
+    """The addresses of a dense float32 CPU ``(n, K, N)`` tensor's matrices (unit last stride), or None."""
+    if (type(x) is not _T or x.dim() != 3 or x.dtype is not _F32 or not x.is_cpu or x.stride(2) != 1
+            or x.stride(1) < x.shape[2] or x.is_conj() or x.is_neg() or x._is_zerotensor() or 0 in x.shape):
+        return None
+    return x.data_ptr() + torch.arange(x.shape[0], dtype=torch.int64) * (x.stride(0) * 4)
 
 
 def matmul(a, b, live=None):
@@ -236,7 +246,8 @@ def matmul(a, b, live=None):
             if _refs_product(a, b, out, 0.0, live):
                 return out
         elif tb is RowRefs and isinstance(a, _T) and a.dim() == 2 and len(b.shape) == 2:
-            out = _left_product(a, b)  # (a shared matrix times each node's own: P = W_1 A + W_2 B)
+            # (a shared matrix times each node's own: P = W_1 A + W_2 B)
+            out = _left_product(a, b.addrs, b.shape[0], b.shape[1], b.shape[1])
             if out is not None:
                 return out
         elif tb is RowRefs and ta is _T and a.dim() == 3 and len(b.shape) == 2 and a.dtype is _F32 and a.is_cpu \
@@ -255,6 +266,14 @@ def matmul(a, b, live=None):
             _fused.gemm_batch(sgemm_batch(), count, False, False, m, n, k, 1.0, 0, a.data_ptr(), a.stride(0) * 4, lda,
                               b.addrs.data_ptr(), 0, 0, n, 0.0, out.data_ptr(), m * n * 4, n)
             return out
+    elif ta is not RowRefs and tb is _T and isinstance(a, _T) and a.dim() == 2 and b.dim() == 3:
+        # a shared matrix times a batch of dense per-node matrices (W_M @ cat([A, B])), as lowered
+        # by rules._lower_matmul
+        addrs = _dense_rows(b)
+        if addrs is not None:
+            out = _left_product(a, addrs, b.shape[1], b.shape[2], b.stride(1))
+            if out is not None:
+                return out
     return torch.matmul(materialize(a), materialize(b))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchcraft.autobatching import rowmm as _rowmm
 from batchcraft.autobatching.descs import is_int_scalar
 from batchcraft.autobatching.signature import LEAF, call_with, rebuild
 from batchcraft.autobatching.kernels import TORCH_LINEAR as _LINEAR
@@ -611,6 +612,10 @@ def _lower_matmul(func, args, kwargs, lw):
         for j, (s, other) in enumerate(((sa, sb), (sb, sa))):
             if len(s) < len(other):
                 lw.wrap(j, lambda e, s=tuple(s), k=len(other) - len(s): f"{e}.reshape((n,) + {(1,) * k + s!r})")
+    elif mb and not ma and len(sa) == 2 and len(sb) == 2:
+        # a shared matrix times each node's matrix: rowmm's kernel where it runs (torch broadcasts
+        # the matrix over the batch: 48 GFLOP/s on one core at MV-RNN's 128 x 256 x 128), else torch's
+        return f"{lw.em.name(_rowmm.matmul, 'RM')}({lw.expr(args[0])}, {lw.expr(args[1])})"
     elif not ((ma and not mb and len(sb) == 2 and len(sa) >= 1) or (mb and not ma and len(sa) == 2 and len(sb) >= 2)):
         return None
     return f"{lw.em.name(torch.matmul, 'F')}({lw.expr(args[0])}, {lw.expr(args[1])})"
