@@ -954,6 +954,13 @@ typedef struct {
     int acc; char *c; Py_ssize_t cs; int ldc; int team;
 } GsJob;
 
+/* the masks of a panel's two 16-float halves when `left` columns of C remain from its start */
+static inline void gs_masks(int left, __mmask16 *m0, __mmask16 *m1) {
+    const int cols = left < GS_NR ? left : GS_NR;
+    *m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    *m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
+}
+
 /* rows ar[0..mr-1] (ar[r] for r >= mr repeat row 0: read, never stored) times one panel (k rows
    of 32 floats, bs floats apart: 32 packed, or a node's own matrix unpacked) into C's columns
    [0, 16) and [16, 32) under masks m0, m1 (acc: added) */
@@ -997,6 +1004,7 @@ __attribute__((target("avx512f"))) static void gs_tile(const float *const *ar, c
    unit, not a node, is what threads share: a deep tree level has fewer nodes than threads) */
 static void gs_range(const GsJob *j, Py_ssize_t u0, Py_ssize_t u1) {
     const int m = j->m, n = j->n, nt = j->nt, panels = (n + GS_NR - 1) / GS_NR, blocks = (m + GS_MR - 1) / GS_MR;
+    const int rl[2] = {(j->k[0] * 4 + 63) / 64, (j->k[1] * 4 + 63) / 64};
     const float *ar[2][GS_MR];
     for (Py_ssize_t u = u0; u < u1; u++) {
         const Py_ssize_t i = u / blocks;
@@ -1009,27 +1017,26 @@ static void gs_range(const GsJob *j, Py_ssize_t u0, Py_ssize_t u1) {
         /* the next unit's rows are fetched while this one computes: a node's matrix comes from
            DRAM (written by earlier groups): 184 -> 200 GFLOP/s on 2 cores, MV-RNN's 128 x 128 */
         const char *next[2] = {NULL, NULL};
-        int next_rows = 0, lines = 0;
+        int lines[2] = {0, 0};  /* cache lines of each term's next rows; rl: a row's */
         if (u + 1 < u1) {
             const Py_ssize_t i2 = (u + 1) / blocks;
-            const int s0 = (int)((u + 1) % blocks) * GS_MR;
-            next_rows = m - s0 < GS_MR ? m - s0 : GS_MR;
+            const int s0 = (int)((u + 1) % blocks) * GS_MR, next_rows = m - s0 < GS_MR ? m - s0 : GS_MR;
             for (int t = 0; t < nt; t++) {
                 next[t] = (const char *)(intptr_t)j->a[t][i2] + (Py_ssize_t)s0 * j->lda[t] * 4;
-                lines += next_rows * ((j->k[t] * 4 + 63) / 64);
+                lines[t] = next_rows * rl[t];
             }
         }
-        const int per_panel = (lines + panels - 1) / panels;
-        int line = 0;
+        const int per_panel = (lines[0] + lines[1] + panels - 1) / panels;
+        int t_next = 0, line = 0;  /* the next line to fetch: term t_next's line `line` */
         for (int p = 0; p < panels; p++) {
-            for (int e = 0; e < per_panel && line < lines; e++, line++) {
-                const int t = nt > 1 && line >= next_rows * ((j->k[0] * 4 + 63) / 64);
-                const int l = t ? line - next_rows * ((j->k[0] * 4 + 63) / 64) : line, rl = (j->k[t] * 4 + 63) / 64;
-                __builtin_prefetch(next[t] + (Py_ssize_t)(l / rl) * j->lda[t] * 4 + (l % rl) * 64, 0, 2);
+            for (int e = 0; e < per_panel && t_next < nt; e++) {
+                if (line >= lines[t_next]) { t_next++; line = 0; continue; }
+                __builtin_prefetch(next[t_next] + (Py_ssize_t)(line / rl[t_next]) * j->lda[t_next] * 4
+                                   + (line % rl[t_next]) * 64, 0, 2);
+                line++;
             }
-            const int cols = n - p * GS_NR < GS_NR ? n - p * GS_NR : GS_NR;
-            const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-            const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
+            __mmask16 m0, m1;
+            gs_masks(n - p * GS_NR, &m0, &m1);
             /* term by term: each product rounded on its own, then added to the tile, which stays in
                L1 (the two-call form's sums and roundings, so the same bits as eager's A W1 + B W2) */
             for (int t = 0; t < nt; t++)
@@ -1076,9 +1083,9 @@ static void gsl_range(const GslJob *j, Py_ssize_t u0, Py_ssize_t u1) {
     const float *ar[GS_MR];
     for (Py_ssize_t u = u0; u < u1; u++) {
         const Py_ssize_t i = u / panels;
-        const int p = (int)(u % panels), cols = n - p * GS_NR < GS_NR ? n - p * GS_NR : GS_NR;
-        const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-        const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
+        const int p = (int)(u % panels);
+        __mmask16 m0, m1;
+        gs_masks(n - p * GS_NR, &m0, &m1);
         const float *b = (const float *)(intptr_t)j->b[i] + p * GS_NR;
         float *c = (float *)(j->c + i * j->cs) + p * GS_NR;
         for (int r0 = 0; r0 < m; r0 += GS_MR) {

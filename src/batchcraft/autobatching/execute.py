@@ -290,23 +290,21 @@ class Executor:
         plain = hoisted is None and not info.state[0] and info.state[2] is None and not tangents
         dedups = (hoisted is None and n >= _dedup.MIN_NODES and self.options.dedup and not info.grad
                   and not any(info.out_rg) and self._dedups(info, prog))
+        with under(info.state):
+            taken = runner.prepare() if plain else None  # (lowered before the gathers: a first run reads rows too)
         live = None  # dead rows: nodes whose output taken.cut_out nothing reads go last, uncomputed
-        if plain and not dedups and not tables and not info.grad and not rec.hooks and DEAD_ROWS \
-                and hasattr(rec, "dead_last"):
-            with under(info.state):
-                tk = runner.prepare()
-            # only where the products read their rows in place (big rows): the reordering costs the
-            # consumer order of small rows (order.py), whose products would compute every row anyway
-            if tk.cut_out >= 0 and self._cuts_pay(info, tk):
-                got = rec.dead_last(nodes, tk.cut_out)
-                if got is not None:
-                    nodes, live = got
+        # only where the products read their rows in place (big rows): the reordering costs the
+        # consumer order of small rows (order.py), whose products would compute every row anyway
+        if (plain and taken.cut_out >= 0 and not dedups and not tables and not info.grad and not rec.hooks
+                and DEAD_ROWS and hasattr(rec, "dead_last") and self._cuts_pay(info, taken)):
+            got = rec.dead_last(nodes, taken.cut_out)
+            if got is not None:
+                nodes, live = got
         # gathers too run under the recorded state: a gather under the caller's no_grad (a flush
         # inside a no_grad block) would cut the autograd history of rows recorded with grad on
         with under(PLAIN):  # leaves stacked here are shared by later groups: keep their history
             plans = rec.plan_group(nodes, prog.n_in, prog.n_ragged)
         with under(info.state):
-            taken = runner.prepare() if plain else None  # (lowered before the gathers: a first run reads rows too)
             if hoisted is None:
                 # inputs the program never reads are not gathered (None), except where the inputs
                 # are keys (deduplication, lookups: they read every input)
